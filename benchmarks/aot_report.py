@@ -1,0 +1,124 @@
+"""Compile every registered Triton kernel configuration for sm_90 with no GPU and report it.
+
+For each ``AotSpec`` in ``glm_kernels/*/_kernels.py:AOT_SPECS``: registers per thread,
+spilled bytes (local memory), static shared memory, and whether the SASS issues HGMMA
+(Hopper's warpgroup MMA). With ``--check`` the script exits non-zero on any spill, on a
+matrix kernel without HGMMA, or on a configuration that fails to compile.
+
+    python benchmarks/aot_report.py [--check] [--json out.json] [--only NAME_SUBSTRING]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)          # compile for real, never interpret
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import glm_kernels  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
+
+
+def discover_specs():
+    specs = []
+    for info in pkgutil.iter_modules(glm_kernels.__path__):
+        if not info.ispkg:
+            continue
+        name = f"glm_kernels.{info.name}._kernels"
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        specs.extend(getattr(module, "AOT_SPECS", []))
+    return specs
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    fields = dict(re.findall(r"(\w+):(\d+)", usage.split("Function", 1)[-1]))
+    return {"registers": int(fields.get("REG", -1)), "local_bytes": int(fields.get("LOCAL", 0)),
+            "stack_bytes": int(fields.get("STACK", 0)),
+            "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
+            "sass_lines": sass.count("\n")}
+
+
+def compile_spec(spec) -> dict:
+    start = time.time()
+    source = ASTSource(spec.kernel, spec.signature, spec.constexprs)
+    kernel = triton.compile(source, target=TARGET,
+                            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    row = {"name": spec.name, "num_warps": spec.num_warps, "num_stages": spec.num_stages,
+           "shared_bytes": int(kernel.metadata.shared), "expects_hgmma": spec.expects_hgmma}
+    row.update(_resource_usage(kernel.asm["cubin"]))
+    row["compile_s"] = round(time.time() - start, 2)
+    problems = []
+    if row["local_bytes"] or row["stack_bytes"]:
+        problems.append(f"spills {row['local_bytes']} B local / {row['stack_bytes']} B stack")
+    if spec.expects_hgmma and not row["hgmma"]:
+        problems.append("matrix kernel issues no HGMMA")
+    row["problems"] = problems
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail on spills / missing HGMMA")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--only", help="compile only specs whose name contains this")
+    args = parser.parse_args(argv)
+
+    specs = [s for s in discover_specs() if not args.only or args.only in s.name]
+    rows, failures = [], []
+    header = f"{'kernel configuration':58s} {'warps':>5s} {'regs':>5s} {'spill':>6s} " \
+             f"{'smem':>7s} {'HGMMA':>6s}"
+    print(f"sm_90 ahead-of-time report, triton {triton.__version__}, {len(specs)} configurations")
+    print(header)
+    print("-" * len(header))
+    for spec in specs:
+        try:
+            row = compile_spec(spec)
+        except Exception as exc:  # a config that does not compile is a failure, not a skip
+            row = {"name": spec.name, "problems": [f"compile failed: {type(exc).__name__}: "
+                                                   f"{str(exc).splitlines()[0][:200]}"]}
+            print(f"{spec.name:58s} COMPILE FAILED: {row['problems'][0]}")
+        else:
+            hgmma = str(row["hgmma"]) if row["expects_hgmma"] or row["hgmma"] else "-"
+            print(f"{row['name']:58s} {row['num_warps']:5d} {row['registers']:5d} "
+                  f"{row['local_bytes']:6d} {row['shared_bytes']:7d} {hgmma:>6s}"
+                  + (f"   <- {'; '.join(row['problems'])}" if row["problems"] else ""))
+        rows.append(row)
+        if row["problems"]:
+            failures.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": "sm_90", "triton": triton.__version__, "rows": rows}, f, indent=1)
+    if failures:
+        print(f"{len(failures)} configuration(s) with problems")
+    return 1 if (args.check and failures) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Backend choice and the input-validation helpers every public op shares.
+
+Three backends (DESIGN.md section 2):
+
+* ``triton``    -- CUDA tensors and Triton importable: the fast path.
+* ``interpret`` -- the same Triton kernels run by Triton's interpreter on CPU tensors.
+  Active when ``GLM_KERNELS_BACKEND=interpret`` or ``TRITON_INTERPRET=1`` is set before the
+  kernels are first imported (Triton decides at decoration time whether a ``@triton.jit``
+  function is compiled or interpreted).
+* ``torch``     -- the plain PyTorch reference (``_reference.py``): CPU default, and any
+  device where Triton is missing.
+
+``GLM_KERNELS_BACKEND=torch|triton|interpret`` forces one for the whole process;
+:func:`force_backend` forces one inside a ``with`` block (tests and benchmarks use it).
+A fallback from ``triton`` to ``torch`` is logged once per op, never silent.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+BACKENDS = ("torch", "triton", "interpret")
+_ENV = "GLM_KERNELS_BACKEND"
+
+logger = logging.getLogger("glm_kernels")
+
+_env_backend = os.environ.get(_ENV, "").strip().lower() or None
+if _env_backend is not None and _env_backend not in BACKENDS:
+    raise ValueError(f"{_ENV}={_env_backend!r}: expected one of {BACKENDS}")
+if _env_backend == "interpret":
+    # Must precede the first import of any module that defines @triton.jit kernels.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_local = threading.local()
+_warned: set = set()
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising at import
+        return False
+    return True
+
+
+def interpreter_active() -> bool:
+    """True when @triton.jit kernels defined from now on run in Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _forced() -> Optional[str]:
+    return getattr(_local, "backend", None) or _env_backend
+
+
+@contextlib.contextmanager
+def force_backend(name: str) -> Iterator[None]:
+    """Force ``name`` for every op called in this thread inside the block."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")
+    previous = getattr(_local, "backend", None)
+    _local.backend = name
+    try:
+        yield
+    finally:
+        _local.backend = previous
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` at WARNING level the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def fallbacks_logged() -> list:
+    """The keys of every warn_once message so far (benchmarks print them next to timings)."""
+    return sorted(_warned)
+
+
+def select_backend(op: str, *tensors: Optional[torch.Tensor]) -> str:
+    """The backend that runs ``op`` on these tensors (None entries are ignored)."""
+    present = [t for t in tensors if t is not None]
+    on_cuda = any(t.is_cuda for t in present)
+    forced = _forced()
+    if forced == "torch":
+        return "torch"
+    if forced == "interpret":
+        if on_cuda:
+            raise ValueError(f"{op}: the interpret backend runs on CPU tensors, got CUDA tensors")
+        if not triton_available():
+            raise RuntimeError(f"{op}: backend 'interpret' needs Triton, which is not importable")
+        if not interpreter_active():
+            raise RuntimeError(
+                f"{op}: backend 'interpret' needs TRITON_INTERPRET=1 (or "
+                f"{_ENV}=interpret) set before glm_kernels is imported")
+        return "interpret"
+    if forced == "triton":
+        if not on_cuda:
+            raise ValueError(f"{op}: backend 'triton' needs CUDA tensors")
+        if not triton_available():
+            raise RuntimeError(f"{op}: backend 'triton' forced but Triton is not importable")
+        return "triton"
+    if on_cuda:
+        if triton_available() and not interpreter_active():
+            return "triton"
+        warn_once(f"fallback:{op}", f"glm_kernels.{op}: Triton unavailable for CUDA tensors; "
+                                    "using the torch reference (slow path)")
+    return "torch"
+
+
+# --------------------------------------------------------------------------- validation
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensor(name: str, t, *, dtypes: Optional[Sequence[torch.dtype]] = None,
+                 ndim: Optional[Sequence[int]] = None, floating: bool = False) -> torch.Tensor:
+    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a tensor of the expected kind."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {_describe(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {_describe(t)}")
+    if ndim is not None and t.dim() not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dims, got {_describe(t)}")
+    return t
+
+
+def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.shape != ref.shape:
+        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, "
+                         f"got {_describe(t)}")
+
+
+def check_same_device(named: dict) -> torch.device:
+    """All non-None tensors in ``named`` on one device; returns it."""
+    devices = {n: t.device for n, t in named.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+    return next(iter(devices.values()))
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {list(choices)}")
+
+
+def check_finite_number(name: str, value, *, positive: bool = False,
+                        nonnegative: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if nonnegative and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value

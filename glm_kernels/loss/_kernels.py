@@ -1,0 +1,125 @@
+"""Triton kernels of the loss package. No validation here: callers pass contiguous 1-D views."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .._aot import AotSpec
+
+# Order of the per-program statistics row written by _icepop_fwd_kernel.
+STAT_LOSS_SUM, STAT_MASKED, STAT_POPPED, STAT_CLIPPED, STAT_RATIO_SUM, STAT_RATIO_MAX, \
+    STAT_RATIO_MIN, STAT_RATIO_COUNT = range(8)
+NUM_STATS = 8
+
+
+@triton.jit
+def _icepop_fwd_kernel(
+    # inputs, flat [N]
+    logprobs_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr,
+    # outputs: per-token loss terms [N], per-token d(l*m)/d logprobs [N], stats [programs, 8]
+    loss_ptr, grad_ptr, stats_ptr,
+    # shapes and runtime hyper-parameters (runtime floats: no recompile per value)
+    n_tokens, seq_len, gate_low, gate_high, clip_low, clip_high,
+    # code-path switches and tile size
+    HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, ADV_PER_SEQ: tl.constexpr,
+    STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """IcePop forward and per-token gradient in one pass over the tokens.
+
+    coupled:   rho = exp(lp - rollout), l = 1[lo<=rho<=hi] * max(-rho A, -clip(rho) A)
+    decoupled: k = exp(old - rollout), r = exp(lp - old),
+               l = k 1[lo<=k<=hi] * max(-r A, -clip(r) A)
+    dl/dlp = gate_weight * r * (-A) where the unclipped branch is active, else 0.
+    """
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offs < n_tokens
+
+    lp = tl.load(logprobs_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
+    rollout = tl.load(rollout_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
+    if ADV_PER_SEQ:
+        adv = tl.load(adv_ptr + offs // seq_len, mask=in_bounds, other=0.0).to(tl.float32)
+    else:
+        adv = tl.load(adv_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
+    masked = in_bounds
+    if HAS_MASK:
+        masked = masked & (tl.load(mask_ptr + offs, mask=in_bounds, other=0) != 0)
+
+    if HAS_OLD:
+        base = tl.load(old_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
+        gate_ratio = tl.exp(tl.clamp(base - rollout, -20.0, 20.0))
+    else:
+        base = rollout
+        gate_ratio = tl.exp(tl.clamp(lp - rollout, -20.0, 20.0))
+    # NaN ratios fail both comparisons, so they are popped.
+    in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
+    keep = masked & in_gate
+
+    # Popped tokens take zeros before any arithmetic: inf/NaN never reach loss or gradient.
+    log_ratio = tl.where(keep, lp, 0.0) - tl.where(keep, base, 0.0)
+    log_ratio_in_range = (log_ratio >= -20.0) & (log_ratio <= 20.0)
+    ratio = tl.exp(tl.clamp(log_ratio, -20.0, 20.0))
+    adv = tl.where(keep, adv, 0.0)
+    unclipped = -ratio * adv
+    clipped_term = -tl.clamp(ratio, clip_low, clip_high) * adv
+    branch_cut = clipped_term > unclipped
+    weight = tl.where(keep, 1.0, 0.0)
+    if HAS_OLD:
+        weight = tl.where(keep, gate_ratio, 0.0)
+    loss = weight * tl.maximum(unclipped, clipped_term)
+
+    if STORE_LOSS:
+        tl.store(loss_ptr + offs, loss, mask=in_bounds)
+    if STORE_GRAD:
+        grad = tl.where(branch_cut | (~log_ratio_in_range), 0.0, -weight * ratio * adv)
+        tl.store(grad_ptr + offs, grad, mask=in_bounds)
+
+    counted = masked & (gate_ratio == gate_ratio)
+    stats = stats_ptr + pid * 8
+    tl.store(stats + 0, tl.sum(loss, axis=0))
+    tl.store(stats + 1, tl.sum(masked.to(tl.float32), axis=0))
+    tl.store(stats + 2, tl.sum((masked & ~in_gate).to(tl.float32), axis=0))
+    tl.store(stats + 3, tl.sum((keep & branch_cut).to(tl.float32), axis=0))
+    tl.store(stats + 4, tl.sum(tl.where(counted, gate_ratio, 0.0), axis=0))
+    tl.store(stats + 5, tl.max(tl.where(counted, gate_ratio, -float("inf")), axis=0))
+    tl.store(stats + 6, tl.min(tl.where(counted, gate_ratio, float("inf")), axis=0))
+    tl.store(stats + 7, tl.sum(counted.to(tl.float32), axis=0))
+
+
+def icepop_fwd(logprobs, rollout, old, adv, mask, loss_out, grad_out, stats_out, *,
+               seq_len, gate_low, gate_high, clip_low, clip_high, adv_per_seq, block,
+               num_warps):
+    """Launch _icepop_fwd_kernel; stats_out must have cdiv(N, block) rows of NUM_STATS."""
+    n_tokens = logprobs.numel()
+    grid = (triton.cdiv(n_tokens, block),)
+    _icepop_fwd_kernel[grid](
+        logprobs, rollout, logprobs if old is None else old, adv,
+        logprobs if mask is None else mask,
+        loss_out, grad_out, stats_out,
+        n_tokens, max(seq_len, 1), gate_low, gate_high, clip_low, clip_high,
+        HAS_OLD=old is not None, HAS_MASK=mask is not None, ADV_PER_SEQ=adv_per_seq,
+        STORE_LOSS=loss_out.numel() > 0, STORE_GRAD=grad_out.numel() > 0,
+        BLOCK=block, num_warps=num_warps)
+
+
+def _icepop_aot_specs():
+    signature = {
+        "logprobs_ptr": "*fp32", "rollout_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32",
+        "mask_ptr": "*u8", "loss_ptr": "*fp32", "grad_ptr": "*fp32", "stats_ptr": "*fp32",
+        "n_tokens": "i64", "seq_len": "i64", "gate_low": "fp32", "gate_high": "fp32",
+        "clip_low": "fp32", "clip_high": "fp32",
+    }
+    specs = []
+    for lp_dtype in ("fp32", "bf16"):
+        for has_old in (False, True):
+            sig = dict(signature, logprobs_ptr=f"*{lp_dtype}")
+            constexprs = dict(HAS_OLD=has_old, HAS_MASK=True, ADV_PER_SEQ=False,
+                              STORE_LOSS=False, STORE_GRAD=True, BLOCK=4096)
+            for name in constexprs:
+                sig[name] = "constexpr"
+            specs.append(AotSpec(f"icepop_fwd[{lp_dtype},old={has_old}]", _icepop_fwd_kernel,
+                                 sig, constexprs, num_warps=8))
+    return specs
+
+
+AOT_SPECS = _icepop_aot_specs()

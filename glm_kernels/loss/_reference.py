@@ -1,0 +1,167 @@
+"""Plain-PyTorch definitions of the loss-side ops: the oracle, the CPU path, the spec.
+
+IcePop (GLM-5 / Ring-1T): drop tokens whose training/rollout probability ratio leaves a
+trust interval, then apply the asymmetric PPO clip to what is left.
+
+Coupled mode (no recompute of old log-probs; asynchronous TITO):
+    rho  = exp(clamp(logprobs - rollout_logprobs, -20, 20))
+    g    = 1[lo <= sg(rho) <= hi]
+    l    = g * max(-rho * A, -clip(rho, 1 - eps_low, 1 + eps_high) * A)
+
+Decoupled mode (old_logprobs recomputed by the trainer):
+    k    = exp(clamp(old - rollout, -20, 20))            (no gradient)
+    w    = k * 1[lo <= k <= hi]
+    r    = exp(clamp(logprobs - old, -20, 20))
+    l    = w * max(-r * A, -clip(r, 1 - eps_low, 1 + eps_high) * A)
+
+A popped (g = 0 or w = 0) or unmasked token contributes exactly 0 to the loss and to the
+gradient, whatever its inputs (inf, NaN): its values are replaced by 0 before any arithmetic.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def icepop_token_terms(logprobs, rollout_logprobs, advantages, loss_mask=None, *,
+                       old_logprobs=None, gate_low, gate_high, eps_low, eps_high):
+    """Per-token IcePop terms, all of the input shape.
+
+    Returns (loss l*m fp32, popped bool, clipped bool, gate_ratio fp32, masked bool), where
+    ``gate_ratio`` is the ratio the gate tests (rho coupled, k decoupled) and ``clipped`` marks
+    masked, kept tokens whose clipped branch is strictly active (their gradient is cut).
+    ``advantages`` must already have the shape of ``logprobs``. Differentiable in logprobs.
+    """
+    lp = logprobs.float()
+    rollout = rollout_logprobs.detach().float()
+    adv = advantages.detach().float()
+    masked = torch.ones_like(lp, dtype=torch.bool) if loss_mask is None else loss_mask != 0
+
+    if old_logprobs is None:
+        gate_log_ratio = (lp.detach() - rollout).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    else:
+        old = old_logprobs.detach().float()
+        gate_log_ratio = (old - rollout).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    gate_ratio = torch.exp(gate_log_ratio)
+    in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)   # NaN -> False: popped
+    keep = in_gate & masked
+
+    zero = torch.zeros_like(lp)
+    base = rollout if old_logprobs is None else old
+    # Select before subtracting so popped inf/NaN never meet the gradient path.
+    log_ratio = torch.where(keep, lp, zero) - torch.where(keep, base, zero)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    adv_kept = torch.where(keep, adv, zero)
+    unclipped = -ratio * adv_kept
+    clipped_term = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_kept
+    per_token = torch.maximum(unclipped, clipped_term)
+    if old_logprobs is not None:
+        per_token = torch.where(keep, gate_ratio, zero) * per_token
+    loss = torch.where(keep, per_token, zero)
+    clipped = keep & (clipped_term > unclipped)
+    popped = masked & ~in_gate
+    return loss, popped, clipped, gate_ratio, masked
+
+
+def icepop_token_grad(logprobs, rollout_logprobs, advantages, loss_mask=None, *,
+                      old_logprobs=None, gate_low, gate_high, eps_low, eps_high):
+    """d(l*m)/d logprobs per token, written out (tests check it equals autograd of the above).
+
+    dl/dlp = -w * r * A where the unclipped branch is active (ties included) and the log-ratio
+    lies inside the clamp range, else 0; w = 1 (coupled) or k (decoupled), r the ratio.
+    """
+    with torch.no_grad():
+        lp = logprobs.float()
+        rollout = rollout_logprobs.float()
+        base = rollout if old_logprobs is None else old_logprobs.float()
+        masked = torch.ones_like(lp, dtype=torch.bool) if loss_mask is None else loss_mask != 0
+        gate_ratio = torch.exp(((lp if old_logprobs is None else base) - rollout)
+                               .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        keep = masked & (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
+        zero = torch.zeros_like(lp)
+        log_ratio = torch.where(keep, lp, zero) - torch.where(keep, base, zero)
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        adv = torch.where(keep, advantages.float(), zero)
+        branch_cut = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv > -ratio * adv
+        in_range = (log_ratio >= -LOG_RATIO_CLAMP) & (log_ratio <= LOG_RATIO_CLAMP)
+        weight = keep.float() if old_logprobs is None else torch.where(keep, gate_ratio, zero)
+        return torch.where(branch_cut | ~in_range, zero, -weight * ratio * adv)
+
+
+def reduce_terms(loss_terms: torch.Tensor, masked: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Apply one of the four reductions to per-token terms that are already l*m."""
+    if reduction == "none":
+        return loss_terms
+    if reduction == "sum":
+        return loss_terms.sum()
+    if reduction == "token_mean":
+        return loss_terms.sum() / masked.sum().clamp(min=1)
+    if reduction == "seq_mean_token_mean":
+        row_tokens = masked.sum(-1)
+        valid = row_tokens > 0
+        row_means = loss_terms.sum(-1) / row_tokens.clamp(min=1)
+        return torch.where(valid, row_means, 0.0).sum() / valid.sum().clamp(min=1)
+    raise ValueError(f"reduction={reduction!r}")
+
+
+def token_metrics(popped, clipped, gate_ratio, masked) -> Dict[str, torch.Tensor]:
+    """pop_frac, clip_frac over masked tokens; ratio_mean/max/min over masked non-NaN ratios."""
+    n_masked = masked.sum().float()
+    denom = n_masked.clamp(min=1)
+    counted = masked & ~torch.isnan(gate_ratio)
+    ratios = gate_ratio.float()[counted]
+    nan = torch.tensor(float("nan"))
+    return {
+        "pop_frac": popped.sum().float() / denom,
+        "clip_frac": clipped.sum().float() / denom,
+        "ratio_mean": ratios.mean() if ratios.numel() else nan,
+        "ratio_max": ratios.max() if ratios.numel() else nan,
+        "ratio_min": ratios.min() if ratios.numel() else nan,
+    }
+
+
+def icepop_loss_reference(logprobs, rollout_logprobs, advantages, loss_mask=None, *,
+                          old_logprobs=None, beta=2.0, gate_low=None, gate_high=None,
+                          eps_low=0.2, eps_high=0.28, reduction="token_mean",
+                          return_metrics=False):
+    """The whole DESIGN 3.1 contract in readable torch (autograd gives the gradient)."""
+    lo = 1.0 / beta if gate_low is None else gate_low
+    hi = beta if gate_high is None else gate_high
+    if advantages.shape != logprobs.shape:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+    loss_terms, popped, clipped, gate_ratio, masked = icepop_token_terms(
+        logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs=old_logprobs,
+        gate_low=lo, gate_high=hi, eps_low=eps_low, eps_high=eps_high)
+    loss = reduce_terms(loss_terms, masked, reduction)
+    if not return_metrics:
+        return loss
+    return loss, token_metrics(popped, clipped, gate_ratio, masked)
+
+
+def group_advantages_reference(rewards: torch.Tensor, group_size: int,
+                               eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (r - mean_g) / (std_g + eps) per contiguous group; a flat group gets 0."""
+    grouped = rewards.float().reshape(-1, group_size)
+    mean = grouped.mean(-1, keepdim=True)
+    if group_size > 1:
+        std = grouped.std(-1, keepdim=True)          # unbiased, like torch.std
+    else:
+        std = torch.zeros_like(mean)
+    flat = grouped.amax(-1, keepdim=True) == grouped.amin(-1, keepdim=True)
+    adv = torch.where(flat, 0.0, (grouped - mean) / (std + eps))
+    return adv.reshape(rewards.shape)
+
+
+def opd_advantages_reference(student_logprobs, teacher_logprobs, *, form, advantages=None,
+                             coef=1.0):
+    """On-policy distillation advantages (no gradient flows through them)."""
+    student = student_logprobs.detach().float()
+    teacher = teacher_logprobs.detach().float()
+    if form == "log_ratio":
+        return teacher - student
+    if advantages.shape != student.shape:
+        advantages = advantages.unsqueeze(-1).expand_as(student)
+    return advantages.detach().float() - coef * (student - teacher)

@@ -1,0 +1,43 @@
+"""Shared test set-up: the interpreter is switched on before glm_kernels is imported, so every
+Triton kernel can run on CPU tensors under the ``interpret`` backend."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import glm_kernels  # noqa: E402  (after TRITON_INTERPRET)
+from glm_kernels import _dispatch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+KERNEL_BACKEND = "triton" if HAS_CUDA else "interpret"
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_backend():
+    """Run the test body with the Triton kernels (interpreter on CPU, compiled on GPU)."""
+    if not _dispatch.triton_available():
+        pytest.skip("triton not importable")
+    with glm_kernels.force_backend(KERNEL_BACKEND):
+        yield KERNEL_BACKEND
+
+
+@pytest.fixture(params=["torch", KERNEL_BACKEND])
+def any_backend(request):
+    """Run the test body once per backend."""
+    if request.param != "torch" and not _dispatch.triton_available():
+        pytest.skip("triton not importable")
+    with glm_kernels.force_backend(request.param):
+        yield request.param
