@@ -35,18 +35,16 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def discover_specs():
+    """AOT_SPECS of every ``glm_kernels/<feature>/*_kernels.py`` module."""
     specs = []
-    for info in pkgutil.iter_modules(glm_kernels.__path__):
-        if not info.ispkg:
+    for feature in pkgutil.iter_modules(glm_kernels.__path__):
+        if not feature.ispkg:
             continue
-        name = f"glm_kernels.{info.name}._kernels"
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue
-            raise
-        specs.extend(getattr(module, "AOT_SPECS", []))
+        package = importlib.import_module(f"glm_kernels.{feature.name}")
+        for module_info in pkgutil.iter_modules(package.__path__):
+            if module_info.name.endswith("_kernels"):
+                module = importlib.import_module(f"{package.__name__}.{module_info.name}")
+                specs.extend(getattr(module, "AOT_SPECS", []))
     return specs
 
 

@@ -13,6 +13,44 @@ NUM_STATS = 8
 
 
 @triton.jit
+def icepop_token_math(lp, rollout, base, adv, masked, gate_low, gate_high, clip_low, clip_high,
+                      HAS_OLD: tl.constexpr):
+    """IcePop for a tile of tokens (all fp32); shared by every kernel that fuses the loss.
+
+    coupled:   rho = exp(lp - rollout), l = 1[lo<=rho<=hi] * max(-rho A, -clip(rho) A)
+    decoupled: k = exp(old - rollout), r = exp(lp - old),
+               l = k 1[lo<=k<=hi] * max(-r A, -clip(r) A)
+    ``base`` is old (decoupled) or rollout (coupled). Returns
+    (loss, dloss/dlp, in_gate, keep, branch_cut, gate_ratio); popped and unmasked tokens get
+    exactly 0 in loss and gradient.
+    """
+    if HAS_OLD:
+        gate_ratio = tl.exp(tl.clamp(base - rollout, -20.0, 20.0))
+    else:
+        gate_ratio = tl.exp(tl.clamp(lp - rollout, -20.0, 20.0))
+    # NaN ratios fail both comparisons, so they are popped.
+    in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
+    keep = masked & in_gate
+    # Popped tokens take zeros before any arithmetic: inf/NaN never reach loss or gradient.
+    log_ratio = tl.where(keep, lp, 0.0) - tl.where(keep, base, 0.0)
+    log_ratio_in_range = (log_ratio >= -20.0) & (log_ratio <= 20.0)
+    ratio = tl.exp(tl.clamp(log_ratio, -20.0, 20.0))
+    adv = tl.where(keep, adv, 0.0)
+    unclipped = -ratio * adv
+    clipped_term = -tl.clamp(ratio, clip_low, clip_high) * adv
+    branch_cut = clipped_term > unclipped
+    if HAS_OLD:
+        weight = tl.where(keep, gate_ratio, 0.0)
+    else:
+        weight = tl.where(keep, 1.0, 0.0)
+    loss = weight * tl.maximum(unclipped, clipped_term)
+    # Ties (ratio inside the clip band) take the unclipped branch's full gradient, as autograd
+    # of max(u, c) does when c == u there; the clamp of the log-ratio passes its ends.
+    grad = tl.where(branch_cut | (~log_ratio_in_range), 0.0, -weight * ratio * adv)
+    return loss, grad, in_gate, keep, branch_cut, gate_ratio
+
+
+@triton.jit
 def _icepop_fwd_kernel(
     # inputs, flat [N]
     logprobs_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr,
@@ -24,13 +62,7 @@ def _icepop_fwd_kernel(
     HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, ADV_PER_SEQ: tl.constexpr,
     STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """IcePop forward and per-token gradient in one pass over the tokens.
-
-    coupled:   rho = exp(lp - rollout), l = 1[lo<=rho<=hi] * max(-rho A, -clip(rho) A)
-    decoupled: k = exp(old - rollout), r = exp(lp - old),
-               l = k 1[lo<=k<=hi] * max(-r A, -clip(r) A)
-    dl/dlp = gate_weight * r * (-A) where the unclipped branch is active, else 0.
-    """
+    """IcePop forward and per-token gradient in one pass; one stats row per program."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_bounds = offs < n_tokens
@@ -44,34 +76,17 @@ def _icepop_fwd_kernel(
     masked = in_bounds
     if HAS_MASK:
         masked = masked & (tl.load(mask_ptr + offs, mask=in_bounds, other=0) != 0)
-
     if HAS_OLD:
         base = tl.load(old_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
-        gate_ratio = tl.exp(tl.clamp(base - rollout, -20.0, 20.0))
     else:
         base = rollout
-        gate_ratio = tl.exp(tl.clamp(lp - rollout, -20.0, 20.0))
-    # NaN ratios fail both comparisons, so they are popped.
-    in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
-    keep = masked & in_gate
 
-    # Popped tokens take zeros before any arithmetic: inf/NaN never reach loss or gradient.
-    log_ratio = tl.where(keep, lp, 0.0) - tl.where(keep, base, 0.0)
-    log_ratio_in_range = (log_ratio >= -20.0) & (log_ratio <= 20.0)
-    ratio = tl.exp(tl.clamp(log_ratio, -20.0, 20.0))
-    adv = tl.where(keep, adv, 0.0)
-    unclipped = -ratio * adv
-    clipped_term = -tl.clamp(ratio, clip_low, clip_high) * adv
-    branch_cut = clipped_term > unclipped
-    weight = tl.where(keep, 1.0, 0.0)
-    if HAS_OLD:
-        weight = tl.where(keep, gate_ratio, 0.0)
-    loss = weight * tl.maximum(unclipped, clipped_term)
+    loss, grad, in_gate, keep, branch_cut, gate_ratio = icepop_token_math(
+        lp, rollout, base, adv, masked, gate_low, gate_high, clip_low, clip_high, HAS_OLD)
 
     if STORE_LOSS:
         tl.store(loss_ptr + offs, loss, mask=in_bounds)
     if STORE_GRAD:
-        grad = tl.where(branch_cut | (~log_ratio_in_range), 0.0, -weight * ratio * adv)
         tl.store(grad_ptr + offs, grad, mask=in_bounds)
 
     counted = masked & (gate_ratio == gate_ratio)
