@@ -1,0 +1,321 @@
+"""IcePop loss: kernel (interpreter / GPU) vs reference vs hand-computed values."""
+import math
+
+import pytest
+import torch
+
+import glm_kernels
+from glm_kernels.loss import _reference
+from tests._compare import assert_close
+
+REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
+
+
+def _inputs(shape, *, seed, dtype=torch.float32, per_seq_adv=False, with_old=False,
+            spread=0.8):
+    gen = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(shape, generator=gen) * 3
+    # Ratios e^N(0, spread): a real share of tokens falls outside [1/2, 2] and gets popped.
+    rollout = lp + torch.randn(shape, generator=gen) * spread
+    old = lp + torch.randn(shape, generator=gen) * 0.3 if with_old else None
+    adv_shape = shape[:1] if per_seq_adv else shape
+    adv = torch.randn(adv_shape, generator=gen)
+    mask = torch.rand(shape, generator=gen) > 0.25
+    return lp.to(dtype), rollout, adv, mask, old
+
+
+def _run(fn, lp, *args, **kwargs):
+    lp = lp.detach().clone().requires_grad_(True)
+    loss, metrics = fn(lp, *args, return_metrics=True, **kwargs)
+    weights = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+    (loss * weights).sum().backward()
+    return loss.detach(), lp.grad.detach(), metrics
+
+
+@pytest.mark.parametrize("shape", [(1,), (1000,), (5, 333), (3, 4, 129)])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("with_old", [False, True])
+def test_kernel_matches_reference(kernel_backend, shape, reduction, with_old):
+    if reduction == "seq_mean_token_mean" and len(shape) != 2:
+        pytest.skip("seq_mean_token_mean is defined for [B, T]")
+    lp, rollout, adv, mask, old = _inputs(shape, seed=hash((shape, reduction)) % 1000,
+                                          with_old=with_old)
+    got = _run(glm_kernels.icepop_loss, lp, rollout, adv, mask, old_logprobs=old,
+               reduction=reduction)
+    ref = _run(_reference.icepop_loss_reference, lp, rollout, adv, mask, old_logprobs=old,
+               reduction=reduction)
+    assert_close(got[0], ref[0], tol=1e-5, name="loss")
+    assert_close(got[1], ref[1], tol=1e-5, name="grad")
+    for key in ref[2]:
+        assert_close(got[2][key].reshape(()), ref[2][key].reshape(()), tol=1e-5, name=key)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_per_sequence_advantages(any_backend, reduction):
+    lp, rollout, adv, mask, _ = _inputs((4, 77), seed=3, per_seq_adv=True)
+    got = _run(glm_kernels.icepop_loss, lp, rollout, adv, mask, reduction=reduction)
+    full = adv[:, None].expand(4, 77)
+    ref = _run(_reference.icepop_loss_reference, lp, rollout, full, mask, reduction=reduction)
+    assert_close(got[0], ref[0], tol=1e-5, name="loss")
+    assert_close(got[1], ref[1], tol=1e-5, name="grad")
+
+
+def test_bf16_logprobs(any_backend):
+    lp, rollout, adv, mask, _ = _inputs((2000,), seed=4, dtype=torch.bfloat16)
+    got = _run(glm_kernels.icepop_loss, lp, rollout, adv, mask)
+    ref = _run(_reference.icepop_loss_reference, lp.float(), rollout, adv, mask)
+    assert got[1].dtype == torch.bfloat16
+    assert_close(got[0], ref[0], tol=1e-5, name="loss")   # computed in fp32 from bf16 inputs
+    assert_close(got[1].float(), ref[1], tol=1e-2, name="grad")
+
+
+def test_reference_autograd_equals_written_out_gradient():
+    lp, rollout, adv, mask, old = _inputs((3000,), seed=5, with_old=True)
+    for mode_old in (None, old):
+        lp_req = lp.clone().requires_grad_(True)
+        kw = dict(old_logprobs=mode_old, gate_low=0.5, gate_high=2.0, eps_low=0.2,
+                  eps_high=0.28)
+        terms = _reference.icepop_token_terms(lp_req, rollout, adv, mask, **kw)[0]
+        autograd = torch.autograd.grad(terms.sum(), lp_req)[0]
+        written = _reference.icepop_token_grad(lp, rollout, adv, mask, **kw)
+        assert_close(written, autograd, tol=1e-6, name="written-out gradient")
+
+
+class TestHandComputed:
+    """Values worked out by hand from the formulas in DESIGN 3.1."""
+
+    def _one(self, lp, rollout, adv, **kw):
+        lp_t = torch.tensor([lp], requires_grad=True)
+        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([rollout]), torch.tensor([adv]),
+                                       reduction="sum", **kw)
+        loss.backward()
+        return loss.item(), lp_t.grad.item()
+
+    def test_inside_clip_band(self, any_backend):
+        # rho = e^0.1 in [0.8, 1.28]: l = -rho*A, dl/dlp = -rho*A
+        rho = math.exp(0.1)
+        loss, grad = self._one(-1.0, -1.1, 2.0)
+        assert loss == pytest.approx(-rho * 2.0, rel=1e-6)
+        assert grad == pytest.approx(-rho * 2.0, rel=1e-6)
+
+    def test_positive_advantage_clipped_above(self, any_backend):
+        # rho = e^0.5 = 1.6487 > 1.28, A > 0: max(-1.6487A, -1.28A) = -1.28A, gradient cut
+        loss, grad = self._one(-1.0, -1.5, 1.0)
+        assert loss == pytest.approx(-1.28, rel=1e-6)
+        assert grad == 0.0
+
+    def test_negative_advantage_not_clipped_above(self, any_backend):
+        # rho = e^0.5, A = -1: max(1.6487, 1.28) = 1.6487, gradient -rho*A = rho
+        rho = math.exp(0.5)
+        loss, grad = self._one(-1.0, -1.5, -1.0)
+        assert loss == pytest.approx(rho, rel=1e-6)
+        assert grad == pytest.approx(rho, rel=1e-6)
+
+    def test_negative_advantage_clipped_below(self, any_backend):
+        # rho = e^-0.5 = 0.6065 < 0.8, A = -1: max(0.6065, 0.8) = 0.8, gradient cut
+        loss, grad = self._one(-1.5, -1.0, -1.0)
+        assert loss == pytest.approx(0.8, rel=1e-6)
+        assert grad == 0.0
+
+    def test_popped_above_gate(self, any_backend):
+        # rho = e^1 = 2.718 > beta = 2: popped
+        assert self._one(-1.0, -2.0, 1.0) == (0.0, 0.0)
+
+    @pytest.mark.parametrize("log_ratio", [math.log(2.0), -math.log(2.0)])
+    def test_gate_bounds_inclusive(self, any_backend, log_ratio):
+        # Gate [0.25, 4] with beta=4 keeps everything here; with explicit bounds equal to the
+        # ratio itself (both ends inclusive) the token is kept too.
+        rho = torch.exp(torch.tensor(log_ratio)).item()
+        loss, _ = self._one(log_ratio - 1.0, -1.0, 1.0, gate_low=rho, gate_high=rho)
+        expected = -min(rho, 1.28) if rho > 1 else -rho
+        assert loss == pytest.approx(expected, rel=1e-6)
+
+    def test_exactly_on_clip_bound_keeps_gradient(self, any_backend):
+        # rho exactly 1 + eps_high (as fp32): unclipped == clipped, gradient -rho*A passes
+        rho = torch.tensor(1.28)
+        lp = torch.log(rho).item()
+        loss, grad = self._one(lp, 0.0, 1.0, eps_high=(torch.exp(torch.tensor(lp)) - 1).item())
+        assert grad != 0.0
+        assert loss == pytest.approx(grad, rel=1e-6)
+
+    def test_decoupled_weight(self, any_backend):
+        # k = e^0.2 (gate ok), r = e^0.1 inside the band: l = -k*r*A
+        k, r = math.exp(0.2), math.exp(0.1)
+        lp_t = torch.tensor([-1.0], requires_grad=True)
+        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([-1.3]), torch.tensor([1.5]),
+                                       old_logprobs=torch.tensor([-1.1]), reduction="sum")
+        loss.backward()
+        assert loss.item() == pytest.approx(-k * r * 1.5, rel=1e-6)
+        assert lp_t.grad.item() == pytest.approx(-k * r * 1.5, rel=1e-6)
+
+    def test_decoupled_popped_by_old_vs_rollout(self, any_backend):
+        # k = e^1 > 2 even though r = 1: popped
+        lp_t = torch.tensor([-1.0], requires_grad=True)
+        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([-2.0]), torch.tensor([1.0]),
+                                       old_logprobs=torch.tensor([-1.0]), reduction="sum")
+        loss.backward()
+        assert loss.item() == 0.0 and lp_t.grad.item() == 0.0
+
+
+@pytest.mark.parametrize("with_old", [False, True])
+def test_popped_nonfinite_inputs_give_exact_zero(any_backend, with_old):
+    lp = torch.tensor([float("nan"), float("inf"), -1.0, -1.0, -1.0, -1.0])
+    rollout = torch.tensor([-1.0, -1.0, float("-inf"), float("nan"), -1.0, -1.05])
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, float("nan"), 2.0])
+    mask = torch.tensor([True, True, True, True, False, True])
+    old = lp.clone() if with_old else None
+    if with_old:
+        old[4:] = -1.0
+    lp_req = lp.clone().requires_grad_(True)
+    loss, metrics = glm_kernels.icepop_loss(lp_req, rollout, adv, mask, old_logprobs=old,
+                                            reduction="none", return_metrics=True)
+    loss.sum().backward()
+    assert torch.all(loss[:5] == 0) and torch.all(lp_req.grad[:5] == 0)
+    assert torch.isfinite(loss[5]) and loss[5] != 0 and lp_req.grad[5] != 0
+    assert metrics["pop_frac"].item() == pytest.approx(4 / 5)
+
+
+def test_empty_mask_and_empty_input(any_backend):
+    lp = torch.zeros(5, requires_grad=True)
+    loss, metrics = glm_kernels.icepop_loss(lp, torch.zeros(5), torch.ones(5),
+                                            torch.zeros(5, dtype=torch.bool),
+                                            return_metrics=True)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(lp.grad == 0)
+    assert metrics["pop_frac"].item() == 0.0 and math.isnan(metrics["ratio_mean"].item())
+    empty = torch.zeros(0, requires_grad=True)
+    loss = glm_kernels.icepop_loss(empty, torch.zeros(0), torch.zeros(0))
+    loss.backward()
+    assert loss.item() == 0.0 and empty.grad.shape == (0,)
+    rows = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[True, False, False], [False, False, False]])
+    loss = glm_kernels.icepop_loss(rows, torch.zeros(2, 3), torch.ones(2), mask,
+                                   reduction="seq_mean_token_mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0)   # only row 0 counts: -rho*A = -1
+    assert rows.grad[0, 0].item() == pytest.approx(-1.0) and rows.grad[1].abs().sum() == 0
+
+
+def test_reductions_by_hand(any_backend):
+    lp = torch.zeros(2, 2, requires_grad=True)   # rho = 1 everywhere: l = -A
+    adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    args = (lp, torch.zeros(2, 2), adv, mask)
+    assert glm_kernels.icepop_loss(*args, reduction="sum").item() == pytest.approx(-6.0)
+    assert glm_kernels.icepop_loss(*args, reduction="token_mean").item() == pytest.approx(-2.0)
+    seq = glm_kernels.icepop_loss(*args, reduction="seq_mean_token_mean").item()
+    assert seq == pytest.approx((-1.5 - 3.0) / 2)
+    none = glm_kernels.icepop_loss(*args, reduction="none")
+    assert none.tolist() == [[-1.0, -2.0], [-3.0, 0.0]]
+
+
+def test_non_contiguous_inputs(any_backend):
+    lp, rollout, adv, mask, _ = _inputs((64, 40), seed=7)
+    strided = [t.t() for t in (lp, rollout, adv, mask)]
+    got = _run(glm_kernels.icepop_loss, *strided, reduction="sum")
+    ref = _run(_reference.icepop_loss_reference, *[t.contiguous() for t in strided],
+               reduction="sum")
+    assert_close(got[0], ref[0], tol=1e-5, name="loss")
+    assert_close(got[1], ref[1], tol=1e-5, name="grad")
+
+
+def test_gradient_only_to_logprobs():
+    lp, rollout, adv, mask, old = _inputs((50,), seed=8, with_old=True)
+    tensors = [t.clone().requires_grad_(True) for t in (lp, rollout, adv, old)]
+    glm_kernels.icepop_loss(tensors[0], tensors[1], tensors[2], mask,
+                            old_logprobs=tensors[3]).backward()
+    assert tensors[0].grad is not None
+    assert all(t.grad is None for t in tensors[1:])
+
+
+def test_kernel_writes_every_gradient_element(kernel_backend):
+    """Poisoned outputs: a kernel that skipped an element would leave NaN behind."""
+    from glm_kernels.loss import icepop
+    lp, rollout, adv, mask, _ = _inputs((3001,), seed=9)
+    n = lp.numel()
+    loss_out = torch.full((n,), float("nan"))
+    grad_out = torch.full((n,), float("nan"))
+    programs = -(-n // icepop._BLOCK_INTERPRET)
+    stats = torch.full((programs, 8), float("nan"))
+    from glm_kernels.loss import _kernels
+    _kernels.icepop_fwd(lp, rollout, None, adv, mask.view(torch.uint8), loss_out, grad_out,
+                        stats, seq_len=1, gate_low=0.5, gate_high=2.0, clip_low=0.8,
+                        clip_high=1.28, adv_per_seq=False, block=icepop._BLOCK_INTERPRET,
+                        num_warps=4)
+    assert not torch.isnan(loss_out).any() and not torch.isnan(grad_out).any()
+    assert not torch.isnan(stats).any()
+
+
+def test_torch_compile_matches_eager():
+    lp, rollout, adv, mask, _ = _inputs((8, 33), seed=10)
+
+    def step(lp_in):
+        loss, metrics = glm_kernels.icepop_loss(lp_in, rollout, adv, mask,
+                                                reduction="seq_mean_token_mean",
+                                                return_metrics=True)
+        return loss * 2.0, metrics["pop_frac"]
+
+    with glm_kernels.force_backend("torch"):
+        eager_lp = lp.clone().requires_grad_(True)
+        eager = step(eager_lp)
+        eager[0].backward()
+        compiled_lp = lp.clone().requires_grad_(True)
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_lp)
+        compiled[0].backward()
+    assert_close(compiled[0].detach(), eager[0].detach(), tol=1e-6, name="compiled loss")
+    assert_close(compiled_lp.grad, eager_lp.grad, tol=1e-6, name="compiled grad")
+    assert compiled[1].item() == eager[1].item()
+
+
+def test_opcheck_custom_op():
+    """torch.library.opcheck: schema, fake kernel and autograd registration agree."""
+    from glm_kernels.loss import icepop
+    lp, rollout, adv, mask, _ = _inputs((4, 9), seed=11)
+    with glm_kernels.force_backend("torch"):
+        torch.library.opcheck(icepop._icepop_op, (lp.requires_grad_(True), rollout, adv, mask,
+                                                  None, 0.5, 2.0, 0.2, 0.28, "token_mean",
+                                                  True),
+                              test_utils=("test_schema", "test_faketensor",
+                                          "test_autograd_registration"))
+
+
+class TestBadInputs:
+    def test_shapes(self):
+        lp = torch.zeros(4, 5)
+        with pytest.raises(ValueError, match="rollout_logprobs"):
+            glm_kernels.icepop_loss(lp, torch.zeros(4, 6), torch.zeros(4, 5))
+        with pytest.raises(ValueError, match="advantages"):
+            glm_kernels.icepop_loss(lp, lp, torch.zeros(5))
+        with pytest.raises(ValueError, match="loss_mask"):
+            glm_kernels.icepop_loss(lp, lp, lp, torch.ones(4, dtype=torch.bool))
+        with pytest.raises(ValueError, match="old_logprobs"):
+            glm_kernels.icepop_loss(lp, lp, lp, old_logprobs=torch.zeros(3))
+        with pytest.raises(ValueError, match="seq_mean_token_mean"):
+            glm_kernels.icepop_loss(torch.zeros(5), torch.zeros(5), torch.zeros(5),
+                                    reduction="seq_mean_token_mean")
+
+    def test_dtypes_and_types(self):
+        with pytest.raises(TypeError, match="logprobs"):
+            glm_kernels.icepop_loss(torch.zeros(3, dtype=torch.int64), torch.zeros(3),
+                                    torch.zeros(3))
+        with pytest.raises(TypeError, match="advantages"):
+            glm_kernels.icepop_loss(torch.zeros(3), torch.zeros(3), [1, 2, 3])
+        with pytest.raises(TypeError, match="rollout_logprobs"):
+            glm_kernels.icepop_loss(torch.zeros(3), torch.zeros(3, dtype=torch.int32),
+                                    torch.zeros(3))
+
+    def test_hyperparameters(self):
+        args = (torch.zeros(3), torch.zeros(3), torch.zeros(3))
+        with pytest.raises(ValueError, match="reduction"):
+            glm_kernels.icepop_loss(*args, reduction="mean")
+        with pytest.raises(ValueError, match="beta"):
+            glm_kernels.icepop_loss(*args, beta=0.0)
+        with pytest.raises(ValueError, match="gate interval"):
+            glm_kernels.icepop_loss(*args, gate_low=3.0, gate_high=2.0)
+        with pytest.raises(ValueError, match="eps_low"):
+            glm_kernels.icepop_loss(*args, eps_low=float("nan"))
+
+    def test_forced_interpret_refuses_cuda_like_misuse(self):
+        with pytest.raises(ValueError, match="backend"):
+            with glm_kernels.force_backend("cuda"):
+                pass
