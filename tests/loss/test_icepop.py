@@ -1,5 +1,6 @@
 """IcePop loss: kernel (interpreter / GPU) vs reference vs hand-computed values."""
 import math
+import zlib
 
 import pytest
 import torch
@@ -38,13 +39,20 @@ def _run(fn, lp, *args, **kwargs):
 def test_kernel_matches_reference(kernel_backend, shape, reduction, with_old):
     if reduction == "seq_mean_token_mean" and len(shape) != 2:
         pytest.skip("seq_mean_token_mean is defined for [B, T]")
-    lp, rollout, adv, mask, old = _inputs(shape, seed=hash((shape, reduction)) % 1000,
-                                          with_old=with_old)
+    seed = zlib.crc32(repr((shape, reduction, with_old)).encode()) % 1000   # stable per case
+    lp, rollout, adv, mask, old = _inputs(shape, seed=seed, with_old=with_old)
     got = _run(glm_kernels.icepop_loss, lp, rollout, adv, mask, old_logprobs=old,
                reduction=reduction)
     ref = _run(_reference.icepop_loss_reference, lp, rollout, adv, mask, old_logprobs=old,
                reduction=reduction)
-    assert_close(got[0], ref[0], tol=1e-5, name="loss")
+    if reduction == "none":
+        assert_close(got[0], ref[0], tol=1e-5, name="loss")
+    else:
+        # Scalar sums of mixed-sign terms: fp32 summation-order error scales with sum |l|.
+        terms = _reference.icepop_loss_reference(lp, rollout, adv, mask, old_logprobs=old,
+                                                 reduction="none")
+        budget = 1e-6 * terms.abs().sum().item() + 1e-7
+        assert abs(got[0].item() - ref[0].item()) <= budget, (got[0].item(), ref[0].item())
     assert_close(got[1], ref[1], tol=1e-5, name="grad")
     for key in ref[2]:
         assert_close(got[2][key].reshape(()), ref[2][key].reshape(()), tol=1e-5, name=key)
