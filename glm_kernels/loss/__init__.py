@@ -1,5 +1,8 @@
 """Policy losses and advantages for GRPO + IcePop and on-policy distillation."""
 from .advantages import group_advantages, opd_advantages
+from .from_logits import icepop_loss_from_logits
 from .icepop import icepop_loss
+from .logprobs import selective_logprobs
 
-__all__ = ["icepop_loss", "group_advantages", "opd_advantages"]
+__all__ = ["icepop_loss", "group_advantages", "opd_advantages", "selective_logprobs",
+           "icepop_loss_from_logits"]
