@@ -6,6 +6,7 @@ Backends: ``glm_kernels.force_backend("torch"|"triton"|"interpret")`` or the env
 variable ``GLM_KERNELS_BACKEND``.
 """
 from . import _dispatch  # first: sets TRITON_INTERPRET before any kernel module is imported
+from . import delta
 from ._dispatch import force_backend, select_backend
 from .loss import (group_advantages, icepop_loss, icepop_loss_from_logits, opd_advantages,
                    selective_logprobs)
