@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 
 venv: $(STAMP)
 
-# Main job: the IcePop benchmark on CPU (reference vs interpreter-checked kernels).
+# Main job: the example async GRPO + IcePop trainer on CPU (runs/demo: metrics, plot, checkpoint).
 demo: $(STAMP)
-	$(PY) benchmarks/bench_icepop.py --cpu
+	$(PY) -m examples.async_trainer --out-dir runs/demo
 
 # The whole test suite, the interpreter included, then the sm_90 ahead-of-time compile check.
 test: $(STAMP)

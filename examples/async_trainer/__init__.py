@@ -1,0 +1,1 @@
+"""Example asynchronous GRPO + IcePop trainer (CPU by default): ``python -m examples.async_trainer``."""
