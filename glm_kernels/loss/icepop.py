@@ -25,7 +25,6 @@ from .. import _dispatch
 from . import _reference
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
-METRIC_NAMES = ("pop_frac", "clip_frac", "ratio_mean", "ratio_max", "ratio_min")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8
 _BLOCK_INTERPRET = 1024
 _NUM_STATS = 8
@@ -80,7 +79,7 @@ def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, 
     return loss_terms, grad, stats
 
 
-def _reduce(loss_terms, mask_rows, stats, reduction, shape):
+def _reduce(loss_terms, loss_mask, stats, reduction, shape):
     """(loss, scale): scale is what backward multiplies the per-token coefficient by."""
     device = stats.device
     if reduction == "none":
@@ -91,7 +90,10 @@ def _reduce(loss_terms, mask_rows, stats, reduction, shape):
         inv = 1.0 / stats[1].clamp(min=1.0)
         return stats[0] * inv, inv
     # seq_mean_token_mean on [B, T]: per-row scale 1 / (tokens_b * valid_rows).
-    row_tokens = mask_rows.sum(-1).float()
+    if loss_mask is None:
+        row_tokens = torch.full(shape[:-1], float(shape[-1]), device=device)
+    else:
+        row_tokens = (loss_mask != 0).sum(-1).float()
     valid = row_tokens > 0
     row_sums = loss_terms.reshape(shape).sum(-1)
     n_valid = valid.sum().float().clamp(min=1.0)
@@ -123,10 +125,7 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
             flat(logprobs), flat(rollout_logprobs), flat(advantages), flat(loss_mask),
             flat(old_logprobs), gate_low, gate_high, eps_low, eps_high, need_grad, store_loss,
             seq_len, adv_per_seq, interpret=backend == "interpret")
-    mask_rows = (torch.ones(shape, dtype=torch.bool, device=logprobs.device)
-                 if loss_mask is None else loss_mask != 0) if reduction == \
-        "seq_mean_token_mean" else None
-    loss, scale = _reduce(loss_terms, mask_rows, stats, reduction, shape)
+    loss, scale = _reduce(loss_terms, loss_mask, stats, reduction, shape)
     return loss, grad, scale, stats
 
 
@@ -135,9 +134,8 @@ def _icepop_fake(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs
                  gate_high, eps_low, eps_high, reduction, need_grad):
     loss_shape = logprobs.shape if reduction == "none" else ()
     scale_shape = logprobs.shape[:-1] if reduction == "seq_mean_token_mean" else ()
-    f32 = dict(dtype=torch.float32, device=logprobs.device)
     return (logprobs.new_empty(loss_shape, dtype=torch.float32),
-            logprobs.new_empty((logprobs.numel() if need_grad else 0,), **f32)[:],
+            logprobs.new_empty((logprobs.numel() if need_grad else 0,), dtype=torch.float32),
             logprobs.new_empty(scale_shape, dtype=torch.float32),
             logprobs.new_empty((_NUM_STATS,), dtype=torch.float32))
 
@@ -149,7 +147,6 @@ def _setup_context(ctx, inputs, output):
     ctx.reduction = reduction
     ctx.lp_shape = logprobs.shape
     ctx.lp_dtype = logprobs.dtype
-    ctx.set_materialize_grads(True)
 
 
 def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
