@@ -1,0 +1,19 @@
+"""Weight sync (DESIGN 3.7): versioned named tensors from a trainer to rollout engines.
+
+``Sender(transport, delta=True).publish(named_tensors) -> version`` on the training side;
+``Receiver(transport, params).receive()/poll()`` on the rollout side, writing in place and
+refusing (tensors unchanged) any update that does not apply exactly on the version it holds.
+Transports: ``IpcTransport`` (colocated processes; CUDA IPC handles or CPU shared memory),
+``BroadcastTransport`` (torch.distributed: NCCL on GPU, gloo on CPU), ``DiskTransport``
+(safetensors files, atomic publish), ``LocalTransport`` (in-process). See docs/sync.md.
+"""
+from .disk import DiskTransport
+from .dist import BroadcastTransport
+from .ipc import IpcTransport
+from .local import LocalTransport
+from .protocol import Entry, SyncError, Transport, Update, VersionError
+from .receiver import Receiver
+from .sender import PublishStats, Sender
+
+__all__ = ["Sender", "Receiver", "PublishStats", "SyncError", "VersionError", "Transport",
+           "Update", "Entry", "LocalTransport", "IpcTransport", "BroadcastTransport", "DiskTransport"]

@@ -1,0 +1,267 @@
+"""Versioned weight-update messages: entries, buckets (frames) and their checks (DESIGN 3.7).
+
+An *update* moves a receiver from ``base`` to ``version``. ``base is None`` marks a full
+snapshot (accepted by a receiver holding any older version); otherwise the update is a delta and
+applies only onto exactly version ``base``. An update is a list of *entries*, one per named
+tensor:
+
+* ``kind="full"``:  the tensor's bytes; ``checksum`` is the BLAKE2b-64 of those bytes.
+* ``kind="delta"``: a ``glm_kernels.delta`` packet (``DeltaPacket.to_bytes()``, which carries
+  its own packet and result checksums); ``checksum`` is the BLAKE2b-64 of the packet bytes.
+
+Streaming transports (IPC queue, torch.distributed, in-process) cut the entries into *frames*
+of at most ``bucket_bytes`` of payload (a tensor larger than a bucket spans several frames).
+A frame is ``(meta, data, last)``: ``data`` is a 1-D uint8 tensor (on any device) holding the
+fragments back to back; ``meta`` is sealed bytes::
+
+    b"GLMS" | u16 format version | u32 JSON length | 8B BLAKE2b-64 of the JSON | JSON
+
+and the JSON is ``{"v": version, "base": base, "i": frame index, "last": bool, "parts":
+[{"n": name, "k": kind, "dt": dtype, "sh": shape, "ck": checksum hex, "size": entry bytes,
+"at": fragment offset in the entry, "len": fragment bytes}, ...]}``. ``last`` is repeated
+outside the seal so a transport can find the end of an update even when the meta is corrupt.
+:func:`assemble` checks every frame and rebuilds the entries; the receiver then checks every
+entry against its own tensors before writing any of them.
+"""
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Iterator, List, NamedTuple, Optional
+
+import torch
+
+MAGIC = b"GLMS"
+FORMAT_VERSION = 1
+_SEAL = struct.Struct("<4sHI8s")
+KINDS = ("full", "delta")
+# Every dtype the delta codec handles (1, 2, 4 or 8 bytes a element); full entries use the same
+# table so that any published tensor can later be sent as a delta.
+DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+class SyncError(ValueError):
+    """An update was refused (corrupt, truncated, mismatched); the receiver's tensors are
+    unchanged."""
+
+
+class VersionError(SyncError):
+    """An update does not apply on top of the version the receiver holds."""
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a contiguous tensor's bytes (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def digest(data) -> bytes:
+    """BLAKE2b-64 of a uint8 tensor (any device) or a bytes-like object."""
+    if isinstance(data, torch.Tensor):
+        data = data.cpu().numpy()
+    return hashlib.blake2b(memoryview(data), digest_size=8).digest()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPES:
+        raise TypeError(f"dtype {dtype} cannot be synced; expected one of {list(DTYPES)}")
+    return name
+
+
+@dataclass
+class Entry:
+    """One named tensor of an update; ``payload`` is a 1-D uint8 tensor (see module doc)."""
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple
+    checksum: bytes
+    payload: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Update:
+    version: int
+    base: Optional[int]
+    entries: List[Entry]
+
+    @property
+    def is_full(self) -> bool:
+        return self.base is None
+
+
+class Frame(NamedTuple):
+    meta: bytes
+    data: torch.Tensor
+    last: bool
+
+
+def full_entry(name: str, t: torch.Tensor) -> Entry:
+    """Entry carrying ``t``'s bytes (a view of ``t``; copied when packed into a frame)."""
+    data = byte_view(t.contiguous())
+    return Entry(name, "full", t.dtype, tuple(t.shape), digest(data), data)
+
+
+def delta_entry(name: str, shape: tuple, packet) -> Entry:
+    """Entry carrying a ``glm_kernels.delta.DeltaPacket`` (its wire bytes)."""
+    wire = packet.to_bytes()
+    return Entry(name, "delta", packet.dtype, tuple(shape), digest(wire),
+                 torch.frombuffer(bytearray(wire), dtype=torch.uint8))
+
+
+def seal_meta(meta: dict) -> bytes:
+    body = json.dumps(meta, separators=(",", ":")).encode()
+    return _SEAL.pack(MAGIC, FORMAT_VERSION, len(body), digest(body)) + body
+
+
+def open_meta(sealed: bytes) -> dict:
+    """Inverse of :func:`seal_meta`; raises SyncError on a corrupt or truncated seal."""
+    sealed = bytes(sealed)
+    if len(sealed) < _SEAL.size:
+        raise SyncError(f"truncated frame meta: {len(sealed)} bytes, the seal needs {_SEAL.size}")
+    magic, version, length, check = _SEAL.unpack_from(sealed)
+    body = sealed[_SEAL.size:]
+    if magic != MAGIC:
+        raise SyncError(f"not a sync frame: magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise SyncError(f"sync frame format version {version}, expected {FORMAT_VERSION}")
+    if len(body) != length or digest(body) != check:
+        raise SyncError("corrupt frame meta: length or checksum mismatch")
+    return json.loads(body)
+
+
+def pack(version: int, base: Optional[int], entries: Iterable[Entry], bucket_bytes: int,
+         device=None) -> Iterator[Frame]:
+    """Frames of at most ``bucket_bytes`` payload each, produced lazily (a large model streams:
+    at most two buckets are alive at once). ``device``: where frame data lives (default: the
+    device of the first fragment of each frame)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+
+    def frame(bucket, index, last):
+        parts, chunks = bucket
+        dev = device if device is not None else (chunks[0].device if chunks else "cpu")
+        data = (torch.cat([c.to(dev) for c in chunks]) if chunks
+                else torch.empty(0, dtype=torch.uint8, device=dev))
+        meta = {"v": version, "base": base, "i": index, "last": last, "parts": parts}
+        return Frame(seal_meta(meta), data, last)
+
+    current, used, index = ([], []), 0, 0
+    full = None   # a filled bucket, held back until we know whether it is the last one
+    for e in entries:
+        size, at = e.payload.numel(), 0
+        while True:
+            take = min(size - at, bucket_bytes - used)
+            current[0].append({"n": e.name, "k": e.kind, "dt": dtype_name(e.dtype),
+                               "sh": list(e.shape), "ck": e.checksum.hex(), "size": size,
+                               "at": at, "len": take})
+            if take:
+                current[1].append(e.payload[at:at + take])
+            at, used = at + take, used + take
+            if used == bucket_bytes:
+                if full is not None:
+                    yield frame(full, index - 1, False)
+                full, current, used, index = current, ([], []), 0, index + 1
+            if at == size:
+                break
+    if full is not None and not current[0]:
+        yield frame(full, index - 1, True)
+        return
+    if full is not None:
+        yield frame(full, index - 1, False)
+    yield frame(current, index, True)
+
+
+def assemble(frames: List[Frame]) -> Update:
+    """Rebuild the update from its frames; raises SyncError if anything does not add up."""
+    if not frames:
+        raise SyncError("empty update: no frames")
+    metas = [open_meta(f.meta) for f in frames]
+    head = metas[0]
+    version, base = head.get("v"), head.get("base")
+    pieces = {}   # name -> [first part, list of fragment tensors, bytes so far]
+    order = []
+    for i, (meta, frame) in enumerate(zip(metas, frames)):
+        if meta.get("i") != i or meta.get("v") != version or meta.get("base") != base:
+            raise SyncError(f"frame {i} of update v{version} is out of sequence: index "
+                            f"{meta.get('i')}, version {meta.get('v')}, base {meta.get('base')}")
+        if meta.get("last") != (i == len(frames) - 1):
+            raise SyncError(f"update v{version}: frame {i} of {len(frames)} has last="
+                            f"{meta.get('last')} (frames missing or out of sequence)")
+        offset = 0
+        for p in meta["parts"]:
+            name = p["n"]
+            if name not in pieces:
+                if p["at"] != 0:
+                    raise SyncError(f"update v{version}: tensor {name!r} starts at byte {p['at']}")
+                pieces[name] = [p, [], 0]
+                order.append(name)
+            first, chunks, got = pieces[name]
+            if p["at"] != got or any(p[k] != first[k] for k in ("k", "dt", "sh", "ck", "size")):
+                raise SyncError(f"update v{version}: fragments of tensor {name!r} do not line up")
+            chunks.append(frame.data[offset:offset + p["len"]])
+            pieces[name][2] = got + p["len"]
+            offset += p["len"]
+        if offset != frame.data.numel():
+            raise SyncError(f"update v{version}: frame {i} holds {frame.data.numel()} bytes, "
+                            f"its parts add up to {offset} (truncated or padded)")
+    entries = []
+    for name in order:
+        p, chunks, got = pieces[name]
+        if got != p["size"]:
+            raise SyncError(f"update v{version}: tensor {name!r} has {got} of {p['size']} bytes")
+        if p["k"] not in KINDS or p["dt"] not in DTYPES:
+            raise SyncError(f"update v{version}: tensor {name!r} has kind {p['k']!r}, "
+                            f"dtype {p['dt']!r}")
+        payload = chunks[0] if len(chunks) == 1 else torch.cat([c.to(chunks[0].device)
+                                                                for c in chunks])
+        entries.append(Entry(name, p["k"], DTYPES[p["dt"]], tuple(p["sh"]),
+                             bytes.fromhex(p["ck"]), payload))
+    if not isinstance(version, int) or not (base is None or isinstance(base, int)):
+        raise SyncError(f"update has version {version!r}, base {base!r}")
+    return Update(version, base, entries)
+
+
+class Transport(abc.ABC):
+    """What Sender and Receiver need from a transport (subclasses implement all four).
+
+    Sender side: ``send(version, base, entries, bucket_bytes)`` delivers one update
+    (``entries`` is a lazy iterator; ``base is None`` for a full snapshot) and
+    ``full_requested()`` says whether the next update must be a full snapshot.
+    Receiver side: ``recv(held, timeout)`` returns the next :class:`Update` for a receiver
+    holding version ``held`` (or None when nothing came within ``timeout`` seconds; None waits
+    forever) and ``report(version, ok)`` tells the sender side the outcome (``ok=False`` asks
+    for a full snapshot).
+    """
+    #: where frame data is placed (None: the device of the tensors being sent)
+    device = None
+
+    @abc.abstractmethod
+    def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
+             bucket_bytes: int) -> None:
+        """Deliver one update (sender side)."""
+
+    @abc.abstractmethod
+    def full_requested(self) -> bool:
+        """True when the next update must be a full snapshot (sender side)."""
+
+    @abc.abstractmethod
+    def recv(self, held: int, timeout: Optional[float]) -> Optional[Update]:
+        """The next update, or None if none came within ``timeout`` s (receiver side)."""
+
+    @abc.abstractmethod
+    def report(self, version: int, ok: bool) -> None:
+        """Tell the sender side how the last update went (receiver side)."""

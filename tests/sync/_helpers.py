@@ -1,0 +1,126 @@
+"""Shared pieces of the sync tests: a small model state, random sparse steps, and the bodies of
+the spawned processes (kept here so ``spawn`` can import them by name)."""
+import os
+import traceback
+
+import torch
+
+STEPS = 20
+# Odd sizes, three dtypes (bf16 weights, fp32 norms, int64 counters), one empty tensor.
+SHAPES = {"layer.0.w": ((37, 29), torch.bfloat16), "layer.0.norm": ((101,), torch.float32),
+          "layer.1.w": ((3, 7, 11), torch.bfloat16), "step": ((5,), torch.int64),
+          "empty": ((0, 3), torch.float32)}
+
+
+def make_state(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in SHAPES.items():
+        if dtype.is_floating_point:
+            out[name] = torch.randn(shape, generator=g).to(dtype)
+        else:
+            out[name] = torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+    return out
+
+
+def blank_like(state):
+    """Receiver-side tensors: same names/shapes/dtypes, bytes 0xFF (never the sender's)."""
+    out = {}
+    for k, v in state.items():
+        t = torch.empty_like(v)
+        t.view(-1).view(torch.uint8).fill_(0xFF) if t.numel() else None
+        out[k] = t
+    return out
+
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def sparse_step(state, step: int, seed: int = 0):
+    """Change a random sparse subset of elements in place (never element 0, so a test can
+    damage element 0 of a receiver and know no update repairs it by chance)."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    density = (0.0, 0.002, 0.02, 0.3)[step % 4]
+    for t in state.values():
+        bits = t.view(-1).view(_INT[t.element_size()])
+        if bits.numel() <= 1:
+            continue
+        mask = torch.rand(bits.numel(), generator=g) < density
+        mask[0] = False
+        pos = mask.nonzero().reshape(-1)
+        ulp = torch.randint(-2, 3, (pos.numel(),), generator=g, dtype=torch.int64)
+        bits[pos] = (bits[pos].to(torch.int64) + ulp).to(bits.dtype)   # ~one-ulp moves
+
+
+def raw_bytes(state):
+    return {k: v.contiguous().view(-1).view(torch.uint8).clone() for k, v in state.items()}
+
+
+def plain_bytes(state):
+    """Like raw_bytes but as ``bytes``: a tensor sent through a queue is shared by file
+    descriptor and cannot be unpickled once the sending process has exited."""
+    return {k: v.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+            for k, v in state.items()}
+
+
+def damage(t: torch.Tensor) -> None:
+    """Flip one bit of element 0 (see sparse_step)."""
+    t.view(-1).view(torch.uint8)[0] ^= 1
+
+
+# ---------------------------------------------------------------------------- IPC processes
+def ipc_receiver(link, report_q, drift_at):
+    """Receive STEPS + 1 updates; after each, send back (version, bytes or error text)."""
+    try:
+        torch.set_num_threads(1)
+        from glm_kernels import sync
+        params = blank_like(make_state())
+        receiver = sync.Receiver(link, params)
+        for step in range(STEPS + 1):
+            if step == drift_at:
+                damage(params["layer.0.w"])
+            try:
+                receiver.receive(timeout=120)
+                report_q.put((step, receiver.version, plain_bytes(params), None))
+            except sync.SyncError as exc:
+                report_q.put((step, receiver.version, plain_bytes(params), str(exc)))
+    except BaseException:
+        report_q.put(("crash", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------- gloo processes
+def gloo_rank(rank, world, init_file, encoding, drift_at, report_q):
+    """Rank 0 publishes STEPS + 1 versions, rank 1 receives; both report bytes per step."""
+    try:
+        torch.set_num_threads(1)
+        import datetime
+        import torch.distributed as dist
+        from glm_kernels import sync
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        link = sync.BroadcastTransport(src=0)
+        state = make_state()
+        if rank == 0:
+            sender = sync.Sender(link, delta=True, encoding=encoding, bucket_bytes=1500)
+            for step in range(STEPS + 1):
+                if step:
+                    sparse_step(state, step)
+                version = sender.publish(state)
+                report_q.put((0, step, version, plain_bytes(state), sender.last_stats.full))
+        else:
+            params = blank_like(state)
+            receiver = sync.Receiver(link, params)
+            for step in range(STEPS + 1):
+                if step == drift_at:
+                    damage(params["layer.0.w"])
+                error = None
+                try:
+                    receiver.poll()
+                except sync.SyncError as exc:
+                    error = str(exc)
+                report_q.put((1, step, receiver.version, plain_bytes(params), error))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        report_q.put(("crash", rank, traceback.format_exc()))
+        os._exit(1)
