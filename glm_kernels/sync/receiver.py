@@ -90,13 +90,29 @@ class Receiver:
     def poll(self) -> int:
         """Apply every update available now, in order, without waiting; returns the version.
 
+        A refused update does not stop the drain: later updates (such as the full snapshot
+        that the refusal asked for) are still applied. If any was refused, SyncError (or
+        VersionError if all refusals were about versions) is raised at the end, naming them.
         On a lock-step transport (``BroadcastTransport``) this receives exactly one update,
         waiting for it: every receiver must match every ``publish``.
         """
+        refusals = []
         while True:
-            got = self.receive(timeout=0)
+            try:
+                got = self.receive(timeout=0)
+            except SyncError as exc:
+                refusals.append(exc)
+                got = -1
             if got is None or getattr(self.transport, "lockstep", False):
-                return self.version
+                break
+        if len(refusals) == 1:
+            raise refusals[0]
+        if refusals:
+            kind = (VersionError if all(isinstance(e, VersionError) for e in refusals)
+                    else SyncError)
+            raise kind(f"{len(refusals)} updates refused, now holding v{self.version}: "
+                       + "; ".join(map(str, refusals))) from refusals[0]
+        return self.version
 
     def apply_update(self, update: Update) -> int:
         """Check ``update`` completely, then write it; returns the new version."""
