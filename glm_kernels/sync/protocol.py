@@ -5,9 +5,12 @@ snapshot (accepted by a receiver holding any older version); otherwise the updat
 applies only onto exactly version ``base``. An update is a list of *entries*, one per named
 tensor:
 
-* ``kind="full"``:  the tensor's bytes; ``checksum`` is the BLAKE2b-64 of those bytes.
+* ``kind="full"``:  the tensor's bytes; ``checksum`` is :func:`digest` of those bytes.
 * ``kind="delta"``: a ``glm_kernels.delta`` packet (``DeltaPacket.to_bytes()``, which carries
-  its own packet and result checksums); ``checksum`` is the BLAKE2b-64 of the packet bytes.
+  its own packet and result checksums); ``checksum`` is :func:`digest` of the packet bytes.
+
+:func:`digest` is BLAKE2b-64 for up to 4 MiB, and a one-level tree of BLAKE2b-64 over 4 MiB
+chunks above (so large tensors hash on several cores).
 
 Streaming transports (IPC queue, torch.distributed, in-process) cut the entries into *frames*
 of at most ``bucket_bytes`` of payload (a tensor larger than a bucket spans several frames).
@@ -17,7 +20,7 @@ fragments back to back; ``meta`` is sealed bytes::
     b"GLMS" | u16 format version | u32 JSON length | 8B BLAKE2b-64 of the JSON | JSON
 
 and the JSON is ``{"v": version, "base": base, "i": frame index, "last": bool, "parts":
-[{"n": name, "k": kind, "dt": dtype, "sh": shape, "ck": checksum hex, "size": entry bytes,
+[{"n": name, "k": kind, "dt": dtype, "sh": shape, "ck": digest hex, "size": entry bytes,
 "at": fragment offset in the entry, "len": fragment bytes}, ...]}``. ``last`` is repeated
 outside the seal so a transport can find the end of an update even when the meta is corrupt.
 :func:`assemble` checks every frame and rebuilds the entries; the receiver then checks every
@@ -26,8 +29,10 @@ entry against its own tensors before writing any of them.
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, NamedTuple, Optional
@@ -60,11 +65,27 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+_CHUNK = 4 << 20
+_pool = None
+
+
 def digest(data) -> bytes:
-    """BLAKE2b-64 of a uint8 tensor (any device) or a bytes-like object."""
+    """Checksum of a uint8 tensor (any device) or bytes-like object: BLAKE2b-64 of the bytes
+    up to 4 MiB; above, BLAKE2b-64 of the concatenated BLAKE2b-64 digests of the 4 MiB chunks
+    (hashed in parallel threads: hashlib releases the GIL; the value does not depend on the
+    thread count)."""
+    global _pool
     if isinstance(data, torch.Tensor):
         data = data.cpu().numpy()
-    return hashlib.blake2b(memoryview(data), digest_size=8).digest()
+    view = memoryview(data).cast("B")
+    if len(view) <= _CHUNK:
+        return hashlib.blake2b(view, digest_size=8).digest()
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                      thread_name_prefix="glm_sync_digest")
+    chunks = [view[i:i + _CHUNK] for i in range(0, len(view), _CHUNK)]
+    parts = _pool.map(lambda c: hashlib.blake2b(c, digest_size=8).digest(), chunks)
+    return hashlib.blake2b(b"".join(parts), digest_size=8).digest()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -189,6 +210,16 @@ def assemble(frames: List[Frame]) -> Update:
     """Rebuild the update from its frames; raises SyncError if anything does not add up."""
     if not frames:
         raise SyncError("empty update: no frames")
+    try:
+        return _assemble(frames)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, SyncError):
+            raise
+        # a meta that passed its seal but lacks or mistypes a field: a broken sender
+        raise SyncError(f"malformed frame meta: {type(exc).__name__}: {exc}") from exc
+
+
+def _assemble(frames: List[Frame]) -> Update:
     metas = [open_meta(f.meta) for f in frames]
     head = metas[0]
     version, base = head.get("v"), head.get("base")
@@ -204,6 +235,8 @@ def assemble(frames: List[Frame]) -> Update:
         offset = 0
         for p in meta["parts"]:
             name = p["n"]
+            if not all(isinstance(p[k], int) and p[k] >= 0 for k in ("at", "len", "size")):
+                raise SyncError(f"update v{version}: tensor {name!r} has a bad fragment {p}")
             if name not in pieces:
                 if p["at"] != 0:
                     raise SyncError(f"update v{version}: tensor {name!r} starts at byte {p['at']}")

@@ -275,3 +275,18 @@ def test_non_contiguous_sender_tensor_and_shared_storage():
     receiver.poll()
     for k in named:
         assert torch.equal(params[k], named[k])
+
+
+def test_receiver_writes_into_module_parameters():
+    torch.manual_seed(0)
+    trainer, rollout = torch.nn.Linear(7, 5), torch.nn.Linear(7, 5)
+    link = sync.LocalTransport()
+    sender = sync.Sender(link)
+    receiver = sync.Receiver(link, dict(rollout.named_parameters()))
+    sender.publish(trainer.state_dict())
+    with torch.no_grad():
+        trainer.weight[2, 3] += 1.0
+    sender.publish(trainer.state_dict())
+    assert receiver.poll() == 2
+    for name, p in rollout.named_parameters():
+        assert p.requires_grad and torch.equal(p, trainer.state_dict()[name])

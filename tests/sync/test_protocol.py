@@ -100,3 +100,26 @@ def test_docs_first_example_runs():
     exec(compile(block, "docs/sync.md", "exec"), namespace)
     stats = namespace["sender"].last_stats
     assert not stats.full and stats.changed == 44 and stats.delta_tensors == 2
+
+
+def test_digest_tree_above_one_chunk_detects_any_flip():
+    from glm_kernels.sync.protocol import _CHUNK, digest
+    data = torch.randint(0, 256, (2 * _CHUNK + 5,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1))
+    ref = digest(data)
+    assert digest(data.numpy().tobytes()) == ref          # tensor and bytes agree
+    for pos in (0, _CHUNK - 1, _CHUNK, 2 * _CHUNK + 4):
+        flipped = data.clone()
+        flipped[pos] ^= 1
+        assert digest(flipped) != ref
+    assert digest(data[:-1]) != ref
+
+
+def test_sealed_but_malformed_meta_refused():
+    good = list(pack(1, None, iter(_entries()), 1 << 10))
+    for meta in ({"v": 1, "base": None, "i": 0, "last": True},                 # no parts
+                 {"v": 1, "base": None, "i": 0, "last": True,
+                  "parts": [{"n": "a", "k": "full", "dt": "float32", "sh": [1], "ck": "00",
+                             "size": 4, "at": 0, "len": -4}]}):
+        with pytest.raises(SyncError, match="malformed|bad fragment"):
+            assemble([good[0]._replace(meta=seal_meta(meta))])
