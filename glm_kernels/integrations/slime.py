@@ -1,0 +1,252 @@
+"""slime plug-ins: IcePop through glm_kernels, loaded by slime's custom-path flags.
+
+Nothing here imports slime or Megatron at module import; the functions only read the
+``args`` namespace and the batch dicts slime hands them (the CP > 1 path imports slime's own
+response slicer lazily). Signatures follow THUDM/slime at commit 624b824 (2026-08-21):
+
+* :func:`icepop_loss_function` -- ``--loss-type custom_loss
+  --custom-loss-function-path glm_kernels.integrations.slime.icepop_loss_function``.
+  Called as ``func(args, batch, logits, sum_of_sample_mean)`` and must return
+  ``(loss, metrics)`` (slime/backends/megatron_utils/loss.py, ``loss_function``).
+* :func:`icepop_tis_function` -- ``--use-tis
+  --custom-tis-function-path glm_kernels.integrations.slime.icepop_tis_function`` with the
+  default ``--loss-type policy_loss``. Called with keyword arguments ``args, pg_loss,
+  train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths`` and
+  must return ``(pg_loss, loss_masks, metrics)`` (same file, ``policy_loss_function``).
+* :func:`opd_log_ratio_advantages` -- ``--custom-advantage-function-path
+  glm_kernels.integrations.slime.opd_log_ratio_advantages`` with ``--use-opd
+  --opd-kl-coef 0``. Called as ``fn(args, rollout_data)``; sets ``advantages`` and
+  ``returns`` in place (same file, ``compute_advantages_and_returns``).
+
+slime loads each path with ``importlib`` on the dotted name (slime/utils/misc.py,
+``load_function``). The IcePop gate is slime's TIS interval ``[--tis-clip-low, --tis-clip]``
+(IcePop with beta = 2: ``--tis-clip-low 0.5 --tis-clip 2.0``); the PPO clip is
+``[1 - --eps-clip, 1 + --eps-clip-high]``. docs/slime.md has the full flag list.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..loss import icepop_loss, opd_advantages, selective_logprobs
+
+__all__ = ["icepop_loss_function", "icepop_tis_function", "opd_log_ratio_advantages",
+           "icepop_gate_weights"]
+
+
+def _gate_bounds(args) -> Tuple[float, float]:
+    low, high = float(getattr(args, "tis_clip_low", 0.0)), float(getattr(args, "tis_clip", 2.0))
+    if not 0.0 <= low < high:
+        raise ValueError(f"IcePop gate needs 0 <= --tis-clip-low < --tis-clip, got "
+                         f"tis_clip_low={low}, tis_clip={high} (IcePop beta=2: 0.5 and 2.0)")
+    return low, high
+
+
+def _clip_eps(args) -> Tuple[float, float]:
+    low = float(getattr(args, "eps_clip", 0.2))
+    high = getattr(args, "eps_clip_high", None)
+    return low, float(low if high is None else high)
+
+
+def icepop_gate_weights(gate_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                        loss_mask: Optional[torch.Tensor], gate_low: float, gate_high: float
+                        ) -> torch.Tensor:
+    """Per-token IcePop weight ``w = k * 1[lo <= k <= hi] * m`` with ``k = exp(x - rollout)``.
+
+    Computed by the ``icepop_loss`` kernel itself (no second copy of the gate's clamping and
+    NaN rules): in decoupled mode with ``old_logprobs = logprobs = x`` and advantage 1 the
+    ratio r is exactly 1, so the per-token loss is ``-w``. fp32 [N], no gradient.
+    """
+    x = gate_logprobs.detach().float()
+    ones = torch.ones_like(x)
+    per_token = icepop_loss(x, rollout_logprobs.detach(), ones, loss_mask, old_logprobs=x,
+                            gate_low=gate_low, gate_high=gate_high, reduction="none")
+    return -per_token
+
+
+def _response_logprobs(args, batch, logits: torch.Tensor) -> List[torch.Tensor]:
+    """log pi_theta of every response token, one fp32 tensor [R_i] per sample, in slime's
+    layout (the order and CP slicing ``sum_of_sample_mean`` expects)."""
+    if logits.dim() != 3 or logits.shape[0] != 1:
+        raise ValueError(f"logits must be slime's packed [1, T, V] tensor, got shape "
+                         f"{tuple(logits.shape)}")
+    temperature = float(getattr(args, "rollout_temperature", 1.0))
+    tp_group = None
+    if int(getattr(args, "tensor_model_parallel_size", 1)) > 1:
+        from megatron.core import mpu  # only inside a Megatron run
+        tp_group = mpu.get_tensor_model_parallel_group()
+    kwargs = {"temperature": temperature}
+    if tp_group is not None:
+        kwargs["tp_group"] = tp_group   # logits are this rank's vocab shard
+    if int(getattr(args, "context_parallel_size", 1)) > 1 or getattr(args, "allgather_cp", False):
+        # CP splits every sequence in two chunks per rank; slime's own slicer knows the layout.
+        from slime.backends.megatron_utils.loss import get_responses
+        return [selective_logprobs(chunk, tokens, **kwargs) for chunk, tokens in get_responses(
+            logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
+            total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+            apply_temperature=False)]
+    flat = logits[0]
+    rows, targets, sizes, end = [], [], [], 0
+    for tokens, total, resp in zip(batch["unconcat_tokens"], batch["total_lengths"],
+                                   batch["response_lengths"]):
+        end += int(total)
+        # Position t predicts token t + 1: the response [end - R, end) comes from rows
+        # [end - R - 1, end - 1) of the packed stream.
+        rows.append(torch.arange(end - resp - 1, end - 1, device=flat.device))
+        targets.append(tokens[-resp:] if resp else tokens[:0])
+        sizes.append(int(resp))
+    if end > flat.shape[0]:
+        raise ValueError(f"total_lengths sum to {end} but logits hold {flat.shape[0]} positions")
+    picked = flat.index_select(0, torch.cat(rows)) if rows else flat[:0]
+    lp = selective_logprobs(picked, torch.cat(targets).to(flat.device).long(), **kwargs)
+    return list(lp.split(sizes))
+
+
+def _cat(xs, device) -> torch.Tensor:
+    return torch.cat([torch.as_tensor(x, device=device).float().reshape(-1) for x in xs])
+
+
+def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
+                         sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor]
+                         ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """slime custom loss: IcePop on log-probs computed from ``logits`` by glm_kernels.
+
+    Parameters (as slime passes them)
+    ----------
+    args : slime's argument namespace. Read: ``use_rollout_logprobs`` (coupled mode, no
+        recomputed old log-probs), ``tis_clip_low`` / ``tis_clip`` (gate), ``eps_clip`` /
+        ``eps_clip_high`` (PPO clip), ``rollout_temperature``, ``tensor_model_parallel_size``,
+        ``context_parallel_size``, ``calculate_per_token_loss``.
+    batch : dict of per-sample lists for one micro-batch: ``unconcat_tokens`` [total_i] int64,
+        ``total_lengths`` / ``response_lengths`` ints, ``loss_masks`` [R_i] int,
+        ``advantages`` [R_i] fp32, ``rollout_log_probs`` [R_i] fp32, optionally ``log_probs``
+        [R_i] (recomputed old policy; switches to decoupled IcePop unless
+        ``use_rollout_logprobs``) and ``teacher_log_probs`` [R_i] (logged as OPD reverse KL).
+    logits : [1, T, V] fp32, or [1, T, V / tp] under tensor parallelism.
+    sum_of_sample_mean : slime's reducer: per-token [sum R_i] -> sum over samples of the
+        masked sample mean (or the per-token sum when ``--calculate-per-token-loss``).
+
+    Returns
+    -------
+    (loss, metrics): scalar loss with gradient to ``logits``; metrics of 0-dim detached
+    tensors, each a sum over samples that slime divides by the step's sample count:
+    ``pg_loss``, ``pop_frac``, ``clip_frac``, ``train_rollout_logprob_abs_diff`` and
+    ``opd_reverse_kl`` when the batch carries teacher log-probs.
+    """
+    if getattr(args, "use_kl_loss", False) or float(getattr(args, "entropy_coef", 0.0)) != 0.0:
+        raise ValueError("icepop_loss_function computes the IcePop policy loss only; for "
+                         "--use-kl-loss or --entropy-coef use --loss-type policy_loss with "
+                         "--custom-tis-function-path glm_kernels.integrations.slime."
+                         "icepop_tis_function")
+    for key in ("unconcat_tokens", "total_lengths", "response_lengths", "loss_masks",
+                "advantages", "rollout_log_probs"):
+        if not batch.get(key):
+            raise ValueError(f"icepop_loss_function: batch[{key!r}] is missing or empty "
+                             f"(slime provides it for policy training)")
+    device = logits.device
+    logprobs = torch.cat(_response_logprobs(args, batch, logits))
+    rollout = _cat(batch["rollout_log_probs"], device)
+    advantages = _cat(batch["advantages"], device)
+    mask = _cat(batch["loss_masks"], device)
+    if not (logprobs.shape == rollout.shape == advantages.shape == mask.shape):
+        raise ValueError(f"per-token lengths disagree: log-probs {tuple(logprobs.shape)}, "
+                         f"rollout_log_probs {tuple(rollout.shape)}, advantages "
+                         f"{tuple(advantages.shape)}, loss_masks {tuple(mask.shape)}")
+    old = None
+    if not getattr(args, "use_rollout_logprobs", False) and batch.get("log_probs"):
+        old = _cat(batch["log_probs"], device)          # decoupled: gate on exp(old - rollout)
+    gate_low, gate_high = _gate_bounds(args)
+    eps_low, eps_high = _clip_eps(args)
+    per_token, m = icepop_loss(logprobs, rollout, advantages, mask, old_logprobs=old,
+                               gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
+                               eps_high=eps_high, reduction="none", return_metrics=True)
+    loss = sum_of_sample_mean(per_token)
+    if logprobs.numel() == 0:            # keep every rank's graph connected (as slime does)
+        loss = loss + 0.0 * logits.sum()
+    weights = icepop_gate_weights(old if old is not None else logprobs, rollout, mask,
+                                  gate_low, gate_high)
+    popped = ((weights == 0) & (mask != 0)).float()
+    # clip_frac is a micro-batch fraction from the kernel: weight it like slime's reducer
+    # weights a per-sample mean (samples, or tokens with --calculate-per-token-loss).
+    weight = float(mask.sum()) if getattr(args, "calculate_per_token_loss", False) \
+        else float(len(batch["response_lengths"]))
+    metrics = {
+        "loss": loss.detach().clone(),
+        "pg_loss": loss.detach().clone(),
+        "pop_frac": sum_of_sample_mean(popped).detach(),
+        "clip_frac": (m["clip_frac"] * weight).detach(),
+        "train_rollout_logprob_abs_diff":
+            sum_of_sample_mean((logprobs.detach() - rollout).abs()).detach(),
+    }
+    if batch.get("teacher_log_probs"):
+        teacher = _cat(batch["teacher_log_probs"], device)
+        metrics["opd_reverse_kl"] = sum_of_sample_mean(logprobs.detach() - teacher).detach()
+    return loss, metrics
+
+
+def icepop_tis_function(args, *, pg_loss: torch.Tensor, train_log_probs: List[torch.Tensor],
+                        rollout_log_probs: List[torch.Tensor], loss_masks: List[torch.Tensor],
+                        **kwargs) -> Tuple[torch.Tensor, List[torch.Tensor],
+                                           Dict[str, torch.Tensor]]:
+    """slime TIS hook: IcePop's gate on the recomputed-vs-rollout mismatch.
+
+    slime's ``pg_loss`` [N] is already the clipped PPO term on r = exp(logprobs - old); this
+    multiplies it by ``w = k * 1[lo <= k <= hi]`` with k = exp(old - rollout), which makes
+    the whole term DESIGN 3.1's decoupled IcePop. Popped tokens contribute exactly 0 (also
+    when their ``pg_loss`` is inf or NaN) and stay in the denominators (``loss_masks`` are
+    returned unchanged). Metrics are per-token tensors that slime reduces with its
+    ``sum_of_sample_mean``: ``tis`` (the weight w), ``tis_pop`` (1 where popped) and
+    ``tis_abs`` (|k - 1| on kept tokens).
+    """
+    if not (len(train_log_probs) == len(rollout_log_probs) == len(loss_masks)):
+        raise ValueError(f"train_log_probs, rollout_log_probs and loss_masks must list the same "
+                         f"samples, got {len(train_log_probs)}, {len(rollout_log_probs)}, "
+                         f"{len(loss_masks)}")
+    device = pg_loss.device
+    old = _cat(train_log_probs, device)
+    rollout = _cat(rollout_log_probs, device)
+    mask = _cat(loss_masks, device)
+    if not (old.shape == rollout.shape == mask.shape == pg_loss.shape):
+        raise ValueError(f"per-token lengths disagree: pg_loss {tuple(pg_loss.shape)}, "
+                         f"train_log_probs {tuple(old.shape)}, rollout_log_probs "
+                         f"{tuple(rollout.shape)}, loss_masks {tuple(mask.shape)}")
+    gate_low, gate_high = _gate_bounds(args)
+    w = icepop_gate_weights(old, rollout, None, gate_low, gate_high)
+    kept = w != 0
+    weighted = torch.where(kept, pg_loss * w.to(pg_loss.dtype), torch.zeros_like(pg_loss))
+    metrics = {"tis": w, "tis_pop": (~kept).float(),
+               "tis_abs": torch.where(kept, (w - 1.0).abs(), torch.zeros_like(w))}
+    return weighted, loss_masks, metrics
+
+
+def opd_log_ratio_advantages(args, rollout_data: Dict) -> None:
+    """slime custom advantages for on-policy distillation, GLM-5 form: A_t = sg(log pi_T -
+    log pi_S) per response token (``opd_advantages(form="log_ratio")``), no outcome reward.
+
+    The student log-probs are ``rollout_log_probs`` with ``--use-rollout-logprobs``, else the
+    trainer's recomputed ``log_probs``; the teacher's come from ``--use-opd`` (``--opd-type
+    sglang`` or ``megatron``). slime adds ``-opd_kl_coef * (student - teacher)`` after this
+    hook when ``--use-opd`` is on, so ``--opd-kl-coef`` must be 0 (checked).
+    """
+    if getattr(args, "use_opd", False) and float(getattr(args, "opd_kl_coef", 0.0)) != 0.0:
+        raise ValueError(f"opd_log_ratio_advantages sets the whole OPD advantage; pass "
+                         f"--opd-kl-coef 0 (got {args.opd_kl_coef}) so slime does not add its "
+                         f"own KL penalty on top")
+    key = "rollout_log_probs" if getattr(args, "use_rollout_logprobs", False) else "log_probs"
+    student = rollout_data.get(key)
+    teacher = rollout_data.get("teacher_log_probs")
+    if not student:
+        raise ValueError(f"opd_log_ratio_advantages: rollout_data[{key!r}] is missing "
+                         f"(student log-probs)")
+    if not teacher:
+        raise ValueError("opd_log_ratio_advantages: rollout_data['teacher_log_probs'] is "
+                         "missing; enable --use-opd with --opd-type sglang or megatron")
+    if len(student) != len(teacher):
+        raise ValueError(f"{len(student)} student and {len(teacher)} teacher samples")
+    advantages = []
+    for s, t in zip(student, teacher):
+        t = torch.as_tensor(t, device=s.device)
+        advantages.append(opd_advantages(s.float(), t.float(), form="log_ratio"))
+    rollout_data["advantages"] = advantages
+    rollout_data["returns"] = list(advantages)
