@@ -1,0 +1,511 @@
+"""Triton kernels of the top-k package. No validation here: launchers get 2-D row views.
+
+Every kernel ranks elements by an order-preserving signed integer key (``_order_key``) whose
+order is ``torch.sort``'s: NaN above +inf (all NaNs equal), -0.0 equal to +0.0; for
+``largest=False`` the key is complemented, so every kernel always selects the LARGEST keys.
+Ties go to the smaller index because, for keys of at most 32 bits, the index is packed into
+the low half of a 64-bit key as ``0xFFFFFFFF - index``: all packed keys of a row differ, so
+any correct sorting network gives one answer. Empty slots carry ``PAD`` (below every real
+packed key, since a real one has a nonzero low half).
+
+* ``_topk_short_kernel``: a few rows per program, each row in registers, bitonic top-k
+  (``tl.topk``) of the packed keys.
+* ``_topk_radix_kernel``: one row per program, any length. Radix select: RADIX_BITS-bit
+  histogram passes from the most significant digit find the k-th largest key T and how many
+  of its ties to take; a gather pass in index order then takes every key > T and the first
+  ``need`` keys == T (positions from prefix sums, never from atomics); finally the k packed
+  keys are sorted in registers (or, for 64-bit keys / very large k, left in index order for
+  the launcher's stable sort).
+* ``_moe_route_kernel``: DeepSeek-V3 ``noaux_tc`` routing for a few tokens per program.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .._aot import AotSpec
+
+PAD = tl.constexpr(-(2 ** 63))     # packed key of an empty slot
+
+
+@triton.jit
+def _order_key(x, IS_FLOAT: tl.constexpr, KEY_BITS: tl.constexpr, LARGEST: tl.constexpr):
+    """Signed integer key (int32 for <= 32-bit inputs, int64 otherwise) in torch.sort order.
+
+    Floats: non-negative bit patterns already order like their values; negative ones order
+    backwards, so their 15 (31, 63) value bits are flipped. -0.0 maps to +0.0's key and every
+    NaN to the largest key. ``LARGEST=False`` complements the key (reverses the order).
+    NaN and zero are recognised from the bits (the interpreter compares bf16 as integers).
+    """
+    if IS_FLOAT:
+        if KEY_BITS == 16:
+            bits = x.to(tl.int16, bitcast=True).to(tl.int32)
+            magnitude_mask: tl.constexpr = 0x7FFF
+            inf_bits: tl.constexpr = 0x7F80 if x.dtype.is_bf16() else 0x7C00
+        elif KEY_BITS == 32:
+            bits = x.to(tl.int32, bitcast=True)
+            magnitude_mask: tl.constexpr = 0x7FFFFFFF
+            inf_bits: tl.constexpr = 0x7F800000
+        else:
+            bits = x.to(tl.int64, bitcast=True)
+            magnitude_mask: tl.constexpr = 0x7FFFFFFFFFFFFFFF
+            inf_bits: tl.constexpr = 0x7FF0000000000000
+        magnitude = bits & magnitude_mask
+        key = tl.where(bits < 0, bits ^ magnitude_mask, bits)
+        key = tl.where(magnitude > inf_bits, magnitude_mask, key)     # every NaN
+        key = tl.where(magnitude == 0, 0, key)                         # -0.0 == +0.0
+    else:
+        key = x
+    if not LARGEST:
+        key = ~key
+    return key
+
+
+@triton.jit
+def _pack(key, index):
+    """(key << 32) | (0xFFFFFFFF - index): larger key first, then smaller index first."""
+    return (key.to(tl.int64) << 32) | (0xFFFFFFFF - index.to(tl.int64))
+
+
+@triton.jit
+def _unpack_index(packed):
+    return 0xFFFFFFFF - (packed & 0xFFFFFFFF)
+
+
+@triton.jit
+def _radix_ukey(key, KEY_BITS: tl.constexpr):
+    """The key's bits arranged so that unsigned order (and digit order) is the key's order."""
+    if KEY_BITS == 16:
+        return key + 32768                       # int32 in [0, 65535]
+    elif KEY_BITS == 32:
+        return key ^ -2147483648                 # flip the sign bit of the int32 pattern
+    else:
+        return key ^ -9223372036854775808
+
+
+@triton.jit
+def _radix_key_of_ukey(ukey, KEY_BITS: tl.constexpr):
+    if KEY_BITS == 16:
+        return ukey - 32768
+    elif KEY_BITS == 32:
+        return ukey ^ -2147483648
+    else:
+        return ukey ^ -9223372036854775808
+
+
+@triton.constexpr_function
+def _digit_shift(key_bits, radix_bits, pass_id):
+    """Lowest bit of the digit examined by pass ``pass_id`` (digits go from the top)."""
+    return max(key_bits - (pass_id + 1) * radix_bits, 0)
+
+
+@triton.constexpr_function
+def _digit_mask(key_bits, radix_bits, pass_id):
+    top = key_bits - pass_id * radix_bits
+    return (1 << (top - max(top - radix_bits, 0))) - 1
+
+
+@triton.constexpr_function
+def _num_passes(key_bits, radix_bits):
+    return -(-key_bits // radix_bits)
+
+
+# --------------------------------------------------------------------------- bitonic network
+# Triton's tl.topk swaps partners with an xor-reduction, which its interpreter runs one
+# element at a time in Python; this network takes max/min over each pair instead (one
+# shuffle each on the GPU, vectorised numpy in the interpreter) and is otherwise the same
+# algorithm (Shanbhag et al., "Efficient Top-K Query Processing on Massively Parallel
+# Hardware"): sort blocks of K, then repeatedly keep the larger half of each pair of blocks.
+@triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.jit
+def _pair_position(n_dims: tl.constexpr, j: tl.constexpr):
+    """0/1 along hypercube axis j (counted from the innermost), size 1 elsewhere."""
+    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+
+
+@triton.jit
+def _compare_swap(h, descending, j: tl.constexpr):
+    """One compare-exchange round on hypercube axis j: each pair ends ascending, or
+    descending where ``descending`` (0/1, broadcastable) is 1."""
+    n_dims: tl.constexpr = _log2(h.numel)
+    larger = tl.max(h, axis=n_dims - 1 - j, keep_dims=True)
+    smaller = tl.min(h, axis=n_dims - 1 - j, keep_dims=True)
+    takes_larger = (descending ^ _pair_position(n_dims, j)) != 0
+    return tl.where(takes_larger, larger, smaller)
+
+
+@triton.jit
+def _bitonic_merge(h, stage: tl.constexpr, order: tl.constexpr):
+    """Merge bitonic runs of 2**stage; order 0 ascending, 1 descending, 2 alternating."""
+    if order == 2:
+        descending = _pair_position(_log2(h.numel), stage)
+    else:
+        descending = order
+    for i in tl.static_range(stage):
+        h = _compare_swap(h, descending, stage - 1 - i)
+    return h
+
+
+@triton.jit
+def _topk_desc(x, K: tl.constexpr):
+    """The K largest along the last dim (power of two sizes), sorted descending."""
+    N: tl.constexpr = x.shape[len(x.shape) - 1]
+    log_n: tl.constexpr = _log2(N)
+    log_k: tl.constexpr = _log2(K)
+    if log_k == 0:
+        out = tl.max(x, axis=len(x.shape) - 1, keep_dims=True)
+    else:
+        h = tl.reshape(x, [2] * _log2(x.numel))
+        for i in tl.static_range(1, log_k + 1):
+            h = _bitonic_merge(h, i, 2 if i < log_n else 1)
+        for i in tl.static_range(log_k + 1, log_n + 1):
+            h = tl.max(h, axis=_log2(h.numel) - 1 - log_k)
+            h = _bitonic_merge(h, log_k, 2 if i < log_n else 1)
+        out = tl.reshape(h, x.shape[:-1] + [K])
+    return out
+
+
+# --------------------------------------------------------------------------- short rows
+@triton.jit
+def _topk_short_kernel(
+    # tensors: x [rows, row_stride], lengths [rows] (int32/int64), outputs [rows, k]
+    x_ptr, lengths_ptr, values_ptr, indices_ptr,
+    # shapes
+    n_rows, n_cols, x_row_stride, k, fill,
+    # code paths and tile sizes
+    HAS_LENGTHS: tl.constexpr, IS_FLOAT: tl.constexpr, KEY_BITS: tl.constexpr,
+    LARGEST: tl.constexpr, SORTED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    K_POW2: tl.constexpr,
+):
+    """Top-k of ROWS rows of at most BLOCK entries, all in registers (keys <= 32 bits)."""
+    tl.static_assert(KEY_BITS <= 32, "the short-row kernel packs the index into the key")
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, BLOCK)
+    if HAS_LENGTHS:
+        n_valid = tl.load(lengths_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+        n_valid = tl.minimum(tl.maximum(n_valid, 0), n_cols)
+    else:
+        n_valid = tl.zeros([ROWS], tl.int32) + n_cols
+    valid = row_ok[:, None] & (cols[None, :] < n_valid[:, None])
+    row_ptr = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    x = tl.load(row_ptr + cols[None, :], mask=valid)
+    packed = tl.where(valid, _pack(_order_key(x, IS_FLOAT, KEY_BITS, LARGEST), cols[None, :]),
+                      PAD)
+    best = _topk_desc(packed, K_POW2)                                # [ROWS, K_POW2], descending
+    slot = tl.arange(0, K_POW2)[None, :]
+    out_offs = rows.to(tl.int64)[:, None] * k + slot
+    if SORTED:
+        found = best != PAD
+        index = tl.where(found, _unpack_index(best), -1)
+        keep = row_ok[:, None] & (slot < k)
+        value = tl.load(row_ptr + index, mask=keep & found, other=fill)   # the element's bits
+        tl.store(values_ptr + out_offs, value, mask=keep)
+        tl.store(indices_ptr + out_offs, index, mask=keep)
+    else:
+        # Threshold = the k-th largest packed key; the selected set, written in index order.
+        kth = tl.sum(tl.where(slot == k - 1, best, 0), axis=1)
+        chosen = valid & (packed >= kth[:, None])
+        chosen_i = chosen.to(tl.int32)
+        pos = tl.cumsum(chosen_i, axis=1) - 1
+        dst = rows.to(tl.int64)[:, None] * k + pos
+        tl.store(values_ptr + dst, x, mask=chosen)
+        tl.store(indices_ptr + dst, cols[None, :].to(tl.int64), mask=chosen)
+        count = tl.sum(chosen_i, axis=1)
+        empty = row_ok[:, None] & (slot >= count[:, None]) & (slot < k)
+        fill_value = tl.zeros([ROWS, K_POW2], values_ptr.dtype.element_ty) + fill
+        tl.store(values_ptr + out_offs, fill_value, mask=empty)
+        tl.store(indices_ptr + out_offs, tl.zeros([ROWS, K_POW2], tl.int64) - 1, mask=empty)
+
+
+# --------------------------------------------------------------------------- long rows
+@triton.jit
+def _radix_threshold(row_ptr, n_valid, need, IS_FLOAT: tl.constexpr, KEY_BITS: tl.constexpr,
+                     LARGEST: tl.constexpr, RADIX_BITS: tl.constexpr, TILE: tl.constexpr):
+    """(T, need): T is the need-th largest key of the row; take every key > T and the first
+    ``need`` (returned, >= 1) keys equal to T. One histogram pass per RADIX_BITS-bit digit."""
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    bins = tl.arange(0, BINS)
+    if KEY_BITS == 64:
+        prefix = tl.zeros([], tl.int64)
+    else:
+        prefix = tl.zeros([], tl.int32)
+    for p in tl.static_range(_num_passes(KEY_BITS, RADIX_BITS)):
+        shift = _digit_shift(KEY_BITS, RADIX_BITS, p)             # constexpr per pass
+        digit_mask = _digit_mask(KEY_BITS, RADIX_BITS, p)
+        top = KEY_BITS - p * RADIX_BITS                            # bits >= top are decided
+        hist = tl.zeros([BINS], tl.int32)
+        for start in range(0, n_valid, TILE):
+            offs = start + tl.arange(0, TILE)
+            in_row = offs < n_valid
+            x = tl.load(row_ptr + offs, mask=in_row)
+            ukey = _radix_ukey(_order_key(x, IS_FLOAT, KEY_BITS, LARGEST), KEY_BITS)
+            if p == 0:
+                match = in_row
+            else:
+                # Arithmetic shifts of both sides: equal iff the decided bits are equal.
+                match = in_row & ((ukey >> top) == (prefix >> top))
+            digit = ((ukey >> shift) & digit_mask).to(tl.int32)
+            hist += tl.histogram(digit, BINS, mask=match)
+        # The digit d whose bin holds the need-th largest: count(> d) < need <= count(>= d).
+        at_or_above = tl.cumsum(hist, 0, reverse=True)
+        d = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix = prefix | (d.to(prefix.dtype) << shift)
+    return _radix_key_of_ukey(prefix, KEY_BITS), need
+
+
+@triton.jit
+def _topk_radix_kernel(
+    # tensors: x [rows, row_stride]; lengths [rows]; outputs [rows, k]; scratch [rows, K_POW2]
+    x_ptr, lengths_ptr, values_ptr, indices_ptr, scratch_ptr,
+    # shapes
+    n_cols, x_row_stride, k, fill,
+    # code paths and tile sizes
+    HAS_LENGTHS: tl.constexpr, IS_FLOAT: tl.constexpr, KEY_BITS: tl.constexpr,
+    LARGEST: tl.constexpr, SORT_IN_KERNEL: tl.constexpr, RADIX_BITS: tl.constexpr,
+    TILE: tl.constexpr, K_POW2: tl.constexpr,
+):
+    """Top-k of one row of any length: radix select, ordered gather, optional register sort.
+
+    SORT_IN_KERNEL=False writes the selected set in ascending index order (``sorted=False``;
+    the launcher stable-sorts it when sorted output is wanted). SORT_IN_KERNEL=True (keys
+    <= 32 bits) writes packed keys to ``scratch``, then sorts the K_POW2 of them in registers.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * x_row_stride
+    if HAS_LENGTHS:
+        n_valid = tl.load(lengths_ptr + row).to(tl.int32)
+        n_valid = tl.minimum(tl.maximum(n_valid, 0), n_cols)
+    else:
+        n_valid = n_cols
+    need = tl.minimum(n_valid, k)
+    if KEY_BITS == 64:
+        threshold = tl.full([], -9223372036854775808, tl.int64)
+    else:
+        threshold = tl.full([], -2147483648, tl.int32)
+    if n_valid > k:          # otherwise every valid entry is taken: T = the smallest key
+        threshold, need = _radix_threshold(row_ptr, n_valid, need, IS_FLOAT, KEY_BITS,
+                                           LARGEST, RADIX_BITS, TILE)
+
+    # Gather in index order: positions and tie ranks are prefix sums, so the output order
+    # never depends on thread timing. Stops once k entries are taken.
+    taken = tl.zeros([], tl.int32)
+    ties_seen = tl.zeros([], tl.int32)
+    out_row = row * k
+    start = 0
+    while (start < n_valid) & (taken < k):
+        offs = start + tl.arange(0, TILE)
+        in_row = offs < n_valid
+        x = tl.load(row_ptr + offs, mask=in_row)
+        key = _order_key(x, IS_FLOAT, KEY_BITS, LARGEST)
+        tie = in_row & (key == threshold)
+        tie_i = tie.to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie_i, 0) - tie_i
+        chosen = (in_row & (key > threshold)) | (tie & (tie_rank < need))
+        chosen_i = chosen.to(tl.int32)
+        pos = taken + tl.cumsum(chosen_i, 0) - chosen_i
+        if SORT_IN_KERNEL:
+            tl.store(scratch_ptr + row * K_POW2 + pos, _pack(key, offs), mask=chosen)
+        else:
+            tl.store(values_ptr + out_row + pos, x, mask=chosen)
+            tl.store(indices_ptr + out_row + pos, offs.to(tl.int64), mask=chosen)
+        ties_seen += tl.sum(tie_i, 0)
+        taken += tl.sum(chosen_i, 0)
+        start += TILE
+
+    if SORT_IN_KERNEL:
+        slot = tl.arange(0, K_POW2)
+        tl.static_assert(KEY_BITS <= 32, "packed keys need keys of at most 32 bits")
+        tl.store(scratch_ptr + row * K_POW2 + slot, tl.zeros([K_POW2], tl.int64) + PAD,
+                 mask=slot >= taken)
+        tl.debug_barrier()   # the scratch row written above is read back by other threads
+        best = _topk_desc(tl.load(scratch_ptr + row * K_POW2 + slot), K_POW2)
+        found = best != PAD
+        index = tl.where(found, _unpack_index(best), -1)
+        keep = slot < k
+        value = tl.load(row_ptr + index, mask=keep & found, other=fill)
+        tl.store(values_ptr + out_row + slot, value, mask=keep)
+        tl.store(indices_ptr + out_row + slot, index, mask=keep)
+    else:
+        for base in range(taken, k, TILE):          # slots no row entry filled
+            slots = base + tl.arange(0, TILE)
+            empty = slots < k
+            fill_value = tl.zeros([TILE], values_ptr.dtype.element_ty) + fill
+            tl.store(values_ptr + out_row + slots, fill_value, mask=empty)
+            tl.store(indices_ptr + out_row + slots, tl.zeros([TILE], tl.int64) - 1, mask=empty)
+
+
+# --------------------------------------------------------------------------- MoE routing
+@triton.jit
+def _moe_route_kernel(
+    # tensors: logits [tokens, logits_row_stride], bias [experts] fp32, outputs [tokens, k]
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+    # shapes and runtime scalars
+    n_tokens, n_experts, logits_row_stride, k, topk_group, group_size, scaling_factor, eps,
+    # code paths and tile sizes
+    HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+    N_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+    K_POW2: tl.constexpr,
+):
+    """noaux_tc routing of ROWS tokens: scores, biased choice, group limit, top-k, weights.
+
+    s = sigmoid(l) (or softmax(l)); c = s + bias; group score = sum of the two largest c in
+    the group; keep the topk_group best groups; top-k of c over kept experts; weights =
+    s[chosen] (/ (sum + eps) when renormalizing) * scaling_factor. Every ranking uses packed
+    keys, so ties go to the lower group / expert index.
+    """
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_tokens
+    experts = tl.arange(0, BLOCK_E)[None, :]
+    valid = row_ok[:, None] & (experts < n_experts)
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * logits_row_stride + experts,
+                     mask=valid, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        shifted = tl.where(valid, logits, -float("inf"))
+        row_max = tl.max(shifted, axis=1)
+        row_max = tl.where(row_ok, row_max, 0.0)
+        expo = tl.where(valid, tl.exp(shifted - row_max[:, None]), 0.0)
+        total = tl.where(row_ok, tl.sum(expo, axis=1), 1.0)      # padding rows: no 0/0
+        scores = expo / total[:, None]
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + experts, mask=experts < n_experts, other=0.0)
+    packed = tl.where(valid, _pack(_order_key(choice, True, 32, True), experts), PAD)
+
+    if N_GROUP > 1:
+        group_of = experts // group_size
+        groups = tl.arange(0, BLOCK_G)[None, :]
+        group_packed = tl.zeros([ROWS, BLOCK_G], tl.int64) + PAD
+        for g in tl.static_range(N_GROUP):
+            in_group = valid & (group_of == g)
+            first = tl.max(tl.where(in_group, packed, PAD), axis=1)
+            is_first = in_group & (packed == first[:, None])
+            second = tl.max(tl.where(in_group & ~is_first, packed, PAD), axis=1)
+            is_second = in_group & (packed == second[:, None])
+            top2 = (tl.sum(tl.where(is_first, choice, 0.0), axis=1)
+                    + tl.sum(tl.where(is_second, choice, 0.0), axis=1))
+            key = _pack(_order_key(top2, True, 32, True), tl.zeros([ROWS], tl.int32) + g)
+            group_packed = tl.where(groups == g, key[:, None], group_packed)
+        # Rank of each group among the row's groups (packed keys are distinct).
+        better = (group_packed[:, None, :] > group_packed[:, :, None]).to(tl.int32)
+        kept_group = ((tl.sum(better, axis=2) < topk_group) & (groups < N_GROUP)).to(tl.int32)
+        expert_kept = tl.zeros([ROWS, BLOCK_E], tl.int32)
+        for g in tl.static_range(N_GROUP):
+            kept_g = tl.sum(tl.where(groups == g, kept_group, 0), axis=1)
+            expert_kept = tl.where(group_of == g, kept_g[:, None], expert_kept)
+        packed = tl.where(expert_kept != 0, packed, PAD)
+
+    best = _topk_desc(packed, K_POW2)
+    slot = tl.arange(0, K_POW2)[None, :]
+    keep = (slot < k) & (best != PAD)
+    index = tl.where(keep, _unpack_index(best), 0)
+    weights = tl.where(keep, tl.gather(scores, index.to(tl.int32), axis=1), 0.0)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + eps)
+    weights = weights * scaling_factor
+    out = rows.to(tl.int64)[:, None] * k + slot
+    store = row_ok[:, None] & (slot < k)
+    tl.store(weights_ptr + out, weights, mask=store)
+    tl.store(ids_ptr + out, tl.where(keep, index, -1), mask=store)
+
+
+# --------------------------------------------------------------------------- launchers
+def topk_short(x2d, lengths, values, indices, *, k, fill, is_float, key_bits, largest,
+               sorted, rows_per_program, block, num_warps):
+    n_rows, n_cols = x2d.shape
+    grid = (triton.cdiv(n_rows, rows_per_program),)
+    _topk_short_kernel[grid](
+        x2d, x2d if lengths is None else lengths, values, indices,
+        n_rows, n_cols, x2d.stride(0), k, fill,
+        HAS_LENGTHS=lengths is not None, IS_FLOAT=is_float, KEY_BITS=key_bits,
+        LARGEST=largest, SORTED=sorted, ROWS=rows_per_program, BLOCK=block,
+        K_POW2=triton.next_power_of_2(k), num_warps=num_warps)
+
+
+def topk_radix(x2d, lengths, values, indices, scratch, *, k, fill, is_float, key_bits,
+               largest, sort_in_kernel, radix_bits, tile, num_warps):
+    n_rows, n_cols = x2d.shape
+    _topk_radix_kernel[(n_rows,)](
+        x2d, x2d if lengths is None else lengths, values, indices,
+        values if scratch is None else scratch,
+        n_cols, x2d.stride(0), k, fill,
+        HAS_LENGTHS=lengths is not None, IS_FLOAT=is_float, KEY_BITS=key_bits,
+        LARGEST=largest, SORT_IN_KERNEL=sort_in_kernel, RADIX_BITS=radix_bits, TILE=tile,
+        K_POW2=triton.next_power_of_2(k) if sort_in_kernel else 1, num_warps=num_warps)
+
+
+def moe_route(logits2d, bias, weights, ids, *, k, softmax, n_group, topk_group,
+              renormalize, scaling_factor, eps, rows_per_program, num_warps):
+    n_tokens, n_experts = logits2d.shape
+    grid = (triton.cdiv(n_tokens, rows_per_program),)
+    _moe_route_kernel[grid](
+        logits2d, logits2d if bias is None else bias, weights, ids,
+        n_tokens, n_experts, logits2d.stride(0), k, topk_group, n_experts // n_group,
+        scaling_factor, eps,
+        HAS_BIAS=bias is not None, SOFTMAX=softmax, RENORMALIZE=renormalize,
+        N_GROUP=n_group, ROWS=rows_per_program, BLOCK_E=triton.next_power_of_2(n_experts),
+        BLOCK_G=triton.next_power_of_2(n_group), K_POW2=triton.next_power_of_2(k),
+        num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------- AOT specs
+_TYPES = {"fp32": ("*fp32", "fp32"), "bf16": ("*bf16", "fp32"), "i64": ("*i64", "i64")}
+
+
+def _with_constexprs(signature, constexprs):
+    return dict(signature, **{name: "constexpr" for name in constexprs})
+
+
+def _topk_aot_specs():
+    specs = []
+    for dtype, rows, block, k_pow2, is_sorted, warps in (
+            ("fp32", 8, 256, 8, True, 4), ("bf16", 8, 256, 8, True, 4),
+            ("fp32", 1, 4096, 2048, True, 8), ("fp32", 1, 4096, 2048, False, 8)):
+        ptr, fill = _TYPES[dtype]
+        signature = {"x_ptr": ptr, "lengths_ptr": "*i32", "values_ptr": ptr,
+                     "indices_ptr": "*i64", "n_rows": "i32", "n_cols": "i32",
+                     "x_row_stride": "i64", "k": "i32", "fill": fill}
+        constexprs = dict(HAS_LENGTHS=False, IS_FLOAT=True, KEY_BITS=16 if dtype == "bf16" else 32,
+                          LARGEST=True, SORTED=is_sorted, ROWS=rows, BLOCK=block, K_POW2=k_pow2)
+        specs.append(AotSpec(f"topk_short[{dtype},{rows}x{block},k<={k_pow2},"
+                             f"sorted={is_sorted}]", _topk_short_kernel,
+                             _with_constexprs(signature, constexprs), constexprs,
+                             num_warps=warps))
+    for dtype, lengths, k_pow2, sort_in_kernel, warps in (
+            ("fp32", True, 2048, True, 8), ("bf16", True, 2048, True, 8),
+            ("fp32", False, 2048, False, 8), ("fp32", False, 4096, True, 16),
+            ("i64", False, 1, False, 8)):
+        ptr, fill = _TYPES[dtype]
+        signature = {"x_ptr": ptr, "lengths_ptr": "*i32", "values_ptr": ptr,
+                     "indices_ptr": "*i64", "scratch_ptr": "*i64", "n_cols": "i32",
+                     "x_row_stride": "i64", "k": "i32", "fill": fill}
+        key_bits = {"fp32": 32, "bf16": 16, "i64": 64}[dtype]
+        constexprs = dict(HAS_LENGTHS=lengths, IS_FLOAT=dtype != "i64", KEY_BITS=key_bits,
+                          LARGEST=True, SORT_IN_KERNEL=sort_in_kernel, RADIX_BITS=8,
+                          TILE=2048, K_POW2=k_pow2)
+        specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},k<={k_pow2},"
+                             f"sort={sort_in_kernel}]", _topk_radix_kernel,
+                             _with_constexprs(signature, constexprs), constexprs,
+                             num_warps=warps))
+    signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
+                 "ids_ptr": "*i64", "n_tokens": "i32", "n_experts": "i32",
+                 "logits_row_stride": "i64", "k": "i32", "topk_group": "i32",
+                 "group_size": "i32", "scaling_factor": "fp32", "eps": "fp32"}
+    for softmax, n_group in ((False, 8), (True, 1)):
+        constexprs = dict(HAS_BIAS=True, SOFTMAX=softmax, RENORMALIZE=True, N_GROUP=n_group,
+                          ROWS=8, BLOCK_E=256, BLOCK_G=n_group, K_POW2=8)
+        specs.append(AotSpec(f"moe_route[256 experts,{n_group} groups,"
+                             f"{'softmax' if softmax else 'sigmoid'},8 tokens]",
+                             _moe_route_kernel, _with_constexprs(signature, constexprs),
+                             constexprs, num_warps=4))
+    return specs
+
+
+AOT_SPECS = _topk_aot_specs()

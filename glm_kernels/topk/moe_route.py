@@ -1,0 +1,216 @@
+"""DeepSeek-V3 / GLM-5 ``noaux_tc`` MoE routing in one deterministic kernel.
+
+Math (readable version: ``topk/_reference.py:moe_route_reference``)::
+
+    s = sigmoid(l)            (or softmax(l) over the experts), fp32
+    c = s + bias              (the load-balancing bias steers the choice only)
+    group score_g = sum of the two largest c in group g (n_group contiguous groups)
+    eligible = experts of the topk_group best groups
+    ids = top-k of c over eligible experts, in descending c
+    w = s[ids] / (sum(s[ids]) + 1e-20) if renormalize else s[ids];   w *= scaling_factor
+
+Every ranking (groups, experts) breaks ties toward the lower index, so the routing is a
+fixed function of the logits: bitwise identical across runs and batch sizes. Weights are
+differentiable in the logits (the choice itself is piecewise constant).
+
+Difference from HF ``DeepseekV3TopkRouter``: HF fills the experts of dropped groups with 0.0
+before its top-k, so a dropped expert could beat a kept one whose biased score is negative;
+here (as in DeepSeek's own inference code, which fills -inf) dropped experts are never chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from .. import _dispatch
+from . import _reference
+
+SCORINGS = ("sigmoid", "softmax")
+RENORM_EPS = 1e-20
+MAX_KERNEL_EXPERTS = 4096     # one token's experts are held in registers
+MAX_KERNEL_GROUPS = 64
+
+
+class MoeRoute(NamedTuple):
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MoeRouteConfig:
+    """Tokens per program (power of two) and warps; ``make_moe_route_config`` picks them."""
+    rows_per_program: int
+    num_warps: int = 4
+
+
+def make_moe_route_config(n_tokens: int, n_experts: int) -> MoeRouteConfig:
+    block = 1 << max(n_experts - 1, 0).bit_length()
+    rows = max(1, min(1 << max(n_tokens - 1, 0).bit_length(), 2048 // block))
+    return MoeRouteConfig(rows_per_program=rows, num_warps=4 if rows * block <= 2048 else 8)
+
+
+def _scores(logits2d: torch.Tensor, scoring: str) -> torch.Tensor:
+    logits = logits2d.float()
+    return logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+
+
+def _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize, scaling_factor,
+                rows_per_program, num_warps):
+    backend = _dispatch.select_backend("moe_route", logits2d, bias)
+    n_tokens, n_experts = logits2d.shape
+    if backend != "torch" and (n_experts > MAX_KERNEL_EXPERTS or n_group > MAX_KERNEL_GROUPS):
+        _dispatch.warn_once("fallback:moe_route:size",
+                            f"glm_kernels.moe_route: {n_experts} experts / {n_group} groups "
+                            f"exceed the kernel's {MAX_KERNEL_EXPERTS} / {MAX_KERNEL_GROUPS}; "
+                            "using the torch reference")
+        backend = "torch"
+    if backend == "torch" or n_tokens == 0:
+        weights, ids = _reference.moe_route_reference(
+            logits2d, k, scoring=scoring, bias=bias, n_group=n_group, topk_group=topk_group,
+            renormalize=renormalize, scaling_factor=scaling_factor, eps=RENORM_EPS)
+        return weights.detach(), ids
+    from . import _kernels
+    weights = torch.empty((n_tokens, k), dtype=torch.float32, device=logits2d.device)
+    ids = torch.empty((n_tokens, k), dtype=torch.int64, device=logits2d.device)
+    _kernels.moe_route(logits2d, None if bias is None else bias.float().contiguous(), weights,
+                       ids, k=k, softmax=scoring == "softmax", n_group=n_group,
+                       topk_group=topk_group, renormalize=renormalize,
+                       scaling_factor=scaling_factor, eps=RENORM_EPS,
+                       rows_per_program=rows_per_program, num_warps=num_warps)
+    return weights, ids
+
+
+@torch.library.custom_op("glm_kernels::moe_route", mutates_args=())
+def _moe_route_op(logits2d: torch.Tensor, k: int, scoring: str, bias: Optional[torch.Tensor],
+                  n_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
+                  rows_per_program: int, num_warps: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize,
+                       scaling_factor, rows_per_program, num_warps)
+
+
+@_moe_route_op.register_fake
+def _moe_route_fake(logits2d, k, scoring, bias, n_group, topk_group, renormalize,
+                    scaling_factor, rows_per_program, num_warps):
+    n_tokens = logits2d.shape[0]
+    return (logits2d.new_empty((n_tokens, k), dtype=torch.float32),
+            logits2d.new_empty((n_tokens, k), dtype=torch.int64))
+
+
+def _moe_route_setup_context(ctx, inputs, output):
+    logits2d, _k, scoring, _bias, _ng, _tg, renormalize, scaling_factor = inputs[:8]
+    ctx.save_for_backward(logits2d, output[1])
+    ctx.scoring, ctx.renormalize, ctx.scaling_factor = scoring, renormalize, scaling_factor
+
+
+def _moe_route_backward(ctx, grad_weights, _grad_ids):
+    """d/dl of w = c * s[ids] / (sum s[ids] + eps), with the chosen ids held fixed."""
+    logits2d, ids = ctx.saved_tensors
+    scores = _scores(logits2d, ctx.scoring)
+    chosen = scores.gather(1, ids)
+    grad = grad_weights.float() * ctx.scaling_factor
+    if ctx.renormalize:
+        denom = chosen.sum(-1, keepdim=True) + RENORM_EPS
+        grad = grad / denom - (grad * chosen).sum(-1, keepdim=True) / denom ** 2
+    # ids are distinct within a row: the scatters have no conflicting writes.
+    if ctx.scoring == "sigmoid":
+        grad_logits = torch.zeros_like(scores).scatter(1, ids, grad * chosen * (1 - chosen))
+    else:
+        grad_scores = torch.zeros_like(scores).scatter(1, ids, grad)
+        grad_logits = scores * (grad_scores - (grad_scores * scores).sum(-1, keepdim=True))
+    return (grad_logits.to(logits2d.dtype),) + (None,) * 9
+
+
+torch.library.register_autograd("glm_kernels::moe_route", _moe_route_backward,
+                                setup_context=_moe_route_setup_context)
+
+
+def _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group):
+    _dispatch.check_tensor("router_logits", router_logits,
+                           dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    if router_logits.dim() == 0 or router_logits.shape[-1] == 0:
+        raise ValueError(f"router_logits must be [..., n_experts] with n_experts >= 1, got "
+                         f"shape {tuple(router_logits.shape)}")
+    n_experts = router_logits.shape[-1]
+    _dispatch.check_choice("scoring", scoring, SCORINGS)
+    for name, value in (("k", k), ("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if n_experts % n_group:
+        raise ValueError(f"n_group={n_group} must divide n_experts={n_experts}")
+    if topk_group > n_group:
+        raise ValueError(f"topk_group={topk_group} must be <= n_group={n_group}")
+    eligible = topk_group * (n_experts // n_group)
+    if k > eligible:
+        raise ValueError(f"k={k} exceeds the {eligible} experts eligible after group "
+                         f"limiting (topk_group {topk_group} x {n_experts // n_group} experts "
+                         "per group)")
+    if bias is not None:
+        _dispatch.check_tensor("bias", bias, floating=True, ndim=(1,))
+        if bias.shape[0] != n_experts:
+            raise ValueError(f"bias must have shape [{n_experts}] (n_experts), got shape "
+                             f"{tuple(bias.shape)}")
+        _dispatch.check_same_device(dict(router_logits=router_logits, bias=bias))
+
+
+def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
+              bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+              renormalize: bool = True, scaling_factor: float = 1.0,
+              config: Optional[MoeRouteConfig] = None) -> MoeRoute:
+    """DeepSeek-V3 / GLM-5 ``noaux_tc`` routing: group-limited, bias-steered, deterministic.
+
+    Parameters
+    ----------
+    router_logits : Tensor [..., n_experts], float32 / bfloat16 / float16
+        Gate logits (computed in fp32 inside). Leading dims are tokens.
+    k : int
+        Experts per token (GLM-5: 8 of 256). At most topk_group * n_experts / n_group.
+    scoring : {"sigmoid", "softmax"}, default "sigmoid"
+    bias : Tensor [n_experts], float, optional
+        ``e_score_correction_bias``: added to the scores for the choice only.
+    n_group, topk_group : int, default 1, 1
+        Experts form n_group contiguous groups; a group's score is the sum of its two
+        largest biased scores; only the topk_group best groups' experts are eligible.
+    renormalize : bool, default True
+        Divide the k weights by their sum (+ 1e-20), as ``norm_topk_prob`` does.
+    scaling_factor : float, default 1.0
+        ``routed_scaling_factor``, applied after renormalizing.
+    config : MoeRouteConfig, optional
+        Overrides ``make_moe_route_config``.
+
+    Returns
+    -------
+    MoeRoute(weights, ids): fp32 weights and int64 expert ids, shape [..., k], ordered by
+    descending biased score (ties: lower expert index). Weights carry gradients to
+    ``router_logits``.
+
+    Example
+    -------
+    >>> import torch
+    >>> from glm_kernels.topk import moe_route
+    >>> logits = torch.tensor([[0.0, 2.0, 2.0, -1.0, 1.0, 0.5, 3.0, 0.0]])
+    >>> w, ids = moe_route(logits, 2, n_group=4, topk_group=2)
+    >>> ids.tolist()    # groups (6, 7) and (0, 1) have the largest top-2 sums
+    [[6, 1]]
+    >>> round(w.sum().item(), 6)
+    1.0
+    """
+    _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group)
+    scaling_factor = _dispatch.check_finite_number("scaling_factor", scaling_factor)
+    n_experts = router_logits.shape[-1]
+    logits2d = router_logits.reshape(-1, n_experts)
+    if logits2d.stride(-1) != 1 or (logits2d.shape[0] and logits2d.stride(0) < n_experts):
+        logits2d = logits2d.contiguous()
+    if config is None:
+        config = make_moe_route_config(logits2d.shape[0], n_experts)
+    if config.rows_per_program < 1 or config.rows_per_program & (config.rows_per_program - 1):
+        raise ValueError(f"config.rows_per_program must be a power of two, got "
+                         f"{config.rows_per_program}")
+    args = (logits2d, k, scoring, bias, n_group, topk_group, bool(renormalize),
+            scaling_factor, config.rows_per_program, config.num_warps)
+    needs_graph = torch.compiler.is_compiling() or (
+        router_logits.requires_grad and torch.is_grad_enabled())
+    weights, ids = _moe_route_op(*args) if needs_graph else _route_rows(*args)
+    out_shape = router_logits.shape[:-1] + (k,)
+    return MoeRoute(weights.reshape(out_shape), ids.reshape(out_shape))
