@@ -81,7 +81,11 @@ def bench_local(state, reps):
     link = sync.LocalTransport()
     sender = sync.Sender(link, delta=True)
     receiver = sync.Receiver(link, {k: torch.empty_like(v) for k, v in state.items()})
+    return _measure(sender, *_in_process(sender, receiver, state), None, state, reps)
 
+
+def _in_process(sender, receiver, state):
+    """(full, delta) publish-then-apply callables for a receiver in this process."""
     def full():
         sender.publish(state, full=True)
         receiver.poll()
@@ -89,7 +93,7 @@ def bench_local(state, reps):
     def delta():
         sender.publish(state)
         receiver.poll()
-    return _measure(sender, full, delta, None, state, reps)
+    return full, delta
 
 
 def bench_disk(state, reps):
@@ -100,21 +104,13 @@ def bench_disk(state, reps):
         params = {k: torch.empty_like(v) for k, v in state.items()}
         receiver = sync.Receiver(sync.DiskTransport(os.path.join(root, "sync")), params)
 
-        def full():
-            sender.publish(state, full=True)
-            receiver.poll()
-
-        def delta():
-            sender.publish(state)
-            receiver.poll()
-
         def peer():
             path = os.path.join(root, "peer.safetensors")
             save_file({k: v.cpu() for k, v in state.items()}, path + ".tmp")
             os.replace(path + ".tmp", path)
             for k, v in load_file(path).items():
                 params[k].copy_(v)
-        return _measure(sender, full, delta, peer, state, reps)
+        return _measure(sender, *_in_process(sender, receiver, state), peer, state, reps)
 
 
 # --------------------------------------------------------------------------- IPC

@@ -43,9 +43,18 @@ _COPY_CHUNK = 64 << 20
 
 
 def _fsync_replace(tmp: str, final: str) -> None:
+    """Rename ``tmp`` over ``final`` once its bytes are on disk (and the rename too)."""
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
+    try:
+        fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+    except OSError:   # platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]):
@@ -241,7 +250,9 @@ class DiskTransport(Transport):
                                              bytes.fromhex(d["ck"]), byte_view(t.contiguous())))
             except SyncError:
                 raise
-            except Exception as exc:   # safetensors/JSON/KeyError: a damaged file
+            except Exception as exc:   # safetensors/JSON/KeyError: a damaged file ...
+                if not os.path.exists(path):   # ... or one deleted while we opened it
+                    raise FileNotFoundError(path) from exc
                 raise SyncError(f"v{version}: unreadable file {name}: {exc}") from exc
         return Update(version, base, entries)
 

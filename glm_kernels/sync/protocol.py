@@ -66,7 +66,7 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 _CHUNK = 4 << 20
-_pool = None
+_pool = None   # (pid, executor)
 
 
 def digest(data) -> bytes:
@@ -80,11 +80,11 @@ def digest(data) -> bytes:
     view = memoryview(data).cast("B")
     if len(view) <= _CHUNK:
         return hashlib.blake2b(view, digest_size=8).digest()
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                      thread_name_prefix="glm_sync_digest")
+    if _pool is None or _pool[0] != os.getpid():   # a forked child has no pool threads
+        _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="glm_sync_digest"))
     chunks = [view[i:i + _CHUNK] for i in range(0, len(view), _CHUNK)]
-    parts = _pool.map(lambda c: hashlib.blake2b(c, digest_size=8).digest(), chunks)
+    parts = _pool[1].map(lambda c: hashlib.blake2b(c, digest_size=8).digest(), chunks)
     return hashlib.blake2b(b"".join(parts), digest_size=8).digest()
 
 
