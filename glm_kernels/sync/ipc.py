@@ -22,6 +22,9 @@ from .protocol import Entry, Frame, SyncError, Transport, Update, assemble, pack
 class IpcTransport(Transport):
     """One sender process, one receiver process, colocated (same host, same GPU or not).
 
+    A queue has one consumer: give each rollout process its own transport (and Sender), or
+    use a ``BroadcastTransport`` to reach several receivers with one encode.
+
     Parameters
     ----------
     ctx : a multiprocessing context, default ``torch.multiprocessing.get_context("spawn")``

@@ -43,7 +43,7 @@ MAGIC = b"GLMS"
 FORMAT_VERSION = 1
 _SEAL = struct.Struct("<4sHI8s")
 KINDS = ("full", "delta")
-# Every dtype the delta codec handles (1, 2, 4 or 8 bytes a element); full entries use the same
+# Every dtype the delta codec handles (1, 2, 4 or 8 bytes per element); full entries use the same
 # table so that any published tensor can later be sent as a delta.
 DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8,

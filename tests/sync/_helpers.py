@@ -47,9 +47,9 @@ def sparse_step(state, step: int, seed: int = 0):
             continue
         mask = torch.rand(bits.numel(), generator=g) < density
         mask[0] = False
-        pos = mask.nonzero().reshape(-1)
+        pos = mask.nonzero().reshape(-1).to(t.device)
         ulp = torch.randint(-2, 3, (pos.numel(),), generator=g, dtype=torch.int64)
-        bits[pos] = (bits[pos].to(torch.int64) + ulp).to(bits.dtype)   # ~one-ulp moves
+        bits[pos] = (bits[pos].to(torch.int64) + ulp.to(t.device)).to(bits.dtype)   # ~1 ulp
 
 
 def raw_bytes(state):
@@ -69,12 +69,12 @@ def damage(t: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------- IPC processes
-def ipc_receiver(link, report_q, drift_at):
+def ipc_receiver(link, report_q, drift_at, device="cpu"):
     """Receive STEPS + 1 updates; after each, send back (version, bytes or error text)."""
     try:
         torch.set_num_threads(1)
         from glm_kernels import sync
-        params = blank_like(make_state())
+        params = {k: v.to(device) for k, v in blank_like(make_state()).items()}
         receiver = sync.Receiver(link, params)
         for step in range(STEPS + 1):
             if step == drift_at:

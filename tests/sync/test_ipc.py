@@ -14,7 +14,8 @@ def _run(device, encoding="zstd"):
     ctx = mp.get_context("spawn")
     link = sync.IpcTransport(ctx, device=device)
     report_q = ctx.Queue()
-    proc = ctx.Process(target=ipc_receiver, args=(link, report_q, DRIFT_AT), daemon=True)
+    proc = ctx.Process(target=ipc_receiver, args=(link, report_q, DRIFT_AT, device),
+                       daemon=True)
     proc.start()
     try:
         state = {k: v.to(device) for k, v in make_state().items()}
