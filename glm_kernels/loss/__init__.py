@@ -1,8 +1,10 @@
 """Policy losses and advantages for GRPO + IcePop and on-policy distillation."""
 from .advantages import group_advantages, opd_advantages
 from .from_logits import icepop_loss_from_logits
+from .fused_linear import fused_linear_icepop_loss
 from .icepop import icepop_loss
 from .logprobs import selective_logprobs
+from .reverse_kl import reverse_kl_from_logits
 
 __all__ = ["icepop_loss", "group_advantages", "opd_advantages", "selective_logprobs",
-           "icepop_loss_from_logits"]
+           "icepop_loss_from_logits", "fused_linear_icepop_loss", "reverse_kl_from_logits"]

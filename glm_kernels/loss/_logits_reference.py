@@ -1,15 +1,171 @@
-"""Readable torch references for the from-logits ops (fp32 throughout)."""
+"""Plain-PyTorch definitions of the from-logits ops: the oracle, the CPU path, the spec.
+
+With z = logits / T (temperature T), p = softmax(z), lse = logsumexp(z):
+
+    selective log-prob   lp = z[t] - lse                       (log p of the sampled token t)
+    entropy              H  = -sum_v p_v log p_v               (-inf entries contribute 0)
+    reverse KL           KL(p_s || p_t) = sum_v p_s,v (log p_s,v - log p_t,v)
+    IcePop from logits   icepop_loss(lp(logits, t), ...)       (loss/_reference.py)
+
+Gradients (what the kernels write, softmax recomputed from the saved lse):
+
+    d lp / dz = onehot(t) - p
+    d H  / dz = -p (log p + H)
+    d KL / dz_s = p_s (log p_s - log p_t - KL)
+
+The first block holds the oracles (autograd gives the gradients). The second block is the
+torch backend: the same closed forms the Triton kernels compute, shard-aware (a tensor may hold
+only the vocab columns [vocab_start, vocab_start + V) of a vocab-parallel layout).
+"""
 from __future__ import annotations
 
 import torch
 
+from ._reference import icepop_loss_reference, icepop_token_grad, icepop_token_terms
 
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- oracles
 def selective_logprobs_reference(logits, token_ids, temperature=1.0, return_entropy=False):
     """log_softmax(logits / T)[token] in fp32; optionally the entropy -sum p log p."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     lp = logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
         return lp
-    p = logp.exp()
-    entropy = -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1)
+    # -inf entries (p = 0) contribute 0; select before multiplying so autograd sees no 0 * inf.
+    finite_logp = torch.where(logp == NEG_INF, 0.0, logp)
+    entropy = -(logp.exp() * finite_logp).sum(-1)
     return lp, entropy
+
+
+def reverse_kl_reference(student_logits, teacher_logits, temperature=1.0):
+    """KL(p_student || p_teacher) per row in fp32; the teacher gets no gradient."""
+    log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = torch.log_softmax(teacher_logits.detach().float() / temperature, dim=-1)
+    support = log_s != NEG_INF
+    diff = torch.where(support, log_s - torch.where(support, log_t, 0.0), 0.0)
+    return (log_s.exp() * diff).sum(-1)
+
+
+def icepop_loss_from_logits_reference(logits, token_ids, rollout_logprobs, advantages,
+                                      loss_mask=None, *, temperature=1.0, **icepop_kwargs):
+    """icepop_loss_reference of the reference log-probs (fp32 log_softmax + gather)."""
+    lp = selective_logprobs_reference(logits, token_ids, temperature)
+    return icepop_loss_reference(lp, rollout_logprobs, advantages, loss_mask, **icepop_kwargs)
+
+
+def fused_linear_icepop_loss_reference(hidden, weight, token_ids, rollout_logprobs, advantages,
+                                       loss_mask=None, *, temperature=1.0, **icepop_kwargs):
+    """The same loss from the last hidden states: logits = hidden @ weight^T in fp32."""
+    logits = hidden.float() @ weight.float().t()
+    return icepop_loss_from_logits_reference(logits, token_ids, rollout_logprobs, advantages,
+                                             loss_mask, temperature=temperature,
+                                             **icepop_kwargs)
+
+
+# --------------------------------------------------------------------------- torch backend
+def row_shift(m):
+    """The row max, or 0 for rows of only -inf (so e^(z - shift) is 0, not NaN)."""
+    return torch.where(m == NEG_INF, 0.0, m)
+
+
+def logprob_partial_stats(logits, token_ids, inv_temp, vocab_start, want_entropy):
+    """[N, 4] fp32 statistics of the columns this tensor holds: (m, s, t, z_t).
+
+    m = max z, s = sum e^(z - m), t = sum e^(z - m) (z - m) (0 unless ``want_entropy``),
+    z_t = z of the target column when this tensor holds it, else 0 (another shard owns it).
+    """
+    z = logits.float() * inv_temp
+    v = z.shape[-1]
+    m = z.amax(-1)
+    shifted = z - row_shift(m).unsqueeze(-1)
+    e = shifted.exp()
+    s = e.sum(-1)
+    if want_entropy:
+        t = (e * torch.where(z > NEG_INF, shifted, 0.0)).sum(-1)
+    else:
+        t = torch.zeros_like(s)
+    local = token_ids.long() - vocab_start
+    owned = (local >= 0) & (local < v)
+    z_t = z.gather(-1, local.clamp(0, v - 1).unsqueeze(-1)).squeeze(-1)
+    return torch.stack([m, s, t, torch.where(owned, z_t, 0.0)], -1)
+
+
+def finalize_logprob_stats(m, s, t, z_t):
+    """(lp, lse, entropy) from full-vocab statistics: lse = m + log s, H = log s - t / s."""
+    log_s = torch.log(s)
+    lse = m + log_s
+    return z_t - lse, lse, log_s - t / s
+
+
+def softmax_grad(logits, token_ids, lse, entropy, coef, coef_entropy, inv_temp, vocab_start):
+    """dL/dlogits [N, V] fp32 for L = sum coef * lp + coef_entropy * H (entropy optional).
+
+    A row whose coefficient is exactly 0 gets exactly 0 even if its logits are NaN/inf.
+    """
+    z = logits.float() * inv_temp
+    logp = z - lse.unsqueeze(-1)
+    p = logp.exp()
+    cols = torch.arange(z.shape[-1], device=z.device)
+    onehot = (cols == (token_ids.long() - vocab_start).unsqueeze(-1)).float()
+    c = (coef.float() * inv_temp).unsqueeze(-1)
+    grad = torch.where(c == 0, 0.0, c * (onehot - p))
+    if coef_entropy is not None:
+        c_ent = (coef_entropy.float() * inv_temp).unsqueeze(-1)
+        plogp = p * torch.where(p > 0, logp + entropy.unsqueeze(-1), 0.0)
+        grad = grad - torch.where(c_ent == 0, 0.0, c_ent * plogp)
+    return grad
+
+
+def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp, gate_low,
+                       gate_high, eps_low, eps_high, need_grad):
+    """The fused op in torch: (dL/dlogits [N, V] fp32 or None, IcePop stats rows [N, 8]).
+
+    ``scale`` [N] is the reduction's factor per token; rows follow the layout of the IcePop
+    kernel's per-program statistics (loss, masked, popped, clipped, ratio sum/max/min, count).
+    """
+    partial = logprob_partial_stats(logits, token_ids, inv_temp, 0, False)
+    lp, lse, _ = finalize_logprob_stats(*partial.unbind(-1))
+    kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
+                  eps_high=eps_high)
+    loss, popped, clipped, gate_ratio, masked = icepop_token_terms(lp, rollout, adv, mask,
+                                                                   **kwargs)
+    counted = masked & ~torch.isnan(gate_ratio)
+    rows = torch.stack([
+        loss, masked.float(), popped.float(), clipped.float(),
+        torch.where(counted, gate_ratio, 0.0), torch.where(counted, gate_ratio, NEG_INF),
+        torch.where(counted, gate_ratio, float("inf")), counted.float()], -1)
+    if not need_grad:
+        return None, rows
+    coef = icepop_token_grad(lp, rollout, adv, mask, **kwargs) * scale
+    return softmax_grad(logits, token_ids, lse, None, coef, None, inv_temp, 0), rows
+
+
+def reverse_kl_partial_stats(student, teacher, inv_temp):
+    """[N, 5] fp32 statistics of the columns held: (m_s, s_s, u, m_t, s_t), where
+    u = sum e^(z_s - m_s) (z_s - z_t) over columns with z_s > -inf."""
+    z_s = student.float() * inv_temp
+    z_t = teacher.float() * inv_temp
+    m_s, m_t = z_s.amax(-1), z_t.amax(-1)
+    e_s = (z_s - row_shift(m_s).unsqueeze(-1)).exp()
+    e_t = (z_t - row_shift(m_t).unsqueeze(-1)).exp()
+    u = (e_s * torch.where(z_s > NEG_INF, z_s - z_t, 0.0)).sum(-1)
+    return torch.stack([m_s, e_s.sum(-1), u, m_t, e_t.sum(-1)], -1)
+
+
+def finalize_reverse_kl(m_s, s_s, u, m_t, s_t):
+    """(kl, lse_s, lse_t): KL = E_s[z_s - z_t] - (lse_s - lse_t)."""
+    lse_s = m_s + torch.log(s_s)
+    lse_t = m_t + torch.log(s_t)
+    return u / s_s - (lse_s - lse_t), lse_s, lse_t
+
+
+def reverse_kl_grad(student, teacher, lse_s, lse_t, kl, coef, inv_temp):
+    """d(sum coef * KL)/d student [N, V] fp32: coef / T * p_s (log p_s - log p_t - KL)."""
+    log_s = student.float() * inv_temp - lse_s.unsqueeze(-1)
+    log_t = teacher.float() * inv_temp - lse_t.unsqueeze(-1)
+    p = log_s.exp()
+    c = (coef.float() * inv_temp).unsqueeze(-1)
+    term = p * torch.where(p > 0, log_s - log_t - kl.unsqueeze(-1), 0.0)
+    return torch.where(c == 0, 0.0, c * term)

@@ -1,19 +1,309 @@
-"""IcePop loss starting from logits: selective_logprobs followed by the fused icepop_loss.
+"""IcePop loss straight from logits: log-probs, loss and dL/dlogits in one fused pass.
 
-The per-token IcePop coefficient comes from the existing O(tokens) icepop op; the logits
-gradient is dlogits = coef / T * (onehot - softmax), recomputed from the saved lse.
+Math (readable version: ``_logits_reference.icepop_loss_from_logits_reference``)::
+
+    lp_i = log_softmax(logits_i / T)[t_i]                   (online lse over vocab tiles)
+    L    = reduce_i(l_i(lp_i))                              (IcePop, DESIGN 3.1)
+    dL/dlogits_i = scale_i * dl_i/dlp_i / T * (onehot(t_i) - softmax(logits_i / T))
+
+``scale_i`` is the reduction's weight of token i (1/max(sum m, 1) for token_mean, 1 for sum,
+1/(tokens_b * rows) for seq_mean_token_mean); it depends on the mask only, so it is known
+before the pass.
+
+Two paths:
+
+* fused (token_mean / sum / seq_mean_token_mean, no ``tp_group``): ``_icepop_logits_kernel``
+  reads each row, computes lse, lp, the IcePop term (the shared ``icepop_token_math``) and
+  writes the gradient for grad_output = 1 -- into a new buffer, or over the logits with
+  ``inplace_backward=True``. Rows of up to 32768 columns (a TP>=8 shard of GLM-5's vocab) are
+  read once; longer rows are swept twice by the same program, the second sweep meant to hit
+  L2. Backward multiplies the buffer by grad_output in place, with a kernel that returns at
+  once when grad_output == 1 (a device-side test: no host sync).
+* composed (``reduction="none"``: the per-token grad_output is only known in backward; or
+  ``tp_group``: the full-vocab lse needs all-reduces between reading a row and writing its
+  gradient): ``selective_logprobs`` then ``icepop_loss``; backward recomputes the softmax from
+  the saved lse (one more read of the logits).
+
+Either way the extra memory is O(tokens): lse / per-token stats, never an fp32 [N, V] tensor.
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 
-from .icepop import icepop_loss
-from .logprobs import selective_logprobs
+from .. import _dispatch
+from . import _logits_reference as ref
+from .icepop import (_check_hyperparameters, _check_inputs, _metrics_from_stats,
+                     _stats_from_partials, icepop_loss)
+from .logprobs import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
+                       flag_ids_torch, kernels_or_none, logprobs_rows, make_launch_config,
+                       rows_2d, run_op, token_id_flag)
+
+
+# --------------------------------------------------------------------------- shared pieces
+def token_scales(loss_mask: Optional[torch.Tensor], shape: torch.Size, reduction: str,
+                 device: torch.device) -> torch.Tensor:
+    """[N] fp32 weight of each token in the reduced loss (masked-out tokens: any value)."""
+    n = shape.numel()
+    if reduction == "sum":
+        return torch.ones(n, dtype=torch.float32, device=device)
+    masked = (torch.ones(shape, dtype=torch.bool, device=device) if loss_mask is None
+              else loss_mask.reshape(shape) != 0)
+    if reduction == "token_mean":
+        inv = 1.0 / masked.sum().clamp(min=1).float()
+        return inv.expand(n).contiguous()
+    row_tokens = masked.sum(-1).float()                       # seq_mean_token_mean, [B, T]
+    valid = row_tokens > 0
+    n_valid = valid.sum().clamp(min=1).float()
+    row_scale = torch.where(valid, 1.0 / (row_tokens.clamp(min=1.0) * n_valid), 0.0)
+    return row_scale.unsqueeze(-1).expand(shape).reshape(-1).contiguous()
+
+
+def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp,
+                     gate_low, gate_high, eps_low, eps_high,
+                     config: Optional[LogitsLaunchConfig] = None) -> torch.Tensor:
+    """Run the fused pass on [N, V] rows; writes dL/dlogits into ``grad`` unless it is None
+    (``grad`` may be ``logits`` itself). Returns the IcePop stats rows [N, 8] fp32."""
+    n, v = logits.shape
+    flag = token_id_flag(token_ids, v)
+    backend = _dispatch.select_backend("icepop_loss_from_logits", logits)
+    kernels = kernels_or_none(backend)
+    if kernels is None:
+        flag_ids_torch(flag, token_ids, v)
+        full_grad, rows = ref.icepop_logits_rows(
+            logits, token_ids, rollout, old, adv, mask, scale, inv_temp=inv_temp,
+            gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
+            need_grad=grad is not None)
+        if grad is not None:
+            grad.copy_(full_grad)
+    else:
+        cfg = config or make_launch_config(backend)
+        rows = torch.empty((n, 8), dtype=torch.float32, device=logits.device)
+        row_tiles, block_v, num_warps = cfg.row_plan(v, logits.element_size())
+        kernels.icepop_logits(
+            logits, token_ids, rollout, old, adv, mask, scale, grad, rows, flag,
+            inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
+            clip_high=1.0 + eps_high, block_v=block_v, row_tiles=row_tiles,
+            num_warps=num_warps, max_programs=cfg.fused_programs(logits.device))
+    check_token_id_flag(flag, v)
+    return rows
+
+
+def loss_from_rows(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """sum_i scale_i * l_i in fp64 (fixed order), returned as an fp32 scalar."""
+    return (rows[:, 0].double() * scale.double()).sum().float()
+
+
+def _scale_impl(x: torch.Tensor, factor: torch.Tensor) -> None:
+    kernels = kernels_or_none(_dispatch.select_backend("icepop_loss_from_logits", x))
+    if kernels is None:
+        x.mul_(factor.to(x.dtype))
+    else:
+        kernels.scale_inplace(x, factor)
+    if not torch.compiler.is_compiling():
+        # A second backward through the same graph would scale twice: the version bump makes
+        # autograd refuse it ("modified by an inplace operation") instead.
+        torch.autograd.graph.increment_version(x)
+
+
+@torch.library.custom_op("glm_kernels::scale_by_", mutates_args=("x",))
+def _scale_op(x: torch.Tensor, factor: torch.Tensor) -> None:
+    """x *= factor (an fp32 scalar tensor) in place; a no-op pass when factor == 1 on GPU."""
+    _scale_impl(x, factor)
+
+
+@_scale_op.register_fake
+def _scale_fake(x, factor):
+    return None
+
+
+def scale_by_grad_output(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """Backward of the fused losses: the saved gradient times grad_output, in place."""
+    run_op(_scale_op, _scale_impl, x, grad_output.float().reshape(1).contiguous())
+    return x
+
+
+# --------------------------------------------------------------------------- custom ops
+def _fused_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
+                old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
+                scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
+                eps_low: float, eps_high: float, need_grad: bool
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
+    rows = icepop_rows_into(grad if need_grad else None, logits, token_ids, rollout, old, adv,
+                            mask, scale, inv_temp=inv_temp, gate_low=gate_low,
+                            gate_high=gate_high, eps_low=eps_low, eps_high=eps_high)
+    return loss_from_rows(rows, scale), grad, rows
+
+
+@torch.library.custom_op("glm_kernels::icepop_loss_from_logits", mutates_args=())
+def _fused_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
+              old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
+              scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
+              eps_low: float, eps_high: float, need_grad: bool
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss fp32 [], dL/dlogits [N, V] for grad_output 1 or [0], stats rows [N, 8])."""
+    return _fused_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
+                       gate_high, eps_low, eps_high, need_grad)
+
+
+@_fused_op.register_fake
+def _fused_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
+                gate_high, eps_low, eps_high, need_grad):
+    grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
+    return (logits.new_empty((), dtype=torch.float32), grad,
+            logits.new_empty((logits.shape[0], 8), dtype=torch.float32))
+
+
+def _fused_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
+                        old: Optional[torch.Tensor], adv: torch.Tensor,
+                        mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
+                        gate_low: float, gate_high: float, eps_low: float, eps_high: float
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    rows = icepop_rows_into(logits, logits, token_ids, rollout, old, adv, mask, scale,
+                            inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high,
+                            eps_low=eps_low, eps_high=eps_high)
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version(logits)   # the op does it when dispatched
+    return loss_from_rows(rows, scale), rows
+
+
+@torch.library.custom_op("glm_kernels::icepop_loss_from_logits_", mutates_args=("logits",))
+def _fused_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
+                      old: Optional[torch.Tensor], adv: torch.Tensor,
+                      mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
+                      gate_low: float, gate_high: float, eps_low: float, eps_high: float
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fused op writing dL/dlogits (grad_output 1) over the logits: (loss, stats rows)."""
+    return _fused_inplace_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp,
+                               gate_low, gate_high, eps_low, eps_high)
+
+
+@_fused_inplace_op.register_fake
+def _fused_inplace_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
+                        gate_high, eps_low, eps_high):
+    return (logits.new_empty((), dtype=torch.float32),
+            logits.new_empty((logits.shape[0], 8), dtype=torch.float32))
+
+
+class _FusedIcePopFromLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
+                gate_high, eps_low, eps_high, need_grad, inplace):
+        args = (logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
+                gate_high, eps_low, eps_high)
+        if inplace and need_grad:
+            loss, rows = run_op(_fused_inplace_op, _fused_inplace_impl, *args)
+            grad = logits
+        else:
+            loss, grad, rows = run_op(_fused_op, _fused_impl, *args, need_grad)
+        stats = _stats_from_partials(rows)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_stats):
+        grad, = ctx.saved_tensors
+        return (scale_by_grad_output(grad, grad_loss),) + (None,) * 13
+
+
+def flat_token_inputs(shape, rollout, advantages, loss_mask, old_logprobs):
+    """Contiguous [N] views of the per-token inputs (per-sequence advantages expanded, a bool
+    mask viewed as uint8 for the kernels)."""
+    flat = lambda t: None if t is None else t.reshape(-1).contiguous()   # noqa: E731
+    if advantages.shape != shape:
+        advantages = advantages.unsqueeze(-1).expand(shape)
+    mask = flat(loss_mask)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return flat(rollout), flat(advantages), mask, flat(old_logprobs)
 
 
 def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
                             rollout_logprobs: torch.Tensor, advantages: torch.Tensor,
-                            loss_mask=None, *, temperature: float = 1.0, **icepop_kwargs):
-    """``icepop_loss(selective_logprobs(logits, token_ids), ...)``; same kwargs as icepop_loss."""
-    logprobs = selective_logprobs(logits, token_ids, temperature=temperature)
-    return icepop_loss(logprobs, rollout_logprobs, advantages, loss_mask, **icepop_kwargs)
+                            loss_mask: Optional[torch.Tensor] = None, *,
+                            temperature: float = 1.0, tp_group=None,
+                            inplace_backward: bool = False,
+                            old_logprobs: Optional[torch.Tensor] = None, beta: float = 2.0,
+                            gate_low: Optional[float] = None, gate_high: Optional[float] = None,
+                            eps_low: float = 0.2, eps_high: float = 0.28,
+                            reduction: str = "token_mean", return_metrics: bool = False):
+    """IcePop loss (DESIGN 3.1) computed from logits in one fused pass.
+
+    Parameters
+    ----------
+    logits : Tensor [*S, V], any float dtype
+        The only input that receives a gradient (written in ``logits.dtype``). With
+        ``tp_group``: this rank's vocab shard (Megatron layout, see ``selective_logprobs``).
+    token_ids : Tensor [*S], int32 / int64
+        The sampled tokens (ids into the full vocabulary).
+    rollout_logprobs, advantages, loss_mask, old_logprobs, beta, gate_low, gate_high,
+    eps_low, eps_high, reduction, return_metrics
+        As in :func:`glm_kernels.icepop_loss`, with [*S] = ``token_ids.shape``.
+    temperature : float, default 1.0
+        log-probs are log_softmax(logits / temperature).
+    tp_group : ProcessGroup, optional
+        Vocab-parallel group: the loss is the full-vocab loss on every rank, the gradient the
+        one of this rank's shard (no communication in backward).
+    inplace_backward : bool, default False
+        Write the logits gradient into the logits buffer (forward, for the fused path;
+        backward, for the composed one) and return that buffer as the gradient: no second
+        [*S, V] buffer. The logits are destroyed: nothing else may read them afterwards
+        (autograd refuses a backward that needs them: their version counter is bumped), and
+        backward can run once.
+
+    Returns
+    -------
+    loss : fp32 scalar (or [*S] for reduction="none"); with return_metrics also the metrics
+    dict of :func:`glm_kernels.icepop_loss`.
+
+    Notes
+    -----
+    Popped and unmasked tokens contribute exactly 0 to the loss and get exactly-zero gradient
+    rows, even when their logits are NaN/inf. Extra memory: O(tokens) (plus the [*S, V]
+    gradient itself unless ``inplace_backward``). Paths: see the module docstring.
+
+    Example
+    -------
+    >>> import torch, glm_kernels
+    >>> logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, 3.0, 1.0]], requires_grad=True)
+    >>> ids = torch.tensor([1, 2])
+    >>> rollout = glm_kernels.selective_logprobs(logits, ids).detach()   # on-policy: rho = 1
+    >>> loss = glm_kernels.icepop_loss_from_logits(logits, ids, rollout,
+    ...                                            torch.tensor([1.0, -1.0]))
+    >>> loss.item()                                  # (-1 * 1 + -1 * -1) / 2
+    0.0
+    >>> loss.backward(); logits.grad.shape
+    torch.Size([2, 3])
+    """
+    check_logits_and_ids(logits, token_ids)
+    shape = token_ids.shape
+    # A zero-stride stand-in with the log-probs' shape lets icepop's checks run unchanged.
+    lp_shape = torch.empty_strided(shape, (0,) * len(shape), dtype=torch.float32,
+                                   device=logits.device)
+    _check_inputs(lp_shape, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
+    lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
+                                                       eps_high)
+    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    ids = token_ids.reshape(-1).contiguous()
+
+    if tp_group is not None or reduction == "none":
+        lp, _ = logprobs_rows(rows_2d(logits), ids, inv_temp=1.0 / temperature,
+                              tp_group=tp_group, inplace_backward=bool(inplace_backward))
+        return icepop_loss(lp.reshape(shape), rollout_logprobs, advantages, loss_mask,
+                           old_logprobs=old_logprobs, gate_low=lo, gate_high=hi,
+                           eps_low=eps_low, eps_high=eps_high, reduction=reduction,
+                           return_metrics=return_metrics)
+
+    rollout, adv, mask, old = flat_token_inputs(shape, rollout_logprobs, advantages, loss_mask,
+                                                old_logprobs)
+    scale = token_scales(loss_mask, shape, reduction, logits.device)
+    need_grad = bool(logits.requires_grad and torch.is_grad_enabled())
+    loss, stats = _FusedIcePopFromLogits.apply(
+        rows_2d(logits), ids, rollout, old, adv, mask, scale, 1.0 / temperature, lo, hi,
+        eps_low, eps_high, need_grad, bool(inplace_backward))
+    if not return_metrics:
+        return loss
+    return loss, _metrics_from_stats(stats)

@@ -69,14 +69,19 @@ def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, 
             gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, adv_per_seq=adv_per_seq, block=block,
             num_warps=_WARPS_GPU)
-    # Fixed-order reduction of per-program rows: deterministic, no atomics.
+    return loss_terms, grad, _stats_from_partials(partials)
+
+
+def _stats_from_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[rows, 8] per-program (or per-token) statistics -> the [8] stats vector."""
+    # Fixed-order reduction of the rows: deterministic, no atomics.
     sums = partials.double().sum(0).float()
-    stats = torch.stack([
+    has_rows = partials.shape[0] > 0
+    return torch.stack([
         sums[0], sums[1], sums[2], sums[3], sums[4],
-        partials[:, 5].max() if programs else sums.new_tensor(float("-inf")),
-        partials[:, 6].min() if programs else sums.new_tensor(float("inf")),
+        partials[:, 5].max() if has_rows else sums.new_tensor(float("-inf")),
+        partials[:, 6].min() if has_rows else sums.new_tensor(float("inf")),
         sums[7]])
-    return loss_terms, grad, stats
 
 
 def _reduce(loss_terms, loss_mask, stats, reduction, shape):
@@ -214,6 +219,18 @@ def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprob
                                      old_logprobs=old_logprobs))
 
 
+def _check_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high):
+    """(gate_low, gate_high, eps_low, eps_high) as validated floats."""
+    beta = _dispatch.check_finite_number("beta", beta, positive=True)
+    lo = 1.0 / beta if gate_low is None else _dispatch.check_finite_number("gate_low", gate_low)
+    hi = beta if gate_high is None else _dispatch.check_finite_number("gate_high", gate_high)
+    if lo > hi:
+        raise ValueError(f"gate interval is empty: gate_low {lo} > gate_high {hi}")
+    eps_low = _dispatch.check_finite_number("eps_low", eps_low, nonnegative=True)
+    eps_high = _dispatch.check_finite_number("eps_high", eps_high, nonnegative=True)
+    return lo, hi, eps_low, eps_high
+
+
 def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                 advantages: torch.Tensor, loss_mask: Optional[torch.Tensor] = None, *,
                 old_logprobs: Optional[torch.Tensor] = None, beta: float = 2.0,
@@ -270,14 +287,8 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     True
     """
     _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
-    beta = _dispatch.check_finite_number("beta", beta, positive=True)
-    lo = 1.0 / beta if gate_low is None else _dispatch.check_finite_number("gate_low", gate_low)
-    hi = beta if gate_high is None else _dispatch.check_finite_number("gate_high", gate_high)
-    if lo > hi:
-        raise ValueError(f"gate interval is empty: gate_low {lo} > gate_high {hi}")
-    eps_low = _dispatch.check_finite_number("eps_low", eps_low, nonnegative=True)
-    eps_high = _dispatch.check_finite_number("eps_high", eps_high, nonnegative=True)
-
+    lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
+                                                       eps_high)
     contiguous = lambda t: None if t is None else t.contiguous()   # noqa: E731
     loss, _, _, stats = _icepop_op(
         contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),

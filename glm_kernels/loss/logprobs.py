@@ -1,66 +1,383 @@
-"""Selective log-probs from logits: log_softmax(logits / T)[token] without materializing it.
+"""Selective log-probs (and entropy) from logits, without an fp32 [tokens, V] tensor.
 
-Forward (Triton): one program per row, online log-sum-exp over vocab blocks, then
-lp = x_t / T - lse. Saved for backward: the logits (already alive) and lse [N] (O(tokens)).
-Backward: dlogits = g / T * (onehot(t) - exp(x / T - lse)).
+Math (readable version in ``loss/_logits_reference.py``), with z = logits / T::
+
+    lp  = z[t] - lse,   lse = log sum_v e^(z_v)          (online over vocab tiles, one read)
+    H   = -sum_v p_v log p_v = log s - t / s              (s, t carried with the lse)
+    d(g lp + h H)/d logits = (g (onehot(t) - p) - h p (log p + H)) / T
+
+Forward reads the logits once and saves lse (and H) [N] fp32; backward recomputes p from the
+logits and lse (one read, one write). With ``tp_group`` each rank holds a Megatron
+vocab-parallel shard; the shard statistics are combined by two all-reduces
+(``_vocab_parallel.py``) and backward stays communication-free.
+
+The compute primitives are ``torch.library`` custom ops (fake kernels give shapes), so the op
+traces through ``torch.compile``; in eager mode the wrappers call the plain implementation
+directly and skip the dispatcher.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
 from .. import _dispatch
-from . import _logits_reference
+from . import _logits_reference as ref
+from . import _vocab_parallel
 
-_BLOCK_V_GPU, _WARPS_GPU, _BLOCK_V_INTERPRET = 4096, 8, 256
+
+# --------------------------------------------------------------------------- launch config
+@dataclass(frozen=True)
+class LogitsLaunchConfig:
+    """Launch parameters shared by the from-logits kernels.
+
+    block_v, num_warps: vocab tile and warps of the streaming kernels (4096 bf16 = 8 KB/tile).
+    max_single_tile: the fused IcePop kernel holds rows of up to this many columns in one
+        register tile and reads them once (fp32/bf16/fp16 logits).
+    onchip_tile: bf16/fp16 rows of up to 3 * onchip_tile columns are held in three register
+        tiles (32 warps): a TP=8 shard of GLM-5's 154880 vocab (19360) is read once. These are
+        the largest on-chip rows that compile without spills for sm_90 (AOT report).
+    programs_per_sm: rows in flight per SM in the fused kernel's persistent grid for longer
+        rows, which are swept twice; few rows in flight let the second sweep hit L2.
+    max_programs: explicit grid cap of the fused kernel (overrides programs_per_sm).
+    """
+    block_v: int = 4096
+    num_warps: int = 8
+    max_single_tile: int = 16384
+    onchip_tile: int = 8192
+    programs_per_sm: int = 2
+    max_programs: Optional[int] = None
+
+    def row_plan(self, v: int, element_size: int) -> Tuple[int, int, int]:
+        """(row_tiles, BLOCK_V, num_warps) of the fused kernel; row_tiles 0 = streamed."""
+        if element_size <= 4 and v <= self.max_single_tile:
+            block = 1 << max(v - 1, 1).bit_length()
+            return 1, block, 4 if block <= 1024 else 8 if block <= 8192 else 16
+        if element_size <= 2 and v <= 3 * self.onchip_tile:
+            return 3, self.onchip_tile, 32
+        return 0, self.block_v, self.num_warps
+
+    def fused_programs(self, device: torch.device) -> int:
+        if self.max_programs is not None:
+            return self.max_programs
+        if device.type != "cuda":
+            return 1 << 30
+        return _sm_count(device.index or 0) * self.programs_per_sm
 
 
+# Small tiles for the interpreter (every plan is exercised at test sizes: one tile up to 256
+# columns, three tiles up to 384 in bf16, streamed beyond) and 3 programs, so that each
+# program of the persistent loop handles several rows.
+_INTERPRET_CONFIG = LogitsLaunchConfig(block_v=256, num_warps=4, max_single_tile=256,
+                                       onchip_tile=128, max_programs=3)
+
+
+def make_launch_config(backend: str) -> LogitsLaunchConfig:
+    """The heuristic default for ``backend`` (``triton`` or ``interpret``)."""
+    return _INTERPRET_CONFIG if backend == "interpret" else LogitsLaunchConfig()
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+# --------------------------------------------------------------------------- shared helpers
+def run_op(op, impl, *args):
+    """The custom op while torch.compile traces; the plain function in eager mode."""
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+
+def check_logits_and_ids(logits, token_ids, logits_name="logits") -> int:
+    """Validate [*S, V] logits against [*S] int32/int64 ids; returns V."""
+    _dispatch.check_tensor(logits_name, logits, floating=True)
+    _dispatch.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{logits_name} must be [*S, V] with V >= 1, got shape "
+                         f"{tuple(logits.shape)}")
+    if token_ids.shape != logits.shape[:-1]:
+        raise ValueError(f"token_ids must have shape {logits_name}.shape[:-1] = "
+                         f"{tuple(logits.shape[:-1])}, got {tuple(token_ids.shape)}")
+    _dispatch.check_same_device({logits_name: logits, "token_ids": token_ids})
+    return logits.shape[-1]
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """[*S, V] -> contiguous [N, V] (a view when ``x`` is contiguous)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def token_id_flag(token_ids: torch.Tensor, vocab_total: int) -> torch.Tensor:
+    """A zeroed int32 [1] flag that kernels set when an id lies outside [0, vocab_total).
+
+    On CPU the ids are checked here, before anything runs (no device to wait for): a clear
+    ValueError. On CUDA a host-side check would cost a device sync per call; the kernel flags
+    the id instead and :func:`check_token_id_flag` turns the flag into an asynchronous
+    device-side assert (like torch's own index checks in gather / nll_loss).
+    """
+    if not token_ids.is_cuda and token_ids.numel():
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= vocab_total:
+            raise ValueError(f"token_ids must lie in [0, {vocab_total}), got range [{lo}, {hi}]")
+    return torch.zeros(1, dtype=torch.int32, device=token_ids.device)
+
+
+def check_token_id_flag(flag: torch.Tensor, vocab_total: int) -> None:
+    if flag.is_cuda:
+        torch._assert_async(flag[0] == 0, f"glm_kernels: token_ids outside [0, {vocab_total})")
+
+
+def flag_ids_torch(flag, token_ids, vocab_total) -> None:
+    """The torch backend's version of the kernels' id flag (device tensors only)."""
+    if token_ids.is_cuda:
+        flag |= ((token_ids < 0) | (token_ids >= vocab_total)).any().to(torch.int32)
+
+
+def kernels_or_none(backend: str):
+    """The Triton kernel module, or None for the torch backend."""
+    if backend == "torch":
+        return None
+    from . import _logits_kernels
+    return _logits_kernels
+
+
+# --------------------------------------------------------------------------- custom ops
+def _logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
+                   want_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, v = logits.shape
+    flag = token_id_flag(token_ids, v)
+    backend = _dispatch.select_backend("selective_logprobs", logits)
+    kernels = kernels_or_none(backend)
+    if kernels is None:
+        flag_ids_torch(flag, token_ids, v)
+        partial = ref.logprob_partial_stats(logits, token_ids, inv_temp, 0, want_entropy)
+        lp, lse, entropy = ref.finalize_logprob_stats(*partial.unbind(-1))
+        entropy = entropy if want_entropy else entropy.new_empty(0)
+    else:
+        cfg = make_launch_config(backend)
+        lp, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(2))
+        entropy = torch.empty(n if want_entropy else 0, dtype=torch.float32,
+                              device=logits.device)
+        kernels.logprob_final(logits, token_ids, flag, lp, lse,
+                              entropy if want_entropy else None, inv_temp=inv_temp,
+                              block_v=cfg.block_v, num_warps=cfg.num_warps)
+    check_token_id_flag(flag, v)
+    return lp, entropy, lse
+
+
+@torch.library.custom_op("glm_kernels::selective_logprobs", mutates_args=())
+def _logprobs_op(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
+                 want_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lp [N], entropy [N] or [0], lse [N]) of [N, V] logits, all fp32."""
+    return _logprobs_impl(logits, token_ids, inv_temp, want_entropy)
+
+
+@_logprobs_op.register_fake
+def _logprobs_fake(logits, token_ids, inv_temp, want_entropy):
+    n = logits.shape[0]
+    new = lambda k: logits.new_empty((k,), dtype=torch.float32)   # noqa: E731
+    return new(n), new(n if want_entropy else 0), new(n)
+
+
+def _shard_stats_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
+                      want_entropy: bool, vocab_start: int, vocab_total: int) -> torch.Tensor:
+    n, _ = logits.shape
+    flag = token_id_flag(token_ids, vocab_total)
+    backend = _dispatch.select_backend("selective_logprobs", logits)
+    kernels = kernels_or_none(backend)
+    if kernels is None:
+        flag_ids_torch(flag, token_ids, vocab_total)
+        partial = ref.logprob_partial_stats(logits, token_ids, inv_temp, vocab_start,
+                                            want_entropy)
+    else:
+        cfg = make_launch_config(backend)
+        partial = torch.empty((n, 4), dtype=torch.float32, device=logits.device)
+        kernels.logprob_partial(logits, token_ids, flag, partial, want_entropy=want_entropy,
+                                inv_temp=inv_temp, vocab_start=vocab_start,
+                                vocab_total=vocab_total, block_v=cfg.block_v,
+                                num_warps=cfg.num_warps)
+    check_token_id_flag(flag, vocab_total)
+    return partial
+
+
+@torch.library.custom_op("glm_kernels::logprob_shard_stats", mutates_args=())
+def _shard_stats_op(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
+                    want_entropy: bool, vocab_start: int, vocab_total: int) -> torch.Tensor:
+    """[N, 4] fp32 (m, s, t, z_t) of one vocab shard (``_vocab_parallel`` combines them)."""
+    return _shard_stats_impl(logits, token_ids, inv_temp, want_entropy, vocab_start,
+                             vocab_total)
+
+
+@_shard_stats_op.register_fake
+def _shard_stats_fake(logits, token_ids, inv_temp, want_entropy, vocab_start, vocab_total):
+    return logits.new_empty((logits.shape[0], 4), dtype=torch.float32)
+
+
+def _grad_into(out, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
+               vocab_start) -> None:
+    """Write dL/dlogits into ``out`` (which may be ``logits`` itself)."""
+    backend = _dispatch.select_backend("selective_logprobs", logits)
+    kernels = kernels_or_none(backend)
+    if kernels is None:
+        out.copy_(ref.softmax_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy,
+                                   inv_temp, vocab_start))
+        return
+    cfg = make_launch_config(backend)
+    kernels.logits_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy, out,
+                        inv_temp=inv_temp, vocab_start=vocab_start, block_v=cfg.block_v,
+                        num_warps=cfg.num_warps)
+
+
+def _bwd_impl(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
+              entropy: torch.Tensor, grad_lp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+              inv_temp: float, vocab_start: int) -> torch.Tensor:
+    out = torch.empty_like(logits)
+    _grad_into(out, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
+               vocab_start)
+    return out
+
+
+@torch.library.custom_op("glm_kernels::selective_logprobs_backward", mutates_args=())
+def _bwd_op(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
+            entropy: torch.Tensor, grad_lp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+            inv_temp: float, vocab_start: int) -> torch.Tensor:
+    """dL/dlogits [N, V] in the logits dtype, softmax recomputed from the saved lse."""
+    return _bwd_impl(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
+                     vocab_start)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp, vocab_start):
+    return torch.empty_like(logits)
+
+
+def _bwd_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
+                      entropy: torch.Tensor, grad_lp: torch.Tensor,
+                      grad_entropy: Optional[torch.Tensor], inv_temp: float,
+                      vocab_start: int) -> None:
+    _grad_into(logits, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
+               vocab_start)
+    if not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version(logits)   # the op does it when dispatched
+
+
+@torch.library.custom_op("glm_kernels::selective_logprobs_backward_", mutates_args=("logits",))
+def _bwd_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
+                    entropy: torch.Tensor, grad_lp: torch.Tensor,
+                    grad_entropy: Optional[torch.Tensor], inv_temp: float,
+                    vocab_start: int) -> None:
+    """The backward written over the logits buffer (inplace_backward=True)."""
+    _bwd_inplace_impl(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
+                      vocab_start)
+
+
+@_bwd_inplace_op.register_fake
+def _bwd_inplace_fake(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
+                      vocab_start):
+    return None
+
+
+# --------------------------------------------------------------------------- autograd
 class _SelectiveLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits2d, ids, inv_temp, block_v, num_warps):
-        from . import _logits_kernels
-        n = logits2d.shape[0]
-        lp = torch.empty(n, dtype=torch.float32, device=logits2d.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits2d.device)
-        _logits_kernels.logprobs_fwd(logits2d, ids, lp, lse, inv_temp=inv_temp,
-                                     block_v=block_v, num_warps=num_warps)
-        ctx.save_for_backward(logits2d, ids, lse)
-        ctx.cfg = (inv_temp, block_v, num_warps)
-        return lp
+    def forward(ctx, logits, token_ids, inv_temp, want_entropy, tp_group, inplace_backward):
+        if tp_group is None:
+            lp, entropy, lse = run_op(_logprobs_op, _logprobs_impl, logits, token_ids, inv_temp,
+                                      want_entropy)
+            vocab_start = 0
+        else:
+            vocab_start, vocab_total = _vocab_parallel.shard_range(logits.shape[1], tp_group)
+            partial = run_op(_shard_stats_op, _shard_stats_impl, logits, token_ids, inv_temp,
+                             want_entropy, vocab_start, vocab_total)
+            lp, lse, entropy = _vocab_parallel.combine_logprob_stats(partial, tp_group)
+            if not want_entropy:
+                entropy = entropy.new_empty(0)
+        ctx.save_for_backward(logits, token_ids, lse, entropy)
+        ctx.cfg = (inv_temp, vocab_start, want_entropy, inplace_backward)
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return lp, entropy
 
     @staticmethod
-    def backward(ctx, grad_lp):
-        from . import _logits_kernels
-        logits2d, ids, lse = ctx.saved_tensors
-        inv_temp, block_v, num_warps = ctx.cfg
-        dlogits = torch.empty_like(logits2d)
-        _logits_kernels.logprobs_bwd(logits2d, ids, lse, grad_lp.float().contiguous(), dlogits,
-                                     inv_temp=inv_temp, block_v=block_v, num_warps=num_warps)
-        return dlogits, None, None, None, None
+    def backward(ctx, grad_lp, grad_entropy):
+        logits, token_ids, lse, entropy = ctx.saved_tensors
+        inv_temp, vocab_start, want_entropy, inplace = ctx.cfg
+        args = (logits, token_ids, lse, entropy, grad_lp.float().contiguous(),
+                grad_entropy.float().contiguous() if want_entropy else None, inv_temp,
+                vocab_start)
+        if inplace:
+            run_op(_bwd_inplace_op, _bwd_inplace_impl, *args)
+            grad = logits
+        else:
+            grad = run_op(_bwd_op, _bwd_impl, *args)
+        return grad, None, None, None, None, None
+
+
+def logprobs_rows(logits2d, token_ids1d, *, inv_temp, want_entropy=False, tp_group=None,
+                  inplace_backward=False):
+    """Differentiable (lp [N], entropy [N] or [0]) of [N, V] rows; no validation."""
+    return _SelectiveLogprobs.apply(logits2d, token_ids1d, inv_temp, want_entropy, tp_group,
+                                    inplace_backward)
 
 
 def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
-                       temperature: float = 1.0) -> torch.Tensor:
-    """fp32 log-probs [*S] of ``token_ids`` [*S] under softmax(logits [*S, V] / temperature).
+                       temperature: float = 1.0, return_entropy: bool = False, tp_group=None):
+    """Log-probabilities of chosen tokens (and the entropy) straight from logits.
 
-    Any float logits dtype; differentiable with respect to ``logits``.
+    Parameters
+    ----------
+    logits : Tensor [*S, V], any float dtype (bf16 / fp16 / fp32 / fp64)
+        Differentiable. With ``tp_group``: this rank's vocab shard, columns
+        [rank V, (rank + 1) V) of a vocabulary of world_size * V (Megatron layout).
+    token_ids : Tensor [*S], int32 / int64
+        Sampled tokens, ids into the full vocabulary, identical on every TP rank.
+    temperature : float, default 1.0
+        Sampling temperature T > 0: probabilities are softmax(logits / T).
+    return_entropy : bool, default False
+        Also return the entropy H = -sum p log p [*S] fp32 (differentiable).
+    tp_group : torch.distributed ProcessGroup, optional
+        Vocab-parallel group; the result is the full-vocab value on every rank. Two
+        all-reduces in forward (max; packed sum-exp, entropy sum and target logit), none in
+        backward.
+
+    Returns
+    -------
+    logprobs : Tensor [*S] fp32 -- log softmax(logits / T)[token]; or (logprobs, entropy).
+
+    Notes
+    -----
+    * A token whose logit is -inf (a masked vocab entry) gets log-prob -inf; its gradient
+      stays finite (onehot - p). A row whose logits are all -inf has no distribution: NaN
+      log-prob and entropy. -inf entries contribute 0 to the entropy.
+    * Rows whose upstream gradient is exactly 0 get an exactly-zero gradient row even when
+      their logits are NaN/inf (autograd of the reference would give NaN there).
+    * token_ids are checked against the vocab: on CPU a ValueError before anything runs; on
+      CUDA an asynchronous device-side assert raised by the kernel's flag (no host sync).
+    * Extra memory: lse (and entropy) [N] fp32 saved for backward, plus the logits themselves.
+      Non-contiguous logits are copied once.
+
+    Example
+    -------
+    >>> import torch, glm_kernels
+    >>> logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    >>> lp, h = glm_kernels.selective_logprobs(logits, torch.tensor([0, 2]),
+    ...                                        return_entropy=True)
+    >>> [round(x, 4) for x in lp.tolist()], round(h[1].item(), 4)   # uniform row: log 3
+    ([-0.2395, -1.0986], 1.0986)
+    >>> lp.sum().backward(); [round(x, 4) for x in logits.grad[1].tolist()]
+    [-0.3333, -0.3333, 0.6667]
     """
-    _dispatch.check_tensor("logits", logits, floating=True)
-    _dispatch.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
-    if logits.dim() < 1 or token_ids.shape != logits.shape[:-1]:
-        raise ValueError(f"token_ids must have shape logits.shape[:-1] = "
-                         f"{tuple(logits.shape[:-1])}, got {tuple(token_ids.shape)}")
-    _dispatch.check_finite_number("temperature", temperature, positive=True)
-    _dispatch.check_same_device({"logits": logits, "token_ids": token_ids})
-    v = logits.shape[-1]
-    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= v):
-        raise ValueError(f"token_ids must lie in [0, {v}), got range "
-                         f"[{int(token_ids.min())}, {int(token_ids.max())}]")
-    backend = _dispatch.select_backend("selective_logprobs", logits)
-    if backend == "torch":
-        return _logits_reference.selective_logprobs_reference(logits, token_ids, temperature)
-    interpret = backend == "interpret"
-    block_v = _BLOCK_V_INTERPRET if interpret else _BLOCK_V_GPU
-    lp = _SelectiveLogprobs.apply(logits.reshape(-1, v).contiguous(),
-                                  token_ids.reshape(-1).long().contiguous(), 1.0 / temperature,
-                                  block_v, _WARPS_GPU)
-    return lp.reshape(token_ids.shape)
+    check_logits_and_ids(logits, token_ids)
+    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    lp, entropy = logprobs_rows(rows_2d(logits), token_ids.reshape(-1).contiguous(),
+                                inv_temp=1.0 / temperature, want_entropy=bool(return_entropy),
+                                tp_group=tp_group)
+    lp = lp.reshape(token_ids.shape)
+    if not return_entropy:
+        return lp
+    return lp, entropy.reshape(token_ids.shape)

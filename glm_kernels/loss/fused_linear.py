@@ -1,0 +1,232 @@
+"""IcePop loss from the last hidden states and the output layer, chunked over tokens.
+
+Math: logits = hidden @ weight^T (weight [V, H]); the loss is ``icepop_loss_from_logits``
+of those logits. Per chunk of C tokens (C chosen from a memory budget)::
+
+    logits_c  = hidden_c @ weight^T                  [C, V] in the weight dtype (GEMM 1)
+    fused pass over logits_c, gradient written in place: logits_c <- dL/dlogits_c
+    grad_hidden_c  = logits_c @ weight               [C, H]                     (GEMM 2)
+    grad_weight   += logits_c^T @ hidden_c           [V, H]                     (GEMM 3)
+
+so [tokens, V] never exists: the only vocab-sized buffers are one [C, V] chunk and the
+[V, H] weight gradient (which any path needs). The gradients are computed during forward for
+grad_output = 1 (a scalar loss); backward multiplies them by grad_output in place (a kernel
+that returns at once when grad_output == 1). The weight gradient accumulates over chunks in
+the weight's dtype (one rounding per chunk when it is bf16, as in Liger's fused linear
+cross-entropy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _dispatch
+from .from_logits import (flat_token_inputs, icepop_rows_into, loss_from_rows,
+                          scale_by_grad_output, token_scales)
+from .icepop import (_check_hyperparameters, _check_inputs, _metrics_from_stats,
+                     _stats_from_partials)
+from .logprobs import run_op
+
+DEFAULT_MEMORY_BUDGET = 512 << 20          # bytes for the [C, V] logits chunk
+_CHUNK_MULTIPLE = 128                      # keeps the GEMM tiles full
+
+
+@dataclass(frozen=True)
+class FusedLinearConfig:
+    """chunk_size: tokens per chunk; the [chunk_size, V] logits chunk is the only
+    vocab-sized activation."""
+    chunk_size: int
+
+
+def make_fused_linear_config(n_tokens: int, vocab: int, dtype: torch.dtype, *,
+                             chunk_size: Optional[int] = None,
+                             memory_budget: Optional[int] = None) -> FusedLinearConfig:
+    """An explicit ``chunk_size`` wins; otherwise the largest multiple of 128 tokens (or all
+    tokens) whose [C, V] chunk fits ``memory_budget`` bytes (default 512 MiB, e.g. 1664
+    tokens at V = 154880 in bf16)."""
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        return FusedLinearConfig(chunk_size)
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {budget!r}")
+    row_bytes = vocab * torch.empty(0, dtype=dtype).element_size()
+    chunk = max(budget // row_bytes, 1)
+    if chunk >= _CHUNK_MULTIPLE:
+        chunk -= chunk % _CHUNK_MULTIPLE
+    return FusedLinearConfig(int(max(min(chunk, n_tokens), 1)))
+
+
+def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+                       rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
+                       mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
+                       gate_low: float, gate_high: float, eps_low: float, eps_high: float,
+                       chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, _ = hidden.shape
+    v = weight.shape[0]
+    rows = torch.empty((n, 8), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
+    grad_weight = (torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0))
+    need_grad = need_grad_hidden or need_grad_weight
+    chunk_buffer = torch.empty((min(chunk_size, n), v), dtype=weight.dtype,
+                               device=hidden.device)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        part = slice(start, end)
+        hidden_c = hidden[part]
+        logits_c = chunk_buffer[: end - start]
+        torch.mm(hidden_c, weight.t(), out=logits_c)
+        pick = lambda t: None if t is None else t[part]   # noqa: E731
+        rows[part] = icepop_rows_into(
+            logits_c if need_grad else None, logits_c, token_ids[part], rollout[part],
+            pick(old), adv[part], pick(mask), scale[part], inv_temp=inv_temp,
+            gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high)
+        if need_grad_hidden:
+            torch.mm(logits_c, weight, out=grad_hidden[part])
+        if need_grad_weight:
+            grad_weight.addmm_(logits_c.t(), hidden_c)
+    return loss_from_rows(rows, scale), grad_hidden, grad_weight, rows
+
+
+@torch.library.custom_op("glm_kernels::fused_linear_icepop_loss", mutates_args=())
+def _fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+                     rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
+                     mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
+                     gate_low: float, gate_high: float, eps_low: float, eps_high: float,
+                     chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8]);
+    gradients for grad_output = 1."""
+    return _fused_linear_impl(hidden, weight, token_ids, rollout, old, adv, mask, scale,
+                              inv_temp, gate_low, gate_high, eps_low, eps_high, chunk_size,
+                              need_grad_hidden, need_grad_weight)
+
+
+@_fused_linear_op.register_fake
+def _fused_linear_fake(hidden, weight, token_ids, rollout, old, adv, mask, scale, inv_temp,
+                       gate_low, gate_high, eps_low, eps_high, chunk_size, need_grad_hidden,
+                       need_grad_weight):
+    return (hidden.new_empty((), dtype=torch.float32),
+            torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_grad_weight else weight.new_empty(0),
+            hidden.new_empty((hidden.shape[0], 8), dtype=torch.float32))
+
+
+class _FusedLinearIcePop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, *args):
+        loss, grad_hidden, grad_weight, rows = run_op(_fused_linear_op, _fused_linear_impl,
+                                                      hidden, weight, *args)
+        stats = _stats_from_partials(rows)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.num_args = len(args)
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_stats):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grads = [scale_by_grad_output(g, grad_loss) if g.numel() else None
+                 for g in (grad_hidden, grad_weight)]
+        return (*grads,) + (None,) * ctx.num_args
+
+
+def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
+                             token_ids: torch.Tensor, rollout_logprobs: torch.Tensor,
+                             advantages: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+                             *, temperature: float = 1.0, chunk_size: Optional[int] = None,
+                             memory_budget: Optional[int] = None,
+                             old_logprobs: Optional[torch.Tensor] = None, beta: float = 2.0,
+                             gate_low: Optional[float] = None, gate_high: Optional[float] = None,
+                             eps_low: float = 0.2, eps_high: float = 0.28,
+                             reduction: str = "token_mean", return_metrics: bool = False):
+    """IcePop loss of ``hidden @ weight.T`` without ever holding [tokens, V] logits.
+
+    Parameters
+    ----------
+    hidden : Tensor [*S, H], fp32 / bf16 / fp16
+        Last hidden states (after the final norm); differentiable.
+    weight : Tensor [V, H], same dtype as ``hidden``
+        Output layer (lm_head) weight; differentiable.
+    token_ids : Tensor [*S], int32 / int64
+    rollout_logprobs, advantages, loss_mask, old_logprobs, beta, gate_low, gate_high,
+    eps_low, eps_high, return_metrics
+        As in :func:`glm_kernels.icepop_loss`.
+    reduction : {"token_mean", "seq_mean_token_mean", "sum"}
+        "none" is refused: the gradients are computed during forward, which needs a scalar
+        loss (use ``icepop_loss_from_logits`` for per-token losses).
+    temperature : float, default 1.0
+    chunk_size : int, optional
+        Tokens per chunk (overrides the memory budget).
+    memory_budget : int, optional
+        Bytes allowed for the [chunk, V] logits chunk (default 512 MiB).
+
+    Returns
+    -------
+    loss : fp32 scalar; with return_metrics also the metrics dict of ``icepop_loss``.
+
+    Notes
+    -----
+    Memory beyond the inputs: one [chunk, V] buffer in the weight dtype, the gradients
+    ([*S, H] and [V, H], kept from forward to backward) and O(tokens) statistics. Backward
+    can run once (the saved gradients are scaled in place). No ``tp_group``: a vocab-parallel
+    output layer would need an all-reduce per chunk plus one of the hidden gradient.
+
+    Example
+    -------
+    >>> import torch, glm_kernels
+    >>> hidden = torch.randn(6, 16, requires_grad=True)
+    >>> weight = torch.randn(50, 16, requires_grad=True)
+    >>> ids = torch.randint(0, 50, (6,))
+    >>> with torch.no_grad():
+    ...     rollout = glm_kernels.selective_logprobs(hidden @ weight.T, ids)
+    >>> loss = glm_kernels.fused_linear_icepop_loss(hidden, weight, ids, rollout,
+    ...                                             torch.ones(6), chunk_size=4)
+    >>> loss.backward(); hidden.grad.shape, weight.grad.shape
+    (torch.Size([6, 16]), torch.Size([50, 16]))
+    """
+    _dispatch.check_tensor("hidden", hidden, dtypes=(torch.float32, torch.bfloat16,
+                                                     torch.float16))
+    _dispatch.check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=(2,))
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [*S, H] with H = weight.shape[1] = {weight.shape[1]}, "
+                         f"got shape {tuple(hidden.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must be [V, H] with V >= 1, got shape "
+                         f"{tuple(weight.shape)}")
+    _dispatch.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
+    if token_ids.shape != hidden.shape[:-1]:
+        raise ValueError(f"token_ids must have shape hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}, got {tuple(token_ids.shape)}")
+    _dispatch.check_same_device({"hidden": hidden, "weight": weight, "token_ids": token_ids})
+    if reduction == "none":
+        raise ValueError("reduction='none' is not supported by fused_linear_icepop_loss (its "
+                         "gradients are computed in forward for a scalar loss); use "
+                         "icepop_loss_from_logits")
+    shape = token_ids.shape
+    lp_shape = torch.empty_strided(shape, (0,) * len(shape), dtype=torch.float32,
+                                   device=hidden.device)
+    _check_inputs(lp_shape, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
+    lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
+                                                       eps_high)
+    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    n_tokens, vocab = shape.numel(), weight.shape[0]
+    config = make_fused_linear_config(max(n_tokens, 1), vocab, weight.dtype,
+                                      chunk_size=chunk_size, memory_budget=memory_budget)
+
+    rollout, adv, mask, old = flat_token_inputs(shape, rollout_logprobs, advantages, loss_mask,
+                                                old_logprobs)
+    scale = token_scales(loss_mask, shape, reduction, hidden.device)
+    grad_on = torch.is_grad_enabled()
+    loss, stats = _FusedLinearIcePop.apply(
+        hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
+        token_ids.reshape(-1).contiguous(), rollout, old, adv, mask, scale, 1.0 / temperature,
+        lo, hi, eps_low, eps_high, config.chunk_size, bool(grad_on and hidden.requires_grad),
+        bool(grad_on and weight.requires_grad))
+    if not return_metrics:
+        return loss
+    return loss, _metrics_from_stats(stats)
