@@ -49,7 +49,9 @@ class IpcTransport(Transport):
         self.device = device
         self.frame_timeout = float(frame_timeout)
         self._frames = ctx.Queue()
-        self._requests = ctx.Queue()
+        # Written synchronously (no feeder thread): a refusal is visible to the sender's
+        # next publish as soon as report() returns.
+        self._requests = ctx.SimpleQueue()
 
     def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
              bucket_bytes: int) -> None:
@@ -58,12 +60,10 @@ class IpcTransport(Transport):
 
     def full_requested(self) -> bool:
         asked = False
-        while True:
-            try:
-                self._requests.get_nowait()
-            except queue.Empty:
-                return asked
+        while not self._requests.empty():   # the sender is the only reader
+            self._requests.get()
             asked = True
+        return asked
 
     def _get(self, timeout: Optional[float]) -> Frame:
         try:
