@@ -1,4 +1,12 @@
-"""Delta weight codec (DESIGN 3.5): send only the elements whose bit pattern changed."""
-from .packet import ENCODINGS, DeltaPacket, apply_, encode
+"""Delta weight codec (DESIGN 3.5): send only the elements whose bit pattern changed.
 
-__all__ = ["encode", "apply_", "DeltaPacket", "ENCODINGS"]
+``encode(new, old)`` -> ``DeltaPacket``; ``apply_(target, packet)`` in place;
+``packet.to_bytes()`` / ``DeltaPacket.from_bytes(b)`` for the wire; ``checksum(t)`` is the
+checksum packets carry; ``apply_safetensors_`` applies into a memory-mapped safetensors file.
+"""
+from ._device import DeltaKernelConfig
+from .codec import apply_, apply_safetensors_, checksum, encode
+from .packet import ENCODINGS, SUPPORTED_DTYPES, DeltaPacket
+
+__all__ = ["encode", "apply_", "checksum", "apply_safetensors_", "DeltaPacket", "ENCODINGS",
+           "SUPPORTED_DTYPES", "DeltaKernelConfig"]

@@ -1,14 +1,31 @@
-"""DeltaPacket: encode/apply and the self-describing wire format (DESIGN 3.5).
+"""DeltaPacket and its self-describing wire format (DESIGN 3.5).
 
-Wire layout (little-endian):
-  magic b"GLMD" | u16 format version | u8 dtype code | u8 encoding code | u8 has_base |
-  3 pad bytes | u64 numel | u64 count | u64 escape count | u64 payload length |
-  8B checksum of the result | 8B checksum of the base (zeros unless has_base) |
-  8B checksum of header (this field zeroed) + payload | payload
-Checksums are BLAKE2b-64 (hashlib) over the bytes in memory order.
+Wire layout, format version 2 (little-endian)::
+
+    magic b"GLMD" | u16 format version | u8 dtype code | u8 encoding code |
+    u8 value coding (0: new bit patterns, 1: zigzag difference from the base) | 7 zero bytes |
+    u64 numel | u64 count | u64 escape count | u64 payload length |
+    8B checksum of the result | 8B checksum of the base (zeros unless value coding 1) |
+    8B BLAKE2b-64 of (this header with this field zeroed) + payload | payload
+
+Payload by encoding; every section starts at a multiple of 8 bytes (zero padding), so
+each can be viewed in place with its own dtype on the host or on a GPU::
+
+    int32: positions int32[count] | values[count]
+    gap16: escapes u64[e] | gaps u16[count] | values[count]
+    zstd:  u64 compressed length of each stream | the streams, each its own zstd frame
+           (length 0 = empty stream): escapes u64[e], gap low bytes, gap high bytes,
+           value byte 0, ..., value byte (size - 1)   -- byte planes of `count` bytes each
+
+Checksums of the result and base are the linear word checksum of ``_reference`` (verifiable
+from the changed elements alone); the packet checksum is BLAKE2b over the serialized bytes.
 """
+from __future__ import annotations
+
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import torch
@@ -16,172 +33,234 @@ import torch
 from . import _reference as ref
 
 MAGIC = b"GLMD"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHBBB3xQQQQ8s8s8s")
+FORMAT_VERSION = 2
+_HEADER = struct.Struct("<4sHBBB7sQQQQ8s8s8s")   # 72 bytes: the payload stays 8-aligned
+HEADER_BYTES = _HEADER.size
 ENCODINGS = ("int32", "gap16", "zstd")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.int16,
            torch.int32, torch.int64, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
            torch.bool]
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+SUPPORTED_DTYPES = tuple(_DTYPES)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def stream_spec(encoding: str, relative: bool) -> ref.StreamSpec:
+    return ref.StreamSpec(positions="int32" if encoding == "int32" else "gap16",
+                          diff=relative, planar=encoding == "zstd")
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def raw_layout(encoding: str, count: int, n_escapes: int, size: int) -> dict:
+    """Byte (offset, length) of each section of an int32 / gap16 payload, and its total."""
+    if encoding == "int32":
+        sections = {"escapes": (0, 0), "positions": (0, 4 * count)}
+        vals_at = _pad8(4 * count)
+    else:
+        sections = {"escapes": (0, 8 * n_escapes), "positions": (8 * n_escapes, 2 * count)}
+        vals_at = _pad8(8 * n_escapes + 2 * count)
+    sections["values"] = (vals_at, size * count)
+    sections["total"] = (0, vals_at + size * count)
+    return sections
 
 
 @dataclass
 class DeltaPacket:
+    """One tensor's delta. ``payload`` is bytes-like (host) or a uint8 tensor (any device)."""
     dtype: torch.dtype
     numel: int
     encoding: str
     count: int
     n_escapes: int
     result_checksum: bytes
-    base_checksum: bytes  # b"" unless the values are XOR'd against the base
-    payload: bytes
+    base_checksum: bytes                  # b"" unless values are differences from the base
+    payload: Union[bytes, memoryview, torch.Tensor]
+
+    @property
+    def relative(self) -> bool:
+        return bool(self.base_checksum)
+
+    def payload_nbytes(self) -> int:
+        p = self.payload
+        return p.numel() if isinstance(p, torch.Tensor) else len(p)
+
+    def nbytes(self) -> int:
+        """Serialized size in bytes (header + payload)."""
+        return HEADER_BYTES + self.payload_nbytes()
+
+    def host_payload(self):
+        """The payload as a host bytes-like object (a device payload is copied once)."""
+        p = self.payload
+        if isinstance(p, torch.Tensor):
+            return p.detach().cpu().numpy().tobytes()
+        return p
+
+    def _fields(self, seal: bytes):
+        return (MAGIC, FORMAT_VERSION, _DTYPE_CODE[self.dtype], ENCODINGS.index(self.encoding),
+                1 if self.relative else 0, bytes(7), self.numel, self.count, self.n_escapes,
+                self.payload_nbytes(), self.result_checksum, self.base_checksum or bytes(8),
+                seal)
 
     def to_bytes(self) -> bytes:
-        has_base = 1 if self.base_checksum else 0
-        fields = (MAGIC, FORMAT_VERSION, _DTYPE_CODE[self.dtype],
-                  ENCODINGS.index(self.encoding), has_base, self.numel, self.count,
-                  self.n_escapes, len(self.payload), self.result_checksum,
-                  self.base_checksum or bytes(8))
-        unsealed = _HEADER.pack(*fields, bytes(8))
-        return _HEADER.pack(*fields, ref.checksum_bytes(unsealed + self.payload)) + self.payload
+        payload = self.host_payload()
+        unsealed = _HEADER.pack(*self._fields(bytes(8)))
+        seal = ref.checksum_bytes(unsealed + payload)
+        return _HEADER.pack(*self._fields(seal)) + bytes(payload)
 
     @classmethod
     def from_bytes(cls, b) -> "DeltaPacket":
+        """Parse and verify a serialized packet; ValueError on any inconsistency."""
         b = bytes(b)
-        if len(b) < _HEADER.size:
-            raise ValueError(f"truncated delta packet: {len(b)} bytes, header needs {_HEADER.size}")
-        (magic, version, dcode, ecode, has_base, numel, count, n_esc, plen, res_ck, base_ck,
-         pay_ck) = _HEADER.unpack_from(b)
+        if len(b) < HEADER_BYTES:
+            raise ValueError(f"truncated delta packet: {len(b)} bytes, header needs "
+                             f"{HEADER_BYTES}")
+        (magic, version, dcode, ecode, coding, pad, numel, count, n_esc, plen, res_ck, base_ck,
+         seal) = _HEADER.unpack_from(b)
         if magic != MAGIC:
             raise ValueError(f"not a delta packet: magic {magic!r}, expected {MAGIC!r}")
         if version != FORMAT_VERSION:
-            raise ValueError(f"delta packet format version {version}, expected {FORMAT_VERSION}")
-        if dcode >= len(_DTYPES) or ecode >= len(ENCODINGS):
-            raise ValueError(f"corrupt delta packet: dtype code {dcode}, encoding code {ecode}")
-        payload = b[_HEADER.size:]
-        if len(payload) != plen:
-            raise ValueError(f"truncated or padded delta packet: payload {len(payload)} bytes, "
-                             f"header says {plen}")
-        if ref.checksum_bytes(b[:_HEADER.size - 8] + bytes(8) + payload) != pay_ck:
+            raise ValueError(f"delta packet format version {version}, this build reads "
+                             f"{FORMAT_VERSION}")
+        if len(b) - HEADER_BYTES != plen:
+            raise ValueError(f"truncated or padded delta packet: payload {len(b) - HEADER_BYTES}"
+                             f" bytes, header says {plen}")
+        if ref.checksum_bytes(b[:HEADER_BYTES - 8] + bytes(8) + b[HEADER_BYTES:]) != seal:
             raise ValueError("corrupt delta packet: packet checksum mismatch")
-        return cls(_DTYPES[dcode], numel, ENCODINGS[ecode], count, n_esc, res_ck,
-                   base_ck if has_base else b"", payload)
-
-    def nbytes(self) -> int:
-        return _HEADER.size + len(self.payload)
-
-
-def _zstd(level, threads):
-    import zstandard
-    return (zstandard.ZstdCompressor(level=level, threads=threads),
-            zstandard.ZstdDecompressor())
-
-
-def _check_pair(new, old):
-    from .._dispatch import check_tensor, check_same_shape
-    check_tensor("new", new)
-    check_tensor("old", old)
-    check_same_shape("old", old, "new", new)
-    if old.dtype != new.dtype:
-        raise TypeError(f"old must have dtype {new.dtype}, got {old.dtype}")
-    if new.dtype not in _DTYPE_CODE:
-        raise TypeError(f"new has unsupported dtype {new.dtype}; expected one of {_DTYPES}")
+        if dcode >= len(_DTYPES) or ecode >= len(ENCODINGS) or coding > 1 or pad != bytes(7):
+            raise ValueError(f"corrupt delta packet: dtype code {dcode}, encoding code {ecode}, "
+                             f"value coding {coding}")
+        encoding = ENCODINGS[ecode]
+        if coding and encoding != "zstd":
+            raise ValueError(f"corrupt delta packet: relative values with encoding {encoding}")
+        if count > numel or n_esc > count or (encoding == "int32" and n_esc):
+            raise ValueError(f"corrupt delta packet: count {count}, escapes {n_esc}, "
+                             f"numel {numel}")
+        packet = cls(_DTYPES[dcode], numel, encoding, count, n_esc, res_ck,
+                     base_ck if coding else b"", memoryview(b)[HEADER_BYTES:])
+        check_payload_size(packet)
+        return packet
 
 
-def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
-           zstd_level: int = 3, xor_base: bool = True, threads: int = -1) -> DeltaPacket:
-    """Packet that turns ``old`` into ``new`` bit for bit (host reference path)."""
-    from .._dispatch import check_choice
-    check_choice("encoding", encoding, ENCODINGS)
-    _check_pair(new, old)
-    new_c = new.detach().cpu().contiguous()
-    old_c = old.detach().cpu().contiguous()
-    n = new_c.numel()
-    if encoding == "int32" and n > 2 ** 31:
-        raise ValueError(f"encoding='int32' cannot address {n} elements (> 2^31); use 'gap16'")
-    nb, ob = ref.np_bits(new_c), ref.np_bits(old_c)
-    pos = np.flatnonzero(nb != ob)
-    values = nb[pos]
-    base_ck = b""
-    n_esc = 0
-    if encoding == "int32":
-        payload = pos.astype(np.int32).tobytes() + values.tobytes()
-    else:
-        gaps, esc = ref.gap16_pack(pos)
-        n_esc = esc.size
-        if encoding == "gap16":
-            payload = gaps.tobytes() + esc.tobytes() + values.tobytes()
-        else:
-            if xor_base:
-                values = values ^ ob[pos]
-                base_ck = ref.checksum(old_c)
-            cctx, _ = _zstd(zstd_level, threads)
-            raw = gaps.tobytes() + esc.tobytes() + ref.byte_group(values)
-            payload = cctx.compress(raw)
-    return DeltaPacket(new_c.dtype, n, encoding, int(pos.size), int(n_esc),
-                       ref.checksum(new_c), base_ck, payload)
-
-
-def decode(packet: DeltaPacket, base_bits: np.ndarray):
-    """(positions int64, values as unsigned bit patterns); validates structure."""
-    size = torch.empty(0, dtype=packet.dtype).element_size()
-    c, e = packet.count, packet.n_escapes
-    raw = packet.payload
+def check_payload_size(packet: DeltaPacket) -> None:
+    """The payload length the header implies (exact for int32/gap16, the table for zstd)."""
+    size = element_size(packet.dtype)
+    have = packet.payload_nbytes()
     if packet.encoding == "zstd":
-        _, dctx = _zstd(3, 0)
+        table = 8 * (3 + size)
+        if have < table:
+            raise ValueError(f"corrupt delta packet: zstd payload {have} bytes, its frame table "
+                             f"alone needs {table}")
+        return
+    want = raw_layout(packet.encoding, packet.count, packet.n_escapes, size)["total"][1]
+    if have != want:
+        raise ValueError(f"corrupt delta packet: payload {have} bytes, expected {want} for "
+                         f"{packet.count} {packet.encoding} changes of {packet.dtype}")
+
+
+# ------------------------------------------------------------------------------- zstd
+def _zstandard():
+    try:
+        import zstandard
+    except ImportError:
+        raise ImportError("encoding='zstd' needs the 'zstandard' package: pip install zstandard "
+                          "(or glm_kernels[delta])") from None
+    return zstandard
+
+
+def require_zstd() -> None:
+    _zstandard()
+
+
+def _threads(threads: int) -> int:
+    import os
+    return max(1, os.cpu_count() or 1) if threads is None or threads < 1 else int(threads)
+
+
+def compress_streams(streams, zstd_level: int, threads: int) -> bytes:
+    """zstd payload: length table, then one frame per non-empty stream, compressed in parallel."""
+    zstandard = _zstandard()
+    raw = [np.ascontiguousarray(s).view(np.uint8).reshape(-1) for s in streams]
+
+    def one(buf):
+        if buf.size == 0:
+            return b""
+        return zstandard.ZstdCompressor(level=zstd_level).compress(buf)
+
+    with ThreadPoolExecutor(max_workers=min(_threads(threads), len(raw))) as pool:
+        frames = list(pool.map(one, raw))
+    table = np.array([len(f) for f in frames], dtype="<u8").tobytes()
+    return table + b"".join(frames)
+
+
+def decompress_streams(payload, sizes, threads: int):
+    """Inverse of compress_streams with the expected raw size of every stream (uint8 arrays)."""
+    zstandard = _zstandard()
+    mv = memoryview(payload)
+    lengths = np.frombuffer(mv[:8 * len(sizes)], dtype="<u8")
+    if int(lengths.sum()) != len(mv) - 8 * len(sizes):
+        raise ValueError("corrupt zstd delta payload: frame lengths do not add up to the payload")
+    starts = 8 * len(sizes) + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+    def one(i):
+        n, want = int(lengths[i]), int(sizes[i])
+        if n == 0:
+            if want:
+                raise ValueError(f"corrupt zstd delta payload: stream {i} empty, expected {want}")
+            return np.zeros(0, np.uint8)
         try:
-            raw = dctx.decompress(raw, max_output_size=2 * c + 8 * e + size * c + 1)
-        except Exception as exc:  # zstandard.ZstdError
+            out = zstandard.ZstdDecompressor().decompress(
+                mv[int(starts[i]):int(starts[i]) + n], max_output_size=want)
+        except zstandard.ZstdError as exc:
             raise ValueError(f"corrupt zstd delta payload: {exc}") from None
-    want = (4 * c if packet.encoding == "int32" else 2 * c + 8 * e) + size * c
-    if len(raw) != want:
-        raise ValueError(f"corrupt delta packet: payload {len(raw)} bytes, expected {want}")
-    if packet.encoding == "int32":
-        pos = np.frombuffer(raw, np.int32, c).astype(np.int64)
-        if c and np.any(np.diff(pos) <= 0):
-            raise ValueError("corrupt delta packet: positions not strictly increasing")
-        off = 4 * c
-    else:
-        pos = ref.gap16_unpack(np.frombuffer(raw, np.uint16, c),
-                               np.frombuffer(raw, np.uint64, e, offset=2 * c))
-        off = 2 * c + 8 * e
-    if c and (pos[0] < 0 or pos[-1] >= packet.numel):
-        raise ValueError(f"corrupt delta packet: position out of range [0, {packet.numel})")
+        if len(out) != want:
+            raise ValueError(f"corrupt zstd delta payload: stream {i} has {len(out)} bytes, "
+                             f"expected {want}")
+        return np.frombuffer(out, np.uint8)
+
+    with ThreadPoolExecutor(max_workers=min(_threads(threads), len(sizes))) as pool:
+        return list(pool.map(one, range(len(sizes))))
+
+
+# ------------------------------------------------------------------ streams <-> payload
+def build_payload(streams: ref.Streams, encoding: str, size: int, zstd_level: int = 3,
+                  threads: int = -1) -> bytes:
+    """Host payload bytes from numpy streams (see the module docstring for the layout)."""
+    c = streams.count
+    if encoding == "zstd":
+        planes = [streams.escapes, streams.positions[:c], streams.positions[c:]]
+        planes += [streams.values[b * c:(b + 1) * c] for b in range(size)]
+        return compress_streams(planes, zstd_level, threads)
+    layout = raw_layout(encoding, c, streams.escapes.size, size)
+    out = np.zeros(layout["total"][1], np.uint8)
+    for name in ("escapes", "positions", "values"):
+        at, n = layout[name]
+        out[at:at + n] = np.ascontiguousarray(getattr(streams, name)).view(np.uint8).reshape(-1)
+    return out.tobytes()
+
+
+def parse_payload(packet: DeltaPacket, threads: int = -1) -> ref.Streams:
+    """Numpy streams (views into the payload where possible) of a host packet."""
+    size = element_size(packet.dtype)
+    c, e = packet.count, packet.n_escapes
+    payload = packet.host_payload()
     if packet.encoding == "zstd":
-        vals = ref.byte_ungroup(raw[off:], c, size)
-        if packet.base_checksum:
-            vals = vals ^ base_bits[pos]
-    else:
-        vals = np.frombuffer(raw, ref._NP_UINT[size], c, offset=off)
-    return pos, vals
+        parts = decompress_streams(payload, [8 * e, c, c] + [c] * size, threads)
+        return ref.Streams(c, np.concatenate(parts[1:3]), parts[0].view(np.uint64),
+                           np.concatenate(parts[3:]))
+    layout = raw_layout(packet.encoding, c, e, size)
+    buf = np.frombuffer(payload, np.uint8)
+    if buf[sum(layout["positions"]):layout["values"][0]].any():
+        raise ValueError("corrupt delta packet: nonzero padding between payload sections")
+    pos_dtype = np.int32 if packet.encoding == "int32" else np.uint16
 
-
-def apply_(target: torch.Tensor, packet: DeltaPacket) -> torch.Tensor:
-    """Apply ``packet`` to ``target`` in place; raises before any write if anything is off.
-
-    The result is built in a scratch copy, its checksum compared with the packet's, and only
-    then copied into ``target`` (one extra tensor of memory buys the all-or-nothing write).
-    """
-    from .._dispatch import check_tensor
-    check_tensor("target", target)
-    if not isinstance(packet, DeltaPacket):
-        raise TypeError(f"packet must be a DeltaPacket, got {type(packet).__name__}")
-    if target.dtype != packet.dtype:
-        raise TypeError(f"target has dtype {target.dtype}, packet is for {packet.dtype}")
-    if target.numel() != packet.numel:
-        raise ValueError(f"target has {target.numel()} elements, packet is for {packet.numel}")
-    if not target.is_contiguous():
-        raise ValueError(f"target must be contiguous, got strides {target.stride()}")
-    base = target.detach().cpu().contiguous()
-    if packet.base_checksum and ref.checksum(base) != packet.base_checksum:
-        raise ValueError("packet values are XOR'd against a base; target is not that base")
-    bits = ref.np_bits(base)
-    pos, vals = decode(packet, bits)
-    scratch = bits.copy()
-    scratch[pos] = vals
-    if ref.checksum_bytes(scratch.tobytes()) != packet.result_checksum:
-        raise ValueError("delta result checksum mismatch: target is not the packet's base")
-    result = torch.from_numpy(scratch).view(ref._INT_VIEW[target.element_size()])
-    with torch.no_grad():
-        ref.int_view(target).copy_(result.to(target.device))
-    return target
+    def view(name, dtype):
+        at, n = layout[name]
+        return buf[at:at + n].view(dtype)
+    return ref.Streams(c, view("positions", pos_dtype), view("escapes", np.uint64),
+                       view("values", ref.NP_UINT[size]))

@@ -1,0 +1,64 @@
+"""Host (CPU) path of the delta codec: the C++ extension ``glm_kernels._host`` when it is
+built (multithreaded), otherwise the numpy definition in ``_reference`` -- a fallback that
+is logged once, never silent. Both produce identical streams and checksums."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .. import _dispatch
+from . import _reference as ref
+
+try:
+    from .. import _host as _ext
+    _EXT_ERROR = ""
+except ImportError as exc:          # built without a compiler: numpy path
+    _ext = None
+    _EXT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def resolve_threads(threads) -> int:
+    """threads < 1 (or None) means every core."""
+    return max(1, os.cpu_count() or 1) if threads is None or threads < 1 else int(threads)
+
+
+def extension():
+    """The C++ module, or None after logging (once per process) that numpy is used instead."""
+    if _ext is None:
+        _dispatch.warn_once(
+            "delta:host_extension",
+            f"glm_kernels._host (the C++ delta host codec) is not importable ({_EXT_ERROR}); "
+            "the delta codec's CPU path uses numpy instead (several times slower). Rebuild "
+            "with a C++17 compiler: pip install --no-build-isolation -e .")
+    return _ext
+
+
+def checksum_sum(bits: np.ndarray, threads: int = -1) -> int:
+    ext = extension()
+    return ext.checksum_sum(bits, resolve_threads(threads)) if ext else ref.checksum_sum(bits)
+
+
+def encode_streams(nb: np.ndarray, ob: np.ndarray, spec: ref.StreamSpec,
+                   threads: int = -1) -> ref.Streams:
+    ext = extension()
+    if ext is None:
+        return ref.encode_streams(nb, ob, spec)
+    if spec.positions == "int32":
+        ref.check_int32_addressable(nb.size)
+    out = ext.encode(nb, ob, spec.positions == "gap16", spec.diff, spec.planar,
+                     resolve_threads(threads))
+    return ref.Streams(out["count"], out["positions"], out["escapes"], out["values"],
+                       out["s_new"], out["s_old"])
+
+
+def apply_streams(bits: np.ndarray, streams: ref.Streams, spec: ref.StreamSpec,
+                  result_checksum: bytes, base_checksum: bytes = b"", threads: int = -1) -> None:
+    """Verify, then write into the writable unsigned array ``bits`` (see _reference)."""
+    ext = extension()
+    if ext is None:
+        ref.apply_streams(bits, streams, spec, result_checksum, base_checksum)
+        return
+    ext.apply(bits, spec.positions == "gap16", spec.diff, spec.planar, streams.positions,
+              streams.escapes, streams.values, streams.count, result_checksum, base_checksum,
+              resolve_threads(threads))
