@@ -8,15 +8,11 @@ the low half of a 64-bit key as ``0xFFFFFFFF - index``: all packed keys of a row
 any correct sorting network gives one answer. Empty slots carry ``PAD`` (below every real
 packed key, since a real one has a nonzero low half).
 
-* ``_topk_short_kernel``: a few rows per program, each row in registers, bitonic top-k
-  (``tl.topk``) of the packed keys.
-* ``_topk_radix_kernel``: one row per program, any length. Radix select: RADIX_BITS-bit
-  histogram passes from the most significant digit find the k-th largest key T and how many
-  of its ties to take; a gather pass in index order then takes every key > T and the first
-  ``need`` keys == T (positions from prefix sums, never from atomics); finally the k packed
-  keys are sorted in registers (or, for 64-bit keys / very large k, left in index order for
-  the launcher's stable sort).
+* ``_topk_short_kernel``: a few rows per program, each row in registers, bitonic top-k of
+  the packed keys.
 * ``_moe_route_kernel``: DeepSeek-V3 ``noaux_tc`` routing for a few tokens per program.
+
+The radix-select kernel for long rows lives in ``_radix_kernels.py``.
 """
 from __future__ import annotations
 
@@ -222,124 +218,6 @@ def _topk_short_kernel(
         tl.store(indices_ptr + out_offs, tl.zeros([ROWS, K_POW2], tl.int64) - 1, mask=empty)
 
 
-# --------------------------------------------------------------------------- long rows
-@triton.jit
-def _radix_threshold(row_ptr, n_valid, need, IS_FLOAT: tl.constexpr, KEY_BITS: tl.constexpr,
-                     LARGEST: tl.constexpr, RADIX_BITS: tl.constexpr, TILE: tl.constexpr):
-    """(T, need): T is the need-th largest key of the row; take every key > T and the first
-    ``need`` (returned, >= 1) keys equal to T. One histogram pass per RADIX_BITS-bit digit."""
-    BINS: tl.constexpr = 1 << RADIX_BITS
-    bins = tl.arange(0, BINS)
-    if KEY_BITS == 64:
-        prefix = tl.zeros([], tl.int64)
-    else:
-        prefix = tl.zeros([], tl.int32)
-    for p in tl.static_range(_num_passes(KEY_BITS, RADIX_BITS)):
-        shift = _digit_shift(KEY_BITS, RADIX_BITS, p)             # constexpr per pass
-        digit_mask = _digit_mask(KEY_BITS, RADIX_BITS, p)
-        top = KEY_BITS - p * RADIX_BITS                            # bits >= top are decided
-        hist = tl.zeros([BINS], tl.int32)
-        for start in range(0, n_valid, TILE):
-            offs = start + tl.arange(0, TILE)
-            in_row = offs < n_valid
-            x = tl.load(row_ptr + offs, mask=in_row)
-            ukey = _radix_ukey(_order_key(x, IS_FLOAT, KEY_BITS, LARGEST), KEY_BITS)
-            if p == 0:
-                match = in_row
-            else:
-                # Arithmetic shifts of both sides: equal iff the decided bits are equal.
-                match = in_row & ((ukey >> top) == (prefix >> top))
-            digit = ((ukey >> shift) & digit_mask).to(tl.int32)
-            hist += tl.histogram(digit, BINS, mask=match)
-        # The digit d whose bin holds the need-th largest: count(> d) < need <= count(>= d).
-        at_or_above = tl.cumsum(hist, 0, reverse=True)
-        d = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix = prefix | (d.to(prefix.dtype) << shift)
-    return _radix_key_of_ukey(prefix, KEY_BITS), need
-
-
-@triton.jit
-def _topk_radix_kernel(
-    # tensors: x [rows, row_stride]; lengths [rows]; outputs [rows, k]; scratch [rows, K_POW2]
-    x_ptr, lengths_ptr, values_ptr, indices_ptr, scratch_ptr,
-    # shapes
-    n_cols, x_row_stride, k, fill,
-    # code paths and tile sizes
-    HAS_LENGTHS: tl.constexpr, IS_FLOAT: tl.constexpr, KEY_BITS: tl.constexpr,
-    LARGEST: tl.constexpr, SORT_IN_KERNEL: tl.constexpr, RADIX_BITS: tl.constexpr,
-    TILE: tl.constexpr, K_POW2: tl.constexpr,
-):
-    """Top-k of one row of any length: radix select, ordered gather, optional register sort.
-
-    SORT_IN_KERNEL=False writes the selected set in ascending index order (``sorted=False``;
-    the launcher stable-sorts it when sorted output is wanted). SORT_IN_KERNEL=True (keys
-    <= 32 bits) writes packed keys to ``scratch``, then sorts the K_POW2 of them in registers.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = x_ptr + row * x_row_stride
-    if HAS_LENGTHS:
-        n_valid = tl.load(lengths_ptr + row).to(tl.int32)
-        n_valid = tl.minimum(tl.maximum(n_valid, 0), n_cols)
-    else:
-        n_valid = n_cols
-    need = tl.minimum(n_valid, k)
-    if KEY_BITS == 64:
-        threshold = tl.full([], -9223372036854775808, tl.int64)
-    else:
-        threshold = tl.full([], -2147483648, tl.int32)
-    if n_valid > k:          # otherwise every valid entry is taken: T = the smallest key
-        threshold, need = _radix_threshold(row_ptr, n_valid, need, IS_FLOAT, KEY_BITS,
-                                           LARGEST, RADIX_BITS, TILE)
-
-    # Gather in index order: positions and tie ranks are prefix sums, so the output order
-    # never depends on thread timing. Stops once k entries are taken.
-    taken = tl.zeros([], tl.int32)
-    ties_seen = tl.zeros([], tl.int32)
-    out_row = row * k
-    start = 0
-    while (start < n_valid) & (taken < k):
-        offs = start + tl.arange(0, TILE)
-        in_row = offs < n_valid
-        x = tl.load(row_ptr + offs, mask=in_row)
-        key = _order_key(x, IS_FLOAT, KEY_BITS, LARGEST)
-        tie = in_row & (key == threshold)
-        tie_i = tie.to(tl.int32)
-        tie_rank = ties_seen + tl.cumsum(tie_i, 0) - tie_i
-        chosen = (in_row & (key > threshold)) | (tie & (tie_rank < need))
-        chosen_i = chosen.to(tl.int32)
-        pos = taken + tl.cumsum(chosen_i, 0) - chosen_i
-        if SORT_IN_KERNEL:
-            tl.store(scratch_ptr + row * K_POW2 + pos, _pack(key, offs), mask=chosen)
-        else:
-            tl.store(values_ptr + out_row + pos, x, mask=chosen)
-            tl.store(indices_ptr + out_row + pos, offs.to(tl.int64), mask=chosen)
-        ties_seen += tl.sum(tie_i, 0)
-        taken += tl.sum(chosen_i, 0)
-        start += TILE
-
-    if SORT_IN_KERNEL:
-        slot = tl.arange(0, K_POW2)
-        tl.static_assert(KEY_BITS <= 32, "packed keys need keys of at most 32 bits")
-        tl.store(scratch_ptr + row * K_POW2 + slot, tl.zeros([K_POW2], tl.int64) + PAD,
-                 mask=slot >= taken)
-        tl.debug_barrier()   # the scratch row written above is read back by other threads
-        best = _topk_desc(tl.load(scratch_ptr + row * K_POW2 + slot), K_POW2)
-        found = best != PAD
-        index = tl.where(found, _unpack_index(best), -1)
-        keep = slot < k
-        value = tl.load(row_ptr + index, mask=keep & found, other=fill)
-        tl.store(values_ptr + out_row + slot, value, mask=keep)
-        tl.store(indices_ptr + out_row + slot, index, mask=keep)
-    else:
-        for base in range(taken, k, TILE):          # slots no row entry filled
-            slots = base + tl.arange(0, TILE)
-            empty = slots < k
-            fill_value = tl.zeros([TILE], values_ptr.dtype.element_ty) + fill
-            tl.store(values_ptr + out_row + slots, fill_value, mask=empty)
-            tl.store(indices_ptr + out_row + slots, tl.zeros([TILE], tl.int64) - 1, mask=empty)
-
-
 # --------------------------------------------------------------------------- MoE routing
 @triton.jit
 def _moe_route_kernel(
@@ -350,7 +228,7 @@ def _moe_route_kernel(
     # code paths and tile sizes
     HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
     N_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-    K_POW2: tl.constexpr,
+    K_POW2: tl.constexpr, EXACT_BLOCK: tl.constexpr,
 ):
     """noaux_tc routing of ROWS tokens: scores, biased choice, group limit, top-k, weights.
 
@@ -380,26 +258,44 @@ def _moe_route_kernel(
     packed = tl.where(valid, _pack(_order_key(choice, True, 32, True), experts), PAD)
 
     if N_GROUP > 1:
-        group_of = experts // group_size
+        GROUP_VIEW: tl.constexpr = EXACT_BLOCK and BLOCK_G == N_GROUP
         groups = tl.arange(0, BLOCK_G)[None, :]
-        group_packed = tl.zeros([ROWS, BLOCK_G], tl.int64) + PAD
-        for g in tl.static_range(N_GROUP):
-            in_group = valid & (group_of == g)
-            first = tl.max(tl.where(in_group, packed, PAD), axis=1)
-            is_first = in_group & (packed == first[:, None])
-            second = tl.max(tl.where(in_group & ~is_first, packed, PAD), axis=1)
-            is_second = in_group & (packed == second[:, None])
-            top2 = (tl.sum(tl.where(is_first, choice, 0.0), axis=1)
-                    + tl.sum(tl.where(is_second, choice, 0.0), axis=1))
-            key = _pack(_order_key(top2, True, 32, True), tl.zeros([ROWS], tl.int32) + g)
-            group_packed = tl.where(groups == g, key[:, None], group_packed)
+        if GROUP_VIEW:
+            # Power-of-two experts and groups: one [ROWS, groups, group_size] view.
+            by_group = tl.reshape(packed, [ROWS, N_GROUP, BLOCK_E // N_GROUP])
+            choice_by_group = tl.reshape(choice, [ROWS, N_GROUP, BLOCK_E // N_GROUP])
+            first = tl.max(by_group, axis=2)
+            is_first = by_group == first[:, :, None]
+            second = tl.max(tl.where(is_first, PAD, by_group), axis=2)
+            is_second = (by_group == second[:, :, None]) & (by_group != PAD)
+            top2 = (tl.sum(tl.where(is_first, choice_by_group, 0.0), axis=2)
+                    + tl.sum(tl.where(is_second, choice_by_group, 0.0), axis=2))
+            group_packed = _pack(_order_key(top2, True, 32, True), groups)
+        else:
+            group_of = experts // group_size
+            group_packed = tl.zeros([ROWS, BLOCK_G], tl.int64) + PAD
+            for g in tl.static_range(N_GROUP):
+                in_group = valid & (group_of == g)
+                first = tl.max(tl.where(in_group, packed, PAD), axis=1)
+                is_first = in_group & (packed == first[:, None])
+                second = tl.max(tl.where(in_group & ~is_first, packed, PAD), axis=1)
+                is_second = in_group & (packed == second[:, None])
+                top2 = (tl.sum(tl.where(is_first, choice, 0.0), axis=1)
+                        + tl.sum(tl.where(is_second, choice, 0.0), axis=1))
+                key = _pack(_order_key(top2, True, 32, True), tl.zeros([ROWS], tl.int32) + g)
+                group_packed = tl.where(groups == g, key[:, None], group_packed)
         # Rank of each group among the row's groups (packed keys are distinct).
         better = (group_packed[:, None, :] > group_packed[:, :, None]).to(tl.int32)
         kept_group = ((tl.sum(better, axis=2) < topk_group) & (groups < N_GROUP)).to(tl.int32)
-        expert_kept = tl.zeros([ROWS, BLOCK_E], tl.int32)
-        for g in tl.static_range(N_GROUP):
-            kept_g = tl.sum(tl.where(groups == g, kept_group, 0), axis=1)
-            expert_kept = tl.where(group_of == g, kept_g[:, None], expert_kept)
+        if GROUP_VIEW:
+            expert_kept = tl.reshape(tl.broadcast_to(kept_group[:, :, None],
+                                                     [ROWS, N_GROUP, BLOCK_E // N_GROUP]),
+                                     [ROWS, BLOCK_E])
+        else:
+            expert_kept = tl.zeros([ROWS, BLOCK_E], tl.int32)
+            for g in tl.static_range(N_GROUP):
+                kept_g = tl.sum(tl.where(groups == g, kept_group, 0), axis=1)
+                expert_kept = tl.where(group_of == g, kept_g[:, None], expert_kept)
         packed = tl.where(expert_kept != 0, packed, PAD)
 
     best = _topk_desc(packed, K_POW2)
@@ -429,18 +325,6 @@ def topk_short(x2d, lengths, values, indices, *, k, fill, is_float, key_bits, la
         K_POW2=triton.next_power_of_2(k), num_warps=num_warps)
 
 
-def topk_radix(x2d, lengths, values, indices, scratch, *, k, fill, is_float, key_bits,
-               largest, sort_in_kernel, radix_bits, tile, num_warps):
-    n_rows, n_cols = x2d.shape
-    _topk_radix_kernel[(n_rows,)](
-        x2d, x2d if lengths is None else lengths, values, indices,
-        values if scratch is None else scratch,
-        n_cols, x2d.stride(0), k, fill,
-        HAS_LENGTHS=lengths is not None, IS_FLOAT=is_float, KEY_BITS=key_bits,
-        LARGEST=largest, SORT_IN_KERNEL=sort_in_kernel, RADIX_BITS=radix_bits, TILE=tile,
-        K_POW2=triton.next_power_of_2(k) if sort_in_kernel else 1, num_warps=num_warps)
-
-
 def moe_route(logits2d, bias, weights, ids, *, k, softmax, n_group, topk_group,
               renormalize, scaling_factor, eps, rows_per_program, num_warps):
     n_tokens, n_experts = logits2d.shape
@@ -452,7 +336,7 @@ def moe_route(logits2d, bias, weights, ids, *, k, softmax, n_group, topk_group,
         HAS_BIAS=bias is not None, SOFTMAX=softmax, RENORMALIZE=renormalize,
         N_GROUP=n_group, ROWS=rows_per_program, BLOCK_E=triton.next_power_of_2(n_experts),
         BLOCK_G=triton.next_power_of_2(n_group), K_POW2=triton.next_power_of_2(k),
-        num_warps=num_warps)
+        EXACT_BLOCK=n_experts == triton.next_power_of_2(n_experts), num_warps=num_warps)
 
 
 # --------------------------------------------------------------------------- AOT specs
@@ -478,29 +362,13 @@ def _topk_aot_specs():
                              f"sorted={is_sorted}]", _topk_short_kernel,
                              _with_constexprs(signature, constexprs), constexprs,
                              num_warps=warps))
-    for dtype, lengths, k_pow2, sort_in_kernel, warps in (
-            ("fp32", True, 2048, True, 8), ("bf16", True, 2048, True, 8),
-            ("fp32", False, 2048, False, 8), ("fp32", False, 4096, True, 16),
-            ("i64", False, 1, False, 8)):
-        ptr, fill = _TYPES[dtype]
-        signature = {"x_ptr": ptr, "lengths_ptr": "*i32", "values_ptr": ptr,
-                     "indices_ptr": "*i64", "scratch_ptr": "*i64", "n_cols": "i32",
-                     "x_row_stride": "i64", "k": "i32", "fill": fill}
-        key_bits = {"fp32": 32, "bf16": 16, "i64": 64}[dtype]
-        constexprs = dict(HAS_LENGTHS=lengths, IS_FLOAT=dtype != "i64", KEY_BITS=key_bits,
-                          LARGEST=True, SORT_IN_KERNEL=sort_in_kernel, RADIX_BITS=8,
-                          TILE=2048, K_POW2=k_pow2)
-        specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},k<={k_pow2},"
-                             f"sort={sort_in_kernel}]", _topk_radix_kernel,
-                             _with_constexprs(signature, constexprs), constexprs,
-                             num_warps=warps))
     signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
                  "ids_ptr": "*i64", "n_tokens": "i32", "n_experts": "i32",
                  "logits_row_stride": "i64", "k": "i32", "topk_group": "i32",
                  "group_size": "i32", "scaling_factor": "fp32", "eps": "fp32"}
     for softmax, n_group in ((False, 8), (True, 1)):
         constexprs = dict(HAS_BIAS=True, SOFTMAX=softmax, RENORMALIZE=True, N_GROUP=n_group,
-                          ROWS=8, BLOCK_E=256, BLOCK_G=n_group, K_POW2=8)
+                          ROWS=8, BLOCK_E=256, BLOCK_G=n_group, K_POW2=8, EXACT_BLOCK=True)
         specs.append(AotSpec(f"moe_route[256 experts,{n_group} groups,"
                              f"{'softmax' if softmax else 'sigmoid'},8 tokens]",
                              _moe_route_kernel, _with_constexprs(signature, constexprs),

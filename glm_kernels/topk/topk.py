@@ -5,16 +5,18 @@ row by value in sort order (NaN above +inf, -0.0 == +0.0) and, among equal value
 ascending index; return the first k. ``sorted=False`` returns the same set in ascending
 index order. ``lengths`` keeps only the first lengths[i] entries of row i.
 
-Two Triton paths (``_kernels.py``):
+Two Triton paths:
 
-* short rows (<= ``SHORT_MAX`` entries, keys of at most 32 bits): a few rows per program in
-  registers; each entry becomes the 64-bit key ``order_key << 32 | (0xFFFFFFFF - index)``
-  and a bitonic top-k network (``tl.topk``) keeps the k largest.
-* long rows, and 64-bit dtypes: one row per program; a radix select (one 8-bit histogram pass
-  per digit: 2 passes for bf16/fp16, 4 for fp32/int32, 8 for fp64/int64) finds the k-th key,
-  a gather in index order (prefix sums, no atomics) takes the keys above it and its
-  lowest-index ties, and the k packed keys are sorted in registers. For 64-bit dtypes or
-  k > ``SORT_IN_KERNEL_MAX`` the kernel returns the set in index order and a
+* short rows (<= ``SHORT_MAX`` entries, keys of at most 32 bits; ``_kernels.py``): a few
+  rows per program in registers; each entry becomes the 64-bit key
+  ``order_key << 32 | (0xFFFFFFFF - index)`` and a bitonic top-k network keeps the k largest.
+* long rows, and 64-bit dtypes: radix select (``_radix_kernels.py``). 8-bit digit
+  histogram passes over the row narrow the k-th key to one bin; once that bin fits a
+  candidate buffer (4096 entries) a filter pass takes everything above it and copies the bin
+  to the buffer, where the remaining digit passes and the tie cut (lowest indices, counted
+  with prefix sums, no atomics) run. Typical rows are read twice. The k packed keys are
+  then sorted in registers. For 64-bit dtypes or k > ``SORT_IN_KERNEL_MAX`` the kernel
+  makes every digit pass over the row, writes the set in index order, and a
   ``torch.sort(stable=True)`` of those k values orders it.
 
 Every step is a fixed function of the row, so results are bitwise identical across runs,
@@ -52,11 +54,17 @@ class TopkConfig:
     rows_per_program: rows per program of the short path (power of two).
     tile: entries per loop step of the radix path (power of two).
     radix_bits: digit width of the radix histogram passes (1..11).
+    candidates: capacity of the radix path's candidate buffer per program (power of two);
+        digit passes over the whole row stop once the k-th key's bin fits in it.
+    programs: radix-path programs (persistent grid; 0 = one per row); scratch memory is
+        programs x (candidates + next_pow2(k)) int64.
     """
     method: str
     rows_per_program: int = 1
     tile: int = 2048
     radix_bits: int = 8
+    candidates: int = 4096
+    programs: int = 0
     num_warps: int = 8
 
 
@@ -64,29 +72,43 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
 def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
-                     interpret: bool = False) -> TopkConfig:
+                     interpret: bool = False, device: Optional[torch.device] = None
+                     ) -> TopkConfig:
     """Heuristic: registers for short rows of <= 32-bit keys, radix select otherwise."""
     if KEY_BITS[dtype] <= 32 and n_cols <= SHORT_MAX:
         block = _next_pow2(n_cols)
         rows = max(1, min(_next_pow2(n_rows), 2048 // block))
         return TopkConfig("short", rows_per_program=rows,
                           num_warps=4 if rows * block <= 2048 else 8)
-    k_pow2 = _next_pow2(k)
-    return TopkConfig("radix", tile=256 if interpret else 2048, radix_bits=8,
-                      num_warps=16 if k_pow2 >= 4096 and not interpret else 8)
+    if interpret:
+        return TopkConfig("radix", tile=256, candidates=256, programs=0, num_warps=8)
+    sms = _sm_count(device) if device is not None else 132
+    few_rows = n_rows < sms                  # one program per SM: widen it
+    # Two 8-warp programs fit on an SM (~90 registers a thread); more rows share programs.
+    return TopkConfig("radix", tile=4096 if few_rows else 2048, candidates=4096,
+                      programs=min(n_rows, 2 * sms),
+                      num_warps=16 if few_rows or _next_pow2(k) >= 4096 else 8)
 
 
 def _check_config(config: TopkConfig, dtype: torch.dtype) -> None:
     if not isinstance(config, TopkConfig):
         raise TypeError(f"config must be a TopkConfig, got {type(config).__name__}")
     _dispatch.check_choice("config.method", config.method, METHODS)
-    for name in ("rows_per_program", "tile"):
+    for name in ("rows_per_program", "tile", "candidates"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"config.{name} must be a power of two, got {value}")
     if not 1 <= config.radix_bits <= 11:
         raise ValueError(f"config.radix_bits must be in [1, 11], got {config.radix_bits}")
+    if config.programs < 0:
+        raise ValueError(f"config.programs must be >= 0, got {config.programs}")
     if config.method == "short" and KEY_BITS[dtype] > 32:
         raise ValueError(f"config.method='short' needs keys of at most 32 bits; dtype {dtype} "
                          "takes the 'radix' method")
@@ -98,29 +120,37 @@ def _fill(dtype: torch.dtype, largest: bool):
 
 def _topk_rows(x2d: torch.Tensor, k: int, largest: bool, sorted: bool,
                lengths: Optional[torch.Tensor], method: str, rows_per_program: int, tile: int,
-               radix_bits: int, num_warps: int) -> Tuple[torch.Tensor, torch.Tensor]:
+               radix_bits: int, candidates: int, programs: int, num_warps: int
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Top-k along dim 1 of a 2-D tensor whose rows are contiguous."""
     n_rows, n_cols = x2d.shape
     backend = _dispatch.select_backend("topk", x2d, lengths)
     if backend == "torch" or n_rows == 0 or k == 0:
         return _reference.topk_reference(x2d, k, 1, largest, sorted, lengths)
-    from . import _kernels
-    values = torch.empty((n_rows, k), dtype=x2d.dtype, device=x2d.device)
-    indices = torch.empty((n_rows, k), dtype=torch.int64, device=x2d.device)
+    device = x2d.device
+    values = torch.empty((n_rows, k), dtype=x2d.dtype, device=device)
+    indices = torch.empty((n_rows, k), dtype=torch.int64, device=device)
     key_bits = KEY_BITS[x2d.dtype]
     common = dict(k=k, fill=_fill(x2d.dtype, largest), is_float=x2d.is_floating_point(),
-                  key_bits=key_bits, largest=largest, num_warps=num_warps)
+                  key_bits=key_bits, largest=largest, sorted=sorted, num_warps=num_warps)
     if method == "short":
-        _kernels.topk_short(x2d, lengths, values, indices, sorted=sorted,
-                            rows_per_program=rows_per_program, block=_next_pow2(n_cols),
-                            **common)
+        from . import _kernels
+        _kernels.topk_short(x2d, lengths, values, indices, rows_per_program=rows_per_program,
+                            block=_next_pow2(n_cols), **common)
         return values, indices
-    sort_in_kernel = sorted and key_bits <= 32 and k <= SORT_IN_KERNEL_MAX
-    scratch = (torch.empty((n_rows, _next_pow2(k)), dtype=torch.int64, device=x2d.device)
-               if sort_in_kernel else None)
-    _kernels.topk_radix(x2d, lengths, values, indices, scratch, sort_in_kernel=sort_in_kernel,
-                        radix_bits=radix_bits, tile=tile, **common)
-    if sorted and not sort_in_kernel:
+    from . import _radix_kernels
+    direct = key_bits > 32 or k > SORT_IN_KERNEL_MAX
+    programs = min(programs or n_rows, n_rows)
+    if direct:
+        scratch = candidates_buffer = torch.empty((programs, 1), dtype=torch.int64,
+                                                  device=device)
+    else:
+        scratch = torch.empty((programs, _next_pow2(k)), dtype=torch.int64, device=device)
+        candidates_buffer = torch.empty((programs, candidates), dtype=torch.int64,
+                                        device=device)
+    _radix_kernels.topk_radix(x2d, lengths, values, indices, scratch, candidates_buffer,
+                              direct=direct, radix_bits=radix_bits, tile=tile, **common)
+    if direct and sorted:
         # The set is in index order, so a stable sort of its values is the contract order;
         # empty slots (index -1) are sorted last explicitly (a NaN would pass a +inf fill).
         order = _reference.stable_order(values, largest, excluded=indices < 0)
@@ -131,14 +161,15 @@ def _topk_rows(x2d: torch.Tensor, k: int, largest: bool, sorted: bool,
 @torch.library.custom_op("glm_kernels::topk", mutates_args=())
 def _topk_op(x2d: torch.Tensor, k: int, largest: bool, sorted: bool,
              lengths: Optional[torch.Tensor], method: str, rows_per_program: int, tile: int,
-             radix_bits: int, num_warps: int) -> Tuple[torch.Tensor, torch.Tensor]:
+             radix_bits: int, candidates: int, programs: int, num_warps: int
+             ) -> Tuple[torch.Tensor, torch.Tensor]:
     return _topk_rows(x2d, k, largest, sorted, lengths, method, rows_per_program, tile,
-                      radix_bits, num_warps)
+                      radix_bits, candidates, programs, num_warps)
 
 
 @_topk_op.register_fake
 def _topk_fake(x2d, k, largest, sorted, lengths, method, rows_per_program, tile, radix_bits,
-               num_warps):
+               candidates, programs, num_warps):
     n_rows = x2d.shape[0]
     return (x2d.new_empty((n_rows, k)), x2d.new_empty((n_rows, k), dtype=torch.int64))
 
@@ -156,7 +187,7 @@ def _topk_backward(ctx, grad_values, _grad_indices):
     target = torch.where(indices >= 0, indices, n_cols)
     grad = grad_values.new_zeros((indices.shape[0], n_cols + 1))
     grad.scatter_(1, target, torch.where(indices >= 0, grad_values, 0))
-    return (grad[:, :n_cols],) + (None,) * 9
+    return (grad[:, :n_cols],) + (None,) * 11
 
 
 torch.library.register_autograd("glm_kernels::topk", _topk_backward,
@@ -251,10 +282,11 @@ def topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: b
     lengths1d = None if lengths is None else lengths.reshape(-1).contiguous()
     if config is None:
         config = make_topk_config(n_cols, k, x2d.shape[0], x.dtype,
-                                  interpret=_dispatch.interpreter_active())
+                                  interpret=_dispatch.interpreter_active(), device=x.device)
     _check_config(config, x.dtype)
     args = (x2d, k, largest, sorted, lengths1d, config.method, config.rows_per_program,
-            config.tile, config.radix_bits, config.num_warps)
+            config.tile, config.radix_bits, config.candidates, config.programs,
+            config.num_warps)
     needs_graph = torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled())
     # Eager calls without autograd skip the dispatcher (tens of microseconds per call).
     values, indices = _topk_op(*args) if needs_graph else _topk_rows(*args)

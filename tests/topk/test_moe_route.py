@@ -10,8 +10,10 @@ from glm_kernels.topk import MoeRouteConfig, _reference, moe_route
 from tests._compare import assert_close
 from tests.conftest import DEVICE, HAS_CUDA
 
-# (n_experts, n_group, topk_group, k): GLM-5 / DeepSeek-V3, no groups, odd sizes.
-SHAPES = [(256, 8, 4, 8), (64, 1, 1, 6), (48, 4, 2, 5), (10, 5, 3, 3), (7, 7, 7, 7)]
+# (n_experts, n_group, topk_group, k): GLM-5 / DeepSeek-V3 (power-of-two group view), no
+# groups, groups of one expert, groups over non-power-of-two experts (masked loop).
+SHAPES = [(256, 8, 4, 8), (64, 1, 1, 6), (8, 8, 3, 2), (48, 4, 2, 5), (10, 5, 3, 3),
+          (7, 7, 7, 7)]
 
 
 def _seed(*case):

@@ -18,7 +18,11 @@ INTS = [torch.int32, torch.int64]
 SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1.0, -1.0, 2.5]
 NEG_NAN = torch.tensor(float("nan")).neg()             # NaN with the sign bit set
 SHORT = TopkConfig("short", rows_per_program=4, num_warps=4)
-RADIX = TopkConfig("radix", tile=64, radix_bits=8)      # several tiles even for short rows
+# Radix configurations: a small candidate buffer (rows overflow it -> full-row passes, or
+# fit after one pass -> candidate refinement) over 2 persistent programs, and a buffer the
+# whole row fits in (no full-row histogram pass at all).
+RADIX = TopkConfig("radix", tile=16, candidates=16, programs=2)
+RADIX_WIDE = TopkConfig("radix", tile=64, candidates=1024)
 topk_module = __import__("sys").modules["glm_kernels.topk.topk"]
 
 
@@ -92,7 +96,7 @@ def test_reference_is_the_stable_sort_prefix(dtype):
 
 # --------------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("dtype", FLOATS + INTS)
-@pytest.mark.parametrize("config", [None, RADIX], ids=["default", "radix"])
+@pytest.mark.parametrize("config", [None, RADIX, RADIX_WIDE], ids=["default", "radix", "wide"])
 def test_kernel_matches_sort_prefix(kernel_backend, dtype, config):
     x = tie_heavy((3, 45), dtype, seed=_seed(dtype, config))
     for k, largest, sorted in ((1, True, True), (13, False, True), (13, True, False),
@@ -138,7 +142,7 @@ def test_lengths(kernel_backend, config, sorted):
 def test_radix_digit_widths(kernel_backend, radix_bits, dtype):
     """Digit widths that do not divide the key width (a short last pass)."""
     x = tie_heavy((2, 70), dtype, seed=_seed("bits", radix_bits, dtype))
-    config = TopkConfig("radix", tile=32, radix_bits=radix_bits)
+    config = TopkConfig("radix", tile=32, radix_bits=radix_bits, candidates=8)
     for largest in (True, False):
         assert_same(topk(x, 21, largest=largest, config=config),
                     sort_prefix(x, 21, largest=largest), f"bits={radix_bits}")
@@ -149,7 +153,7 @@ def test_random_values_longer_rows(kernel_backend):
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, 1500, generator=gen).to(DEVICE)
     x[0, ::7] = x[0, 3]                                      # ties among continuous values
-    for config in (None, TopkConfig("radix", tile=256), SHORT):
+    for config in (None, TopkConfig("radix", tile=256, candidates=64, programs=1), SHORT):
         for k in (1, 100, 1500):
             assert_same(topk(x, k, config=config), sort_prefix(x, k), f"{config} k={k}")
     lengths = torch.tensor([1000, 77], device=DEVICE)
@@ -170,7 +174,6 @@ def test_post_sort_path(kernel_backend, monkeypatch):
 @pytest.mark.parametrize("config", [SHORT, RADIX], ids=["short", "radix"])
 def test_every_output_written(kernel_backend, config):
     """Outputs poisoned with 0x7F bytes before the launch: every slot must be overwritten."""
-    from glm_kernels.topk import _kernels
     x = tie_heavy((5, 29), torch.float32, seed=11)
     lengths = torch.tensor([0, 3, 29, 10, 28], device=DEVICE)
     for sorted in (True, False):
@@ -178,14 +181,18 @@ def test_every_output_written(kernel_backend, config):
         values = values.view(torch.float32)
         indices = torch.full((5, 12), 0x7F7F7F7F7F7F7F7F, dtype=torch.int64, device=DEVICE)
         common = dict(k=12, fill=float("-inf"), is_float=True, key_bits=32, largest=True,
-                      num_warps=4)
+                      sorted=sorted, num_warps=4)
         if config.method == "short":
-            _kernels.topk_short(x, lengths, values, indices, sorted=sorted,
-                                rows_per_program=4, block=32, **common)
+            from glm_kernels.topk import _kernels
+            _kernels.topk_short(x, lengths, values, indices, rows_per_program=4, block=32,
+                                **common)
         else:
-            scratch = torch.full((5, 16), 0x7F7F7F7F7F7F7F7F, dtype=torch.int64, device=DEVICE)
-            _kernels.topk_radix(x, lengths, values, indices, scratch if sorted else None,
-                                sort_in_kernel=sorted, radix_bits=8, tile=16, **common)
+            from glm_kernels.topk import _radix_kernels
+            scratch = torch.full((2, 16), 0x7F7F7F7F7F7F7F7F, dtype=torch.int64, device=DEVICE)
+            candidates = torch.full((2, 8), 0x7F7F7F7F7F7F7F7F, dtype=torch.int64,
+                                    device=DEVICE)
+            _radix_kernels.topk_radix(x, lengths, values, indices, scratch, candidates,
+                                      direct=not sorted, radix_bits=8, tile=16, **common)
         assert_same((values, indices),
                     _reference.topk_reference(x, 12, sorted=sorted, lengths=lengths))
 
@@ -277,7 +284,8 @@ def test_torch_compile_fullgraph(any_backend):
 
 def test_custom_op_opcheck():
     x = tie_heavy((3, 12), torch.float32, seed=1, specials=False)   # opcheck compares NaN != NaN
-    args = (x, 4, True, True, torch.tensor([12, 3, 0], device=DEVICE), "short", 4, 64, 8, 4)
+    args = (x, 4, True, True, torch.tensor([12, 3, 0], device=DEVICE), "short", 4, 64, 8, 16, 0,
+            4)
     torch.library.opcheck(topk_module._topk_op, args)
 
 
