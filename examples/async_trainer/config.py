@@ -1,45 +1,132 @@
-"""Configuration of the example trainer, validated before anything starts."""
+"""Configuration of the example trainer, validated (with errors naming the field) before
+anything starts."""
 from dataclasses import dataclass, fields
+from typing import Dict, List
+
+import torch
+
+from . import task
 
 
 @dataclass
 class TrainerConfig:
-    num_digits: int = 3          # task: reverse a string of this many digits
-    vocab_digits: int = 5        # digits 0..vocab_digits-1
+    # task: reverse a digit string, plainly ("reverse") or through a tool call ("tool")
+    tasks: str = "reverse,tool"      # RL tasks, one teacher each; OPD mixes them
+    num_digits: int = 3
+    vocab_digits: int = 5
+    # model: MLA attention + sigmoid-routed MoE
     d_model: int = 48
     n_layers: int = 2
     n_heads: int = 4
     n_experts: int = 4
     top_k: int = 2
-    sft_steps: int = 25
+    n_expert_groups: int = 2         # noaux_tc group-limited routing
+    topk_groups: int = 2
+    balance_bias_rate: float = 1e-3  # aux-loss-free load-balancing bias step
+    # stage 1: SFT warm-up on the mixture of tasks
+    sft_steps: int = 36
+    sft_batch: int = 32
     sft_lr: float = 3e-3
-    rl_steps: int = 60
-    rl_lr: float = 1e-3
+    # stage 2: asynchronous GRPO + IcePop, one run per task (the teachers)
+    rl_steps: int = 80
+    rl_lr: float = 2e-3
     prompts_per_step: int = 8
     group_size: int = 8
-    dp_ranks: int = 2
-    packing: str = "kk"          # "first_fit" or "kk" (Karmarkar-Karp)
+    # stage 3: on-policy distillation of both teachers into the SFT student (group size 1)
+    opd_steps: int = 80
+    opd_lr: float = 2e-3
+    opd_prompts_per_step: int = 32
+    opd_ratio: float = 0.4           # fraction of OPD prompts drawn from the first task
+    # trainer mechanics
+    weight_decay: float = 0.0
+    dp_ranks: int = 2                # simulated data-parallel ranks
+    packing: str = "kk"              # "first_fit" or "kk" (Karmarkar-Karp balanced)
     max_tokens_per_microbatch: int = 256
-    beta: float = 2.0
+    rollout_batch_samples: int = 64  # trajectories the rollout process generates per batch
+    max_ahead_steps: int = 1         # rollout runs at most this many steps ahead (staleness)
+    rollout_dtype: str = "bfloat16"  # weights the rollout engine runs in ("float32" too)
+    beta: float = 2.0                # IcePop gate [1/beta, beta]
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    eval_prompts: int = 64
+    device: str = "auto"             # "auto" (cuda if available), "cpu" or "cuda"
     seed: int = 0
     out_dir: str = "runs/async_trainer"
+    resume: str = ""                 # path of a checkpoint.pt to continue from
+    progress: bool = True            # tqdm progress bars
+
+    def task_list(self) -> List[str]:
+        return [t.strip() for t in self.tasks.split(",") if t.strip()]
+
+    def opd_mix(self) -> Dict[str, float]:
+        names = self.task_list()
+        if len(names) == 1:
+            return {names[0]: 1.0}
+        return {names[0]: self.opd_ratio, names[1]: 1.0 - self.opd_ratio}
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def rollout_torch_dtype(self) -> torch.dtype:
+        return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.rollout_dtype]
 
     def validate(self) -> "TrainerConfig":
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name != "seed" and v <= 0 \
-                    and f.name not in ("sft_steps",):
-                raise ValueError(f"config.{f.name} must be > 0, got {v!r}")
-        if self.sft_steps < 0:
-            raise ValueError(f"config.sft_steps must be >= 0, got {self.sft_steps}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"config.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.top_k > self.n_experts:
-            raise ValueError(f"config.top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
-        if self.group_size < 2:
-            raise ValueError(f"config.group_size must be >= 2 for GRPO, got {self.group_size}")
-        if self.packing not in ("first_fit", "kk"):
-            raise ValueError(f"config.packing must be 'first_fit' or 'kk', got {self.packing!r}")
+            expected = type(f.default)
+            if expected is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+                setattr(self, f.name, v)
+            if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
+                raise TypeError(f"config.{f.name} must be {expected.__name__}, got {v!r}")
+        positive = ("num_digits", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
+                    "n_expert_groups", "topk_groups", "sft_batch", "sft_lr", "rl_lr",
+                    "prompts_per_step", "opd_lr", "opd_prompts_per_step", "dp_ranks",
+                    "max_tokens_per_microbatch", "rollout_batch_samples", "max_ahead_steps", "eps_low",
+                    "eps_high", "eval_prompts")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("sft_steps", "rl_steps", "opd_steps", "weight_decay", "balance_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"config.{name} must be >= 0, got {getattr(self, name)!r}")
+        names = self.task_list()
+        if not names or len(names) > 2 or len(set(names)) != len(names) \
+                or any(n not in task.TASKS for n in names):
+            raise ValueError(f"config.tasks must list one or two distinct tasks of "
+                             f"{list(task.TASKS)} separated by a comma, got {self.tasks!r}")
         if self.vocab_digits < 2:
             raise ValueError(f"config.vocab_digits must be >= 2, got {self.vocab_digits}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"config.d_model ({self.d_model}) must be n_heads ({self.n_heads}) "
+                             f"times an even head size")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"config.top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
+        if self.n_experts % self.n_expert_groups or self.topk_groups > self.n_expert_groups:
+            raise ValueError(f"config.n_experts ({self.n_experts}) must split into "
+                             f"n_expert_groups ({self.n_expert_groups}) equal groups and "
+                             f"topk_groups ({self.topk_groups}) <= n_expert_groups")
+        if self.top_k > (self.n_experts // self.n_expert_groups) * self.topk_groups:
+            raise ValueError(f"config.top_k ({self.top_k}) exceeds the experts of the "
+                             f"topk_groups ({self.topk_groups}) groups it may route to")
+        if self.group_size < 2:
+            raise ValueError(f"config.group_size must be >= 2 for GRPO, got {self.group_size}")
+        if not 0.0 <= self.opd_ratio <= 1.0:
+            raise ValueError(f"config.opd_ratio must lie in [0, 1], got {self.opd_ratio}")
+        if self.packing not in ("first_fit", "kk"):
+            raise ValueError(f"config.packing must be 'first_fit' or 'kk', got {self.packing!r}")
+        if self.max_tokens_per_microbatch < task.max_len(self):
+            raise ValueError(f"config.max_tokens_per_microbatch ({self.max_tokens_per_microbatch})"
+                             f" must hold one trajectory ({task.max_len(self)} tokens)")
+        if self.beta <= 1.0:
+            raise ValueError(f"config.beta must be > 1 (gate [1/beta, beta]), got {self.beta}")
+        if self.rollout_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"config.rollout_dtype must be 'bfloat16' or 'float32', got "
+                             f"{self.rollout_dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"config.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("config.device='cuda' but torch.cuda.is_available() is False")
         return self

@@ -1,70 +1,92 @@
-"""Tiny causal transformer: MLA-style attention (q_b / kv_b up-projections) and MoE FFN."""
+"""Tiny causal transformer: MLA-style attention (q_b / kv_b up-projections per head) and a
+sigmoid-routed MoE feed-forward (noaux_tc routing with an aux-loss-free balancing bias)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from glm_kernels._dispatch import warn_once
 
-
-def route(logits, k):
-    """Top-k expert routing. glm_kernels.moe_route has not landed: plain stable torch.sort."""
-    warn_once("example.moe_route", "examples.async_trainer: glm_kernels.moe_route not available; "
-              "using torch.sort(stable=True) top-k routing")
-    scores = torch.sigmoid(logits)
-    idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    w = scores.gather(-1, idx)
-    return w / w.sum(-1, keepdim=True), idx
+from . import kernels, task
 
 
 class MLA(nn.Module):
-    def __init__(self, d, h, rank):
+    """Low-rank query and key/value paths; ``q_b`` and ``kv_b`` are [heads * rows, rank] so
+    Muon Split can orthogonalize each head's block separately (as for GLM-5's q_b / kv_b)."""
+
+    def __init__(self, d, heads, rank):
         super().__init__()
-        self.h, self.dh = h, d // h
+        self.h, self.dh = heads, d // heads
         self.q_a, self.q_b = nn.Linear(d, rank, bias=False), nn.Linear(rank, d, bias=False)
         self.kv_a, self.kv_b = nn.Linear(d, rank, bias=False), nn.Linear(rank, 2 * d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
 
     def forward(self, x):
-        B, T, D = x.shape
-        q = self.q_b(self.q_a(x)).view(B, T, self.h, self.dh).transpose(1, 2)
-        k, v = self.kv_b(self.kv_a(x)).view(B, T, self.h, 2 * self.dh).transpose(1, 2).chunk(2, -1)
+        b, t, d = x.shape
+        q = self.q_b(self.q_a(x)).view(b, t, self.h, self.dh).transpose(1, 2)
+        # kv_b rows are laid out head-major: head i owns rows [i*2dh, (i+1)*2dh) = [k_i; v_i].
+        k, v = self.kv_b(self.kv_a(x)).view(b, t, self.h, 2 * self.dh).transpose(1, 2).chunk(2, -1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, D))
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
 class MoE(nn.Module):
-    def __init__(self, d, n_experts, k):
+    def __init__(self, d, n_experts, k, n_group, topk_group):
         super().__init__()
-        self.k = k
+        self.k, self.n_group, self.topk_group = k, n_group, topk_group
         self.router = nn.Linear(d, n_experts, bias=False)
+        # Selection-only bias (DeepSeek-V3 aux-loss-free balancing): a buffer, not trained by
+        # the optimizer; ``update_balance_bias`` nudges it towards equal expert load.
+        self.register_buffer("route_bias", torch.zeros(n_experts))
+        self.register_buffer("load", torch.zeros(n_experts), persistent=False)
         self.up = nn.Parameter(torch.randn(n_experts, d, 2 * d) * d ** -0.5)
         self.down = nn.Parameter(torch.randn(n_experts, 2 * d, d) * (2 * d) ** -0.5)
 
     def forward(self, x):
-        w, idx = route(self.router(x), self.k)                       # [B,T,k]
-        h = torch.einsum("btd,edf->btef", x, self.up).relu()
-        y = torch.einsum("btef,efd->bted", h, self.down)             # all experts (tiny model)
-        return (y.gather(2, idx[..., None].expand(*idx.shape, x.shape[-1])) * w[..., None]).sum(2)
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        ids, w = kernels.moe_route(self.router(flat), self.k, self.route_bias, self.n_group,
+                                   self.topk_group)                       # [N, k] each
+        if self.training:
+            self.load += torch.bincount(ids.flatten(), minlength=self.load.numel()).float()
+        h = torch.einsum("nd,edf->nef", flat, self.up).relu()
+        y = torch.einsum("nef,efd->ned", h, self.down)                     # all experts (tiny)
+        picked = y.gather(1, ids[..., None].expand(*ids.shape, d))        # [N, k, d]
+        return (picked * w[..., None].to(picked.dtype)).sum(1).view(b, t, d)
+
+    @torch.no_grad()
+    def update_balance_bias(self, rate: float) -> None:
+        if self.load.sum() > 0:
+            self.route_bias += rate * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
 
 
 class TinyLM(nn.Module):
-    def __init__(self, cfg, vocab, max_len=32):
+    def __init__(self, cfg, vocab):
         super().__init__()
         d = cfg.d_model
-        self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(nn.ModuleList([nn.LayerNorm(d), MLA(d, cfg.n_heads, d // 2),
-                                                   nn.LayerNorm(d), MoE(d, cfg.n_experts, cfg.top_k)])
-                                    for _ in range(cfg.n_layers))
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Embedding(task.max_len(cfg), d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleList([nn.LayerNorm(d), MLA(d, cfg.n_heads, d // 2), nn.LayerNorm(d),
+                           MoE(d, cfg.n_experts, cfg.top_k, cfg.n_expert_groups,
+                               cfg.topk_groups)])
+            for _ in range(cfg.n_layers))
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, tokens):
-        x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for n1, attn, n2, moe in self.blocks:
             x = x + attn(n1(x))
             x = x + moe(n2(x))
         return self.head(self.norm(x))
 
+    def update_balance_bias(self, rate: float) -> None:
+        for *_, moe in self.blocks:
+            moe.update_balance_bias(rate)
 
-def token_logprobs(model, tokens):
-    """fp32 log p(tokens[:, t+1] | tokens[:, :t+1]) -> [B, T-1]."""
-    logits = model(tokens[:, :-1]).float()
-    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+def head_splits(model: TinyLM) -> dict:
+    """Per-head row blocks of the MLA up-projections, for Muon Split: parameter name ->
+    (num_heads, block_rows). q_b: one [dh] block per head; kv_b: [dh (k), dh (v)] per head."""
+    out = {}
+    for i, (_, attn, _, _) in enumerate(model.blocks):
+        out[f"blocks.{i}.1.q_b.weight"] = (attn.h, [attn.dh])
+        out[f"blocks.{i}.1.kv_b.weight"] = (attn.h, [attn.dh, attn.dh])
+    return out

@@ -1,43 +1,135 @@
-"""Rollout process: generates with the latest weights it has, records fp32 log-probs."""
+"""Rollout side: batched generation with the tool environment, and the rollout process loop.
+
+The rollout process generates with the newest weights it has received (it never waits for
+the trainer), records every sampled token's log-prob in fp32 at sampling time (the trainer
+never recomputes them: coupled IcePop, the asynchronous TITO case) and puts one ``Sample``
+dict per trajectory on the sample queue.
+"""
 import queue
+import signal
+from typing import Dict, List
+
 import torch
-from . import task
+
+from . import kernels, task
+from .log import setup_logging
 from .model import TinyLM
 
 
 @torch.no_grad()
-def generate(model, prompt, n, max_new):
-    toks = torch.tensor([prompt] * n)
-    lps = []
-    for _ in range(max_new):
+def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
+             greedy: bool = False) -> List[Dict]:
+    """``group_size`` trajectories for each prompt (all prompts of one task, one length).
+
+    Returns one dict per trajectory (prompt-major): ``tokens`` (full stream), ``prompt_len``,
+    ``rollout_logprobs`` and ``loss_mask`` (one value per response position; environment and
+    padding positions have log-prob 0 and mask 0) and ``reward``.
+    """
+    if not prompts:
+        return []
+    kinds = {task.task_of(p) for p in prompts}
+    if len(kinds) != 1:
+        raise ValueError(f"generate: prompts must share one task, got {sorted(kinds)}")
+    uses_tool = kinds.pop() == "tool"
+    device = next(model.parameters()).device
+    rows = [p for p in prompts for _ in range(group_size)]
+    toks = torch.tensor(rows, device=device)
+    n, prompt_len = toks.shape
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    lps, masks = [], []
+    policy_steps = cfg.num_digits + 1 + (1 if uses_tool else 0)
+    for step in range(policy_steps):
         logp = torch.log_softmax(model(toks)[:, -1].float(), -1)
-        nxt = torch.multinomial(logp.exp(), 1)
-        lps.append(logp.gather(-1, nxt))
-        toks = torch.cat([toks, nxt], 1)
-    return toks, torch.cat(lps, 1)
+        if greedy:
+            nxt = kernels.topk(logp, 1).indices                      # ties -> smaller id
+        else:
+            nxt = torch.multinomial(logp.exp(), 1, generator=gen)
+        lp = logp.gather(-1, nxt).squeeze(-1)
+        nxt = nxt.squeeze(-1)
+        live = ~done
+        nxt = torch.where(live, nxt, torch.full_like(nxt, task.PAD))
+        lps.append(torch.where(live, lp, torch.zeros_like(lp)))
+        masks.append(live.float())
+        toks = torch.cat([toks, nxt[:, None]], 1)
+        done = done | (nxt == task.EOS)
+        if uses_tool and step == 0:
+            # The tool protocol: the first assistant token must be the call. The environment
+            # answers the rows that called; a row that did not has failed and stops here.
+            called = live & (nxt == task.TOOL_CALL)
+            done = done | ~called
+            span_len = cfg.num_digits + 2
+            env = torch.full((n, span_len), task.PAD, dtype=toks.dtype, device=device)
+            for i in torch.nonzero(called).flatten().tolist():
+                env[i] = torch.tensor(task.observation_span(cfg, rows[i]), device=device)
+            toks = torch.cat([toks, env], 1)
+            lps.extend(torch.zeros(n, device=device) for _ in range(span_len))
+            masks.extend(torch.zeros(n, device=device) for _ in range(span_len))
+    lp_rows = torch.stack(lps, 1).float().cpu().tolist()
+    mask_rows = torch.stack(masks, 1).cpu().tolist()
+    out = []
+    for i, t in enumerate(toks.cpu().tolist()):
+        out.append({"tokens": t, "prompt_len": prompt_len, "rollout_logprobs": lp_rows[i],
+                    "loss_mask": mask_rows[i], "task": task.task_of(t[:prompt_len]),
+                    "reward": task.reward(cfg, t, prompt_len)})
+    return out
 
 
-def rollout_worker(cfg, weights_q, sample_q, stop_ev):
+def sample_tasks(mix: Dict[str, float], n: int, gen: torch.Generator) -> List[str]:
+    """``n`` task names drawn independently with probabilities ``mix`` (sums to 1)."""
+    names = sorted(mix)
+    probs = torch.tensor([mix[k] for k in names], dtype=torch.float64)
+    return [names[i] for i in torch.multinomial(probs, n, replacement=True, generator=gen).tolist()]
+
+
+def rollout_worker(cfg, stage_seed: int, mix: Dict[str, float], group_size: int,
+                   weight_rx, sample_q, stop_ev, generated, id_prefix: str) -> None:
+    """Rollout process body: generate groups until ``stop_ev`` with the newest weights held.
+
+    ``weight_rx`` is the receiving end of the weight-sync channel (see ``weight_sync.py``);
+    every group of ``group_size`` samples shares one ``prompt_id`` (the Data Buffer key);
+    ``generated`` (a shared counter) counts the samples put on ``sample_q``.
+    """
+    # The trainer owns this process's lifetime (stop_ev): a terminal Ctrl-C goes to it alone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging()
     torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed + 1)
-    gen = torch.Generator().manual_seed(cfg.seed + 2)
-    model = TinyLM(cfg, task.vocab_size(cfg)).eval()
-    version, pid = -1, 0
+    torch.manual_seed(stage_seed)
+    gen = torch.Generator().manual_seed(stage_seed + 1)
+    model = TinyLM(cfg, task.vocab_size(cfg)).to(cfg.resolved_device(),
+                                                  cfg.rollout_torch_dtype()).eval()
+    prompt_id = 0
+    batch_prompts = max(1, cfg.rollout_batch_samples // group_size)
     while not stop_ev.is_set():
-        try:                                   # take the newest weights available, never wait
-            while True:
-                version, state = weights_q.get(timeout=0.01 if version >= 0 else 1.0)
-                model.load_state_dict(state)
-        except queue.Empty:
-            pass
-        if version < 0:
+        version = weight_rx.poll(model, block=True)    # newest weights; waits only for the first
+        if version == 0:
             continue
-        prompt = task.make_prompt(cfg, gen)
-        toks, lps = generate(model, prompt, cfg.group_size, cfg.num_digits + 1)
-        for i in range(cfg.group_size):
-            resp = toks[i, len(prompt):].tolist()
-            sample_q.put({"prompt_id": pid, "sample_id": pid * cfg.group_size + i,
-                          "tokens": toks[i].tolist(), "prompt_len": len(prompt),
-                          "rollout_logprobs": lps[i].tolist(), "version": version,
-                          "reward": task.reward(prompt, resp)})
-        pid += 1
+        names = sample_tasks(mix, batch_prompts, gen)
+        prompts = [task.make_prompt(cfg, name, gen) for name in names]
+        by_task: Dict[str, list] = {}
+        for pid, p in enumerate(prompts):
+            by_task.setdefault(task.task_of(p), []).append(pid)
+        groups: Dict[int, list] = {}
+        for pids in by_task.values():                 # one batched generate per task
+            samples = generate(cfg, model, [prompts[i] for i in pids], group_size, gen=gen)
+            for j, s in enumerate(samples):
+                groups.setdefault(pids[j // group_size], []).append(s)
+        for pid in range(len(prompts)):               # back in prompt order: tasks interleave
+            key = f"{id_prefix}/{prompt_id + pid}"
+            for j, s in enumerate(groups[pid]):
+                s.update(prompt_id=key, sample_id=f"{key}.{j}", version=version)
+                if not _put(sample_q, s, stop_ev):
+                    return
+                with generated.get_lock():
+                    generated.value += 1
+        prompt_id += len(prompts)
+
+
+def _put(q, item, stop_ev) -> bool:
+    """Put on a bounded queue (the back-pressure that bounds staleness) unless stopped."""
+    while not stop_ev.is_set():
+        try:
+            q.put(item, timeout=0.2)
+            return True
+        except queue.Full:
+            continue
+    return False

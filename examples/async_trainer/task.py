@@ -1,39 +1,92 @@
-"""Verifiable task: reverse a digit string. Binary reward (exact match = 1, else 0).
+"""Two verifiable tasks in the 4-role template, with a binary reward (pass 1, fail 0).
 
-Trajectories use the 4-role template: ``<system> <user> d1..dn <assistant> answer <eos>``.
-Role tokens: SYSTEM, USER, ASSISTANT, OBSERVATION (observation tokens, when a tool answers,
-are masked out of the loss by :func:`loss_mask`).
+Every trajectory is one token stream with role tokens::
+
+    <system> TASK <user> d1..dn <assistant>  ...policy tokens...
+
+* ``reverse``: the assistant answers ``dn..d1 <eos>``.
+* ``tool``: the assistant must first emit ``<tool_call>``; the environment (not the policy)
+  then appends ``<observation> o1..on <assistant>`` where ``o = lookup(d)``, and the assistant
+  answers ``on..o1 <eos>``. Observation tokens are never sampled by the policy: they carry
+  no rollout log-prob and are masked out of every loss (:func:`template_loss_mask`).
+
+A trajectory that leaves the expected path (a wrong token, a tool call where none is offered,
+no tool call where one is required) ends at once with reward 0; the rest of its row is padded
+with ``<eos>`` and masked.
 """
+from typing import List
+
 import torch
 
-SYSTEM, USER, ASSISTANT, OBSERVATION, EOS = 0, 1, 2, 3, 4
-N_SPECIAL = 5
+SYSTEM, USER, ASSISTANT, OBSERVATION, EOS, TOOL_CALL, TASK_REVERSE, TASK_TOOL = range(8)
+N_SPECIAL = 8
+PAD = EOS
+ROLE_NAMES = {SYSTEM: "system", USER: "user", ASSISTANT: "assistant", OBSERVATION: "observation"}
+TASKS = ("reverse", "tool")
+_TASK_TOKEN = {"reverse": TASK_REVERSE, "tool": TASK_TOOL}
 
 
 def vocab_size(cfg) -> int:
     return N_SPECIAL + cfg.vocab_digits
 
 
-def make_prompt(cfg, gen: torch.Generator):
+def max_len(cfg) -> int:
+    """Longest trajectory: prompt (n + 4) + tool call, observation span (n + 2), answer (n + 1)."""
+    return 3 * cfg.num_digits + 8
+
+
+def make_prompt(cfg, task: str, gen: torch.Generator) -> List[int]:
     digits = torch.randint(0, cfg.vocab_digits, (cfg.num_digits,), generator=gen) + N_SPECIAL
-    return [SYSTEM, USER, *digits.tolist(), ASSISTANT]
+    return [SYSTEM, _TASK_TOKEN[task], USER, *digits.tolist(), ASSISTANT]
 
 
-def target(prompt):
-    return list(reversed(prompt[2:-1])) + [EOS]
+def task_of(prompt: List[int]) -> str:
+    return "tool" if prompt[1] == TASK_TOOL else "reverse"
 
 
-def reward(prompt, response) -> float:
-    return 1.0 if list(response) == target(prompt) else 0.0
+def _digits(prompt: List[int]) -> List[int]:
+    return prompt[3:-1]
 
 
-def loss_mask(tokens, prompt_len):
-    """1 on assistant-generated tokens, 0 on the prompt and on observation-role spans."""
+def tool_lookup(cfg, digits: List[int]) -> List[int]:
+    """The tool's answer: every digit shifted by one (mod the digit alphabet)."""
+    return [N_SPECIAL + (d - N_SPECIAL + 1) % cfg.vocab_digits for d in digits]
+
+
+def observation_span(cfg, prompt: List[int]) -> List[int]:
+    """What the environment appends after ``<tool_call>``: observation role, result, assistant."""
+    return [OBSERVATION, *tool_lookup(cfg, _digits(prompt)), ASSISTANT]
+
+
+def expected_completion(cfg, prompt: List[int]) -> List[int]:
+    """The one passing continuation of ``prompt`` (environment tokens included)."""
+    if task_of(prompt) == "tool":
+        obs = tool_lookup(cfg, _digits(prompt))
+        return [TOOL_CALL, *observation_span(cfg, prompt), *reversed(obs), EOS]
+    return [*reversed(_digits(prompt)), EOS]
+
+
+def reward(cfg, tokens: List[int], prompt_len: int) -> float:
+    """1.0 when the trajectory is exactly the passing one (then only padding), else 0.0."""
+    prompt = tokens[:prompt_len]
+    want = prompt + expected_completion(cfg, prompt)
+    return 1.0 if tokens[:len(want)] == want else 0.0
+
+
+def template_loss_mask(tokens: List[int], prompt_len: int) -> List[float]:
+    """1 on assistant-produced tokens; 0 on the prompt and on environment (observation) spans.
+
+    An observation span runs from ``<observation>`` through the ``<assistant>`` token that hands
+    the turn back; both role tokens are written by the environment, not the policy.
+    """
     mask, in_obs = [], False
     for i, t in enumerate(tokens):
+        if i < prompt_len:
+            mask.append(0.0)
+            continue
         if t == OBSERVATION:
             in_obs = True
-        elif t == ASSISTANT:
+        mask.append(0.0 if in_obs else 1.0)
+        if in_obs and t == ASSISTANT:
             in_obs = False
-        mask.append(0.0 if i < prompt_len or in_obs or t in (OBSERVATION, ASSISTANT) else 1.0)
     return mask

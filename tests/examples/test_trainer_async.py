@@ -1,15 +1,47 @@
+"""The example trainer: configuration errors, the tool environment and its loss mask, packing,
+the Data Buffer, a shortened end-to-end run (learning + sample accounting), Ctrl-C + resume."""
 import pytest
-from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.packing import karmarkar_karp, first_fit
+import torch
+
+from examples.async_trainer import task
+from examples.async_trainer.__main__ import main as cli_main
+from examples.async_trainer.batch import collate, sft_sample
 from examples.async_trainer.buffer import DataBuffer
+from examples.async_trainer.config import TrainerConfig
+from examples.async_trainer.model import TinyLM
+from examples.async_trainer.packing import assign_to_ranks, first_fit, karmarkar_karp
+from examples.async_trainer.rollout import generate
 from examples.async_trainer.trainer import train
+from glm_kernels import icepop_loss_from_logits, selective_logprobs
 
 
-def test_bad_config_raises():
-    with pytest.raises(ValueError, match="group_size"):
-        TrainerConfig(group_size=1).validate()
-    with pytest.raises(ValueError, match="packing"):
-        TrainerConfig(packing="x").validate()
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(group_size=1), "group_size"),
+    (dict(packing="x"), "packing"),
+    (dict(tasks="reverse,sort"), "tasks"),
+    (dict(tasks="tool,tool"), "tasks"),
+    (dict(opd_ratio=1.5), "opd_ratio"),
+    (dict(top_k=5), "top_k"),
+    (dict(n_experts=6, n_expert_groups=4), "n_expert_groups"),
+    (dict(d_model=50), "d_model"),
+    (dict(beta=1.0), "beta"),
+    (dict(max_tokens_per_microbatch=8), "max_tokens_per_microbatch"),
+    (dict(device="tpu"), "device"),
+    (dict(rl_steps=-1), "rl_steps"),
+])
+def test_bad_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**kwargs).validate()
+
+
+def test_bad_config_types_and_cli_error(capsys):
+    with pytest.raises(TypeError, match="rl_steps"):
+        TrainerConfig(rl_steps="10").validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            TrainerConfig(device="cuda").validate()
+    assert cli_main(["--group-size", "1"]) == 2
+    assert "config.group_size" in capsys.readouterr().err
 
 
 def test_packing_and_buffer():
@@ -18,18 +50,146 @@ def test_packing_and_buffer():
     assert sorted(i for p in parts for i in p) == list(range(6))
     assert abs(sum(lengths[i] for i in parts[0]) - sum(lengths[i] for i in parts[1])) <= 1
     assert all(sum(lengths[i] for i in b) <= 12 for b in first_fit(lengths, 12))
+    for method in ("kk", "first_fit"):
+        ranks = assign_to_ranks(lengths, 2, 12, method)
+        assert sorted(i for r in ranks for mb in r for i in mb) == list(range(6))
     buf = DataBuffer(2)
-    buf.add({"prompt_id": 0}); assert buf.pop_ready(4) == []
-    buf.add({"prompt_id": 0}); assert len(buf.pop_ready(4)) == 1 and buf.pop_ready(4) == []
-    with pytest.raises(ValueError):
+    buf.add({"prompt_id": 0})
+    assert buf.pop_ready(4) == [] and buf.pending() == 1
+    buf.add({"prompt_id": 0})
+    assert len(buf.pop_ready(4)) == 1 and buf.pop_ready(4) == [] and buf.pending() == 0
+    with pytest.raises(ValueError, match="after its group was consumed"):
         buf.add({"prompt_id": 0})
 
 
-def test_short_run_learns_and_counts_samples(tmp_path):
-    cfg = TrainerConfig(rl_steps=30, out_dir=str(tmp_path))
+class Oracle(torch.nn.Module):
+    """Puts all probability on the passing next token (or on ``first`` for the first policy
+    token), so ``generate`` walks a known path through the tool environment."""
+
+    def __init__(self, cfg, first=None):
+        super().__init__()
+        self.cfg, self.first = cfg, first
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, toks):
+        b, t = toks.shape
+        logits = torch.full((b, t, task.vocab_size(self.cfg)), -30.0)
+        for i, row in enumerate(toks.tolist()):
+            prompt = row[:self.cfg.num_digits + 4]
+            want = prompt + task.expected_completion(self.cfg, prompt)
+            nxt = want[t] if t < len(want) else task.EOS
+            if t == len(prompt) and self.first is not None:
+                nxt = self.first
+            logits[i, -1, nxt] = 30.0
+        return logits
+
+
+def test_tool_trajectory_observation_is_environment_and_masked():
+    cfg = TrainerConfig().validate()
+    gen = torch.Generator().manual_seed(0)
+    prompt = task.make_prompt(cfg, "tool", gen)
+    n, p = cfg.num_digits, len(prompt)
+    (s,) = generate(cfg, Oracle(cfg), [prompt], 1, gen=gen)
+    toks = s["tokens"]
+    assert s["reward"] == 1.0 and toks[p] == task.TOOL_CALL
+    assert toks[p + 1:p + 3 + n] == task.observation_span(cfg, prompt)   # written by the tool
+    span = slice(1, 3 + n)                                               # response positions
+    assert s["loss_mask"][span] == [0.0] * (n + 2)
+    assert s["rollout_logprobs"][span] == [0.0] * (n + 2)
+    assert s["loss_mask"][0] == 1.0 and s["loss_mask"][3 + n:] == [1.0] * (n + 1)
+    assert s["loss_mask"] == task.template_loss_mask(toks, p)[p:]
+    assert sft_sample(cfg, prompt)["tokens"] == toks
+    # A first token that is not the tool call fails at once: reward 0, the rest masked padding.
+    (bad,) = generate(cfg, Oracle(cfg, first=task.N_SPECIAL), [prompt], 1, gen=gen)
+    assert bad["reward"] == 0.0 and bad["loss_mask"] == [1.0] + [0.0] * (len(bad["loss_mask"]) - 1)
+    assert set(bad["tokens"][p + 1:]) == {task.PAD}
+
+
+def test_observation_tokens_get_no_loss_and_no_gradient():
+    cfg = TrainerConfig().validate()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    samples = generate(cfg, Oracle(cfg), [task.make_prompt(cfg, "tool", gen)], 2, gen=gen)
+    batch = collate(samples, "cpu")
+    p = samples[0]["prompt_len"]
+    obs = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
+    obs[:, p:p + cfg.num_digits + 2] = True       # predicting <observation> o1..on <assistant>
+    assert batch.targets[0, p] == task.OBSERVATION and float(batch.loss_mask[obs].sum()) == 0.0
+    model = TinyLM(cfg, task.vocab_size(cfg))
+
+    def loss_and_grad(rollout_lp):
+        logits = model(batch.inputs).detach().requires_grad_(True)
+        loss = icepop_loss_from_logits(logits, batch.targets, rollout_lp, torch.tensor([1.0, -1.0]),
+                                       batch.loss_mask, reduction="sum")
+        loss.backward()
+        return loss.detach(), logits.grad
+
+    # Rollout log-probs as the model itself would have recorded them (ratio 1: nothing popped).
+    with torch.no_grad():
+        own = selective_logprobs(model(batch.inputs), batch.targets) * batch.loss_mask
+    base_loss, base_grad = loss_and_grad(own)
+    garbage = own.masked_fill(obs, float("nan"))
+    loss, grad = loss_and_grad(garbage)
+    assert torch.equal(loss, base_loss) and torch.equal(grad, base_grad)
+    assert float(grad[obs].abs().sum()) == 0.0 and float(grad[~obs & (batch.loss_mask > 0)].abs().sum()) > 0
+
+
+def _check_accounting(out, cfg, stage, steps, per_step):
+    ids = out["trained_ids"][stage]
+    assert len(ids) == len(set(ids)) == steps * per_step, stage          # none trained twice
+    acc = out["accounting"][stage]
+    assert acc["trained"] == len(ids)
+    assert acc["generated"] == acc["trained"] + acc["unconsumed"], (stage, acc)   # none lost
+
+
+def test_short_run_learns_and_accounts_for_every_sample(tmp_path):
+    # The default recipe, shortened: one task (fewer SFT steps give a comparable start:
+    # held-out pass rate ~0.1-0.4), fewer RL and OPD steps.
+    cfg = TrainerConfig(tasks="reverse", sft_steps=24, rl_steps=35, opd_steps=20,
+                        out_dir=str(tmp_path),
+                        progress=False)
     out = train(cfg)
-    sft_r = [r for r in out["records"] if r["stage"] == "sft"][0]["eval_reward"]
-    assert out["final_eval"] > sft_r + 0.1, (sft_r, out["final_eval"])
-    ids = out["trained_ids"]
-    assert len(ids) == len(set(ids)) == 30 * cfg.prompts_per_step * cfg.group_size
-    assert (tmp_path / "checkpoint.pt").exists()
+    ev = out["evals"]
+    assert ev["rl:reverse"]["reverse"] >= ev["sft"]["reverse"] + 0.25, ev
+    assert ev["opd"]["reverse"] >= ev["sft"]["reverse"] + 0.15, ev     # the student learned
+    opd = [r for r in out["records"] if r.get("stage") == "opd" and r["kind"] == "train"]
+    first, last = (sum(r["reverse_kl"] for r in part) / len(part) for part in (opd[:5], opd[-5:]))
+    assert last < 0.7 * first, (first, last)                 # the student moves to its teacher
+    _check_accounting(out, cfg, "rl:reverse", cfg.rl_steps, cfg.prompts_per_step * cfg.group_size)
+    _check_accounting(out, cfg, "opd", cfg.opd_steps, cfg.opd_prompts_per_step)
+    assert all(r["staleness"] <= cfg.max_ahead_steps + 2 for r in out["records"]
+               if r.get("kind") == "train" and "staleness" in r)
+    rl = [r for r in out["records"] if r.get("stage") == "rl:reverse" and r["kind"] == "train"]
+    assert all(0 < r["bytes_synced"] for r in rl)
+    for f in ("metrics.jsonl", "metrics.png", "checkpoint.pt"):
+        assert (tmp_path / f).exists(), f
+
+
+def test_ctrl_c_leaves_a_checkpoint_that_resumes(tmp_path):
+    # Both tasks, so the OPD stage mixes two teachers; tiny stages (no learning asserted).
+    cfg = TrainerConfig(sft_steps=3, rl_steps=4, opd_steps=3, prompts_per_step=2, group_size=2,
+                        opd_prompts_per_step=8, eval_prompts=8, out_dir=str(tmp_path),
+                        progress=False)
+
+    def interrupt(stage, step):
+        if stage == "rl:tool" and step == 2:
+            raise KeyboardInterrupt
+
+    out = train(cfg, on_step=interrupt)
+    assert out["interrupted"]
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert (ckpt["stage"], ckpt["step"]) == ("rl:tool", 2)
+    assert set(ckpt["finished"]) == {"sft", "rl:reverse"}
+    model = TinyLM(cfg, task.vocab_size(cfg))
+    model.load_state_dict(ckpt["model"])                      # usable as it is
+    resumed = train(TrainerConfig(resume=str(tmp_path / "checkpoint.pt"), out_dir=str(tmp_path),
+                                  progress=False))
+    assert not resumed["interrupted"]
+    assert set(resumed["evals"]) == {"sft", "rl:reverse", "rl:tool", "opd"}
+    _check_accounting(resumed, cfg, "rl:tool", 4, 4)
+    _check_accounting(resumed, cfg, "opd", 3, 8)
+    records = resumed["records"]
+    assert [r["step"] for r in records if r.get("stage") == "rl:tool" and r["kind"] == "train"] \
+        == [1, 2, 3, 4]
+    opd = [r for r in records if r.get("stage") == "opd" and r["kind"] == "train"]
+    assert any("reward_reverse" in r for r in opd) and any("reward_tool" in r for r in opd)

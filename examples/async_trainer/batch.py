@@ -1,0 +1,91 @@
+"""Turn ``Sample`` dicts into padded training tensors, and the policy-gradient step."""
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import torch
+
+from glm_kernels import icepop_loss_from_logits
+
+from . import task
+from .packing import assign_to_ranks
+
+
+@dataclass
+class Batch:
+    """Right-padded micro-batch. Position t of the [B, L-1] tensors predicts ``tokens[:, t+1]``."""
+    tokens: torch.Tensor            # [B, L] int64
+    rollout_logprobs: torch.Tensor  # [B, L-1] fp32, 0 outside policy-sampled positions
+    loss_mask: torch.Tensor         # [B, L-1] fp32, 1 on policy tokens only
+
+    @property
+    def inputs(self):
+        return self.tokens[:, :-1]
+
+    @property
+    def targets(self):
+        return self.tokens[:, 1:]
+
+
+def place(samples: List[dict], key: str, width: int, device) -> torch.Tensor:
+    """[B, width] fp32 with each sample's per-response-position ``key`` at its positions."""
+    out = torch.zeros(len(samples), width, dtype=torch.float32)
+    for b, s in enumerate(samples):
+        p, n = s["prompt_len"], len(s["tokens"])
+        out[b, p - 1:n - 1] = torch.as_tensor(s[key], dtype=torch.float32)
+    return out.to(device)
+
+
+def collate(samples: List[dict], device) -> Batch:
+    width = max(len(s["tokens"]) for s in samples)
+    tokens = torch.full((len(samples), width), task.PAD, dtype=torch.long)
+    for b, s in enumerate(samples):
+        tokens[b, :len(s["tokens"])] = torch.as_tensor(s["tokens"])
+    return Batch(tokens.to(device), place(samples, "rollout_logprobs", width - 1, device),
+                 place(samples, "loss_mask", width - 1, device))
+
+
+def sft_sample(cfg, prompt: List[int]) -> dict:
+    """The passing trajectory of ``prompt`` as a sample (loss on assistant tokens only)."""
+    tokens = prompt + task.expected_completion(cfg, prompt)
+    mask = task.template_loss_mask(tokens, len(prompt))[len(prompt):]
+    return {"tokens": tokens, "prompt_len": len(prompt), "loss_mask": mask,
+            "rollout_logprobs": [0.0] * len(mask)}
+
+
+# advantage_fn(mb_samples, batch, logits) -> (advantages [B] or [B, L-1], {metric: sum})
+AdvantageFn = Callable[[List[dict], Batch, torch.Tensor], tuple]
+
+
+def policy_step(cfg, model, opt, samples: List[dict], advantage_fn: AdvantageFn) -> Dict:
+    """One optimizer step of IcePop over ``samples`` packed into micro-batches on DP ranks.
+
+    The loss is the global token mean over every rank's masked tokens (slime's token_mean);
+    gradients are accumulated over the simulated ranks' micro-batches, as an all-reduce would.
+    """
+    device = next(model.parameters()).device
+    lengths = [len(s["tokens"]) for s in samples]
+    ranks = assign_to_ranks(lengths, cfg.dp_ranks, cfg.max_tokens_per_microbatch, cfg.packing)
+    n_tok = max(sum(sum(s["loss_mask"]) for s in samples), 1.0)
+    sums: Dict[str, float] = {"pop": 0.0, "clip": 0.0, "tokens": 0.0, "loss": 0.0}
+    opt.zero_grad(set_to_none=True)
+    for micro_batches in ranks:
+        for mb in micro_batches:
+            mb_samples = [samples[i] for i in mb]
+            batch = collate(mb_samples, device)
+            logits = model(batch.inputs)
+            adv, extra = advantage_fn(mb_samples, batch, logits)
+            loss, m = icepop_loss_from_logits(
+                logits, batch.targets, batch.rollout_logprobs, adv, batch.loss_mask,
+                beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high, reduction="sum",
+                return_metrics=True)
+            (loss / n_tok).backward()
+            masked = float(batch.loss_mask.sum())
+            sums["pop"] += float(m["pop_frac"]) * masked
+            sums["clip"] += float(m["clip_frac"]) * masked
+            sums["tokens"] += masked
+            sums["loss"] += float(loss)
+            for k, v in extra.items():
+                sums[k] = sums.get(k, 0.0) + v
+    opt.step()
+    model.update_balance_bias(cfg.balance_bias_rate)
+    return sums

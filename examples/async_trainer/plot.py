@@ -1,0 +1,36 @@
+"""metrics.png: reward, IcePop pop fraction, staleness and the OPD reverse KL over steps."""
+import os
+
+from .log import warn_once
+
+PANELS = (("reward", "sampled reward"), ("pop_frac", "IcePop pop fraction"),
+          ("staleness", "staleness (versions)"), ("reverse_kl", "OPD reverse KL"))
+
+
+def plot(cfg, records) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warn_once("plot", "matplotlib not installed: skipping metrics.png")
+        return
+    train = [r for r in records if r.get("kind") == "train" and r["stage"] != "sft"]
+    if not train:
+        return
+    stages = list(dict.fromkeys(r["stage"] for r in train))
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 9), sharex=True)
+    for ax, (key, label) in zip(axes, PANELS):
+        for stage in stages:
+            pts = [(r["global_step"], r[key]) for r in train if r["stage"] == stage and key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=stage)
+        ax.set_ylabel(label, fontsize=8)
+    for r in records:
+        if r.get("kind") == "eval":
+            axes[0].axvline(r["global_step"], color="grey", lw=0.5, ls=":")
+    axes[0].legend(fontsize=7)
+    axes[-1].set_xlabel("optimizer step (all stages)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(cfg.out_dir, "metrics.png"), dpi=90)
+    plt.close(fig)
