@@ -196,3 +196,18 @@ def test_integrations_package_is_import_light():
             "bad = [m for m in ('slime', 'sglang', 'megatron') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_docs_first_example_runs():
+    """docs/slime.md's first python block runs as written and prints what it says."""
+    import os
+    import re
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "slime.md")).read()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    namespace = {}
+    exec(compile(block, "docs/slime.md", "exec"), namespace)
+    assert sorted(namespace["metrics"]) == ["clip_frac", "loss", "pg_loss", "pop_frac",
+                                            "train_rollout_logprob_abs_diff"]
+    assert namespace["weighted"].tolist() == [1.0] * 3 + [0.0] * 5
+    grad = namespace["logits"].grad[0]
+    assert float(grad[7 + 2 - 1:7 + 7 - 1].abs().sum()) > 0 and float(grad[14:].abs().sum()) == 0
