@@ -204,16 +204,20 @@ def apply(tb: torch.Tensor, packet, spec: ref.StreamSpec, host_streams,
         pos = _decode_int32(positions, numel)
     else:
         pos = _decode_gap16(positions, escapes, c, numel, spec.planar, cfg)
+    # One fused pass: the target's checksum sum and the change of it the packet makes.
+    programs = -(-numel // cfg.block)
+    starts = torch.arange(programs + 1, dtype=torch.int64, device=tb.device) * cfg.block
+    seg = torch.searchsorted(pos, starts.clamp_(max=numel))
+    partials = torch.zeros((programs, 4), dtype=torch.int64, device=tb.device)
+    kwargs = dict(diff=spec.diff, planar=spec.planar, num_warps=cfg.num_warps)
+    _kernels.verify(tb, pos, values, seg, partials, c, block=cfg.block,
+                    chunk=_kernels.VERIFY_CHUNK, **kwargs)
+    s_target, delta = _sum64(partials[:, :2]), _sum64(partials[:, 2:])
     n_words = numel * ref.words_per_element(tb.element_size())
-    s_target = checksum_sum(tb, cfg)
     if packet.base_checksum and ref.finalize(s_target, n_words) != packet.base_checksum:
         raise ValueError("target is not the packet's base: base checksum mismatch (the packet "
                          "codes values relative to one exact base version)")
-    partials = torch.empty((-(-c // cfg.apply_block), 2), dtype=torch.int64, device=tb.device)
-    kwargs = dict(diff=spec.diff, planar=spec.planar, block=cfg.apply_block,
-                  num_warps=cfg.num_warps)
-    _kernels.apply_values(pos, tb, values, partials, c, write=False, **kwargs)
-    if ref.finalize(s_target + _sum64(partials), n_words) != packet.result_checksum:
+    if ref.finalize(s_target + delta, n_words) != packet.result_checksum:
         raise ValueError("delta result checksum mismatch: the target differs from the packet's "
                          "base at unchanged elements, or the packet is corrupt")
-    _kernels.apply_values(pos, tb, values, partials, c, write=True, **kwargs)
+    _kernels.scatter(pos, tb, values, c, block=cfg.apply_block, **kwargs)

@@ -24,6 +24,7 @@ from . import _reference as ref
 _K1, _K2, _K3 = tl.constexpr(ref.K1), tl.constexpr(ref.K2), tl.constexpr(ref.K3)
 _M1, _M2, _M3 = tl.constexpr(ref.M1), tl.constexpr(ref.M2), tl.constexpr(ref.M3)
 _ESCAPE = tl.constexpr(ref.ESCAPE)
+VERIFY_CHUNK = 256   # changes per step of the verify kernel's loop
 STATS = 8   # per-program encode stats: count, first, last, S(new) lo/hi, S(old) lo/hi, unused
 
 
@@ -199,33 +200,67 @@ def _gap_positions_kernel(gaps_ptr, esc_ptr, base_ptr, esc_start_ptr, pos_ptr, c
 
 
 @triton.jit
-def _apply_values_kernel(pos_ptr, target_ptr, val_ptr, partial_ptr, count, MAXPOS: tl.constexpr,
-                         DIFF: tl.constexpr, PLANAR: tl.constexpr, WRITE: tl.constexpr,
-                         SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """WRITE=False: partial[pid] = sum of term(new) - term(old) (mod 2^64) over this program's
-    changes. WRITE=True: target[pos] = new. Positions are distinct, so programs never race."""
-    pid = tl.program_id(0)
-    k = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = k < count
-    p = tl.load(pos_ptr + k, mask=valid, other=0)
-    old = tl.load(target_ptr + p, mask=valid, other=0)
+def _new_values(old, val_ptr, k, valid, count, MAXPOS: tl.constexpr, DIFF: tl.constexpr,
+                PLANAR: tl.constexpr, SIZE: tl.constexpr):
+    """New bit patterns of changes ``k`` (raw or zigzag difference; element-major or planes)."""
     if PLANAR:
-        v64 = tl.zeros([BLOCK], tl.uint64)
+        v64 = tl.zeros(k.shape, tl.uint64)
         for b in tl.static_range(SIZE):
             byte = tl.load(val_ptr + b * count + k, mask=valid, other=0)
             v64 = v64 | (byte.to(tl.uint64) << (8 * b))
         v = v64.to(old.dtype)
     else:
         v = tl.load(val_ptr + k, mask=valid, other=0)
-    if DIFF:  # old + unzigzag(v), wrapping; the shift is made logical by MAXPOS
+    if DIFF:  # old + unzigzag(v), wrapping; MAXPOS makes the shift logical
         v = old + (((v >> 1) & MAXPOS) ^ (-(v & 1)))
-    if WRITE:
-        tl.store(target_ptr + p, v, mask=valid)
+    return v
+
+
+@triton.jit
+def _verify_kernel(target_ptr, pos_ptr, val_ptr, seg_ptr, partial_ptr, n, count,
+                   MAXPOS: tl.constexpr, DIFF: tl.constexpr, PLANAR: tl.constexpr,
+                   SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """One read of the target: partial[pid] = (S of this program's elements, sum of
+    term(new) - term(old) over the changes inside it). Positions are sorted, so those changes
+    are the slice seg[pid]:seg[pid + 1]; their old values were just loaded (cache hits)."""
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * BLOCK
+    local = tl.arange(0, BLOCK)
+    in_bounds = local < tl.minimum(n - start, BLOCK).to(tl.int32)
+    x = tl.load(target_ptr + start + local, mask=in_bounds, other=0)
+    lo, hi = _block_word_index(start, local, SIZE)
+    _store_sum(partial_ptr + pid.to(tl.int64) * 4,
+               tl.sum(tl.where(in_bounds, _element_terms(x, lo, hi, SIZE), 0), axis=0))
+    first = tl.load(seg_ptr + pid)
+    last = tl.load(seg_ptr + pid + 1)
+    delta = tl.zeros([CHUNK], tl.uint64)
+    for k0 in range(first, last, CHUNK):
+        k = k0 + tl.arange(0, CHUNK)
+        valid = k < last
+        p = tl.load(pos_ptr + k, mask=valid, other=0)
+        old = tl.load(target_ptr + p, mask=valid, other=0)
+        v = _new_values(old, val_ptr, k, valid, count, MAXPOS, DIFF, PLANAR, SIZE)
+        plo, phi = _gathered_word_index(p, SIZE)
+        terms = _element_terms(v, plo, phi, SIZE) - _element_terms(old, plo, phi, SIZE)
+        delta += tl.where(valid, terms, 0)
+    _store_sum(partial_ptr + pid.to(tl.int64) * 4 + 2, tl.sum(delta, axis=0))
+
+
+@triton.jit
+def _scatter_kernel(pos_ptr, target_ptr, val_ptr, count, MAXPOS: tl.constexpr,
+                    DIFF: tl.constexpr, PLANAR: tl.constexpr, SIZE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """target[pos] = new value. Positions are distinct: programs never race."""
+    pid = tl.program_id(0)
+    k = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = k < count
+    p = tl.load(pos_ptr + k, mask=valid, other=0)
+    if DIFF:
+        old = tl.load(target_ptr + p, mask=valid, other=0)
     else:
-        lo, hi = _gathered_word_index(p, SIZE)
-        terms = _element_terms(v, lo, hi, SIZE) - _element_terms(old, lo, hi, SIZE)
-        _store_sum(partial_ptr + pid.to(tl.int64) * 2,
-                   tl.sum(tl.where(valid, terms, 0), axis=0))
+        old = tl.zeros([BLOCK], target_ptr.dtype.element_ty)
+    v = _new_values(old, val_ptr, k, valid, count, MAXPOS, DIFF, PLANAR, SIZE)
+    tl.store(target_ptr + p, v, mask=valid)
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -269,13 +304,27 @@ def gap_positions(gaps, escapes, base, esc_start, positions, count, *, planar, b
                                                    num_warps=num_warps)
 
 
-def apply_values(positions, target, values, partials, count, *, diff, planar, write, block,
-                 num_warps):
+def _maxpos(size):
+    return (1 << (8 * size - 1)) - 1
+
+
+def verify(target, positions, values, seg, partials, count, *, diff, planar, block, chunk,
+           num_warps):
+    """partials: int64 [cdiv(n, block), 4]; seg: int64 [programs + 1] slices of positions."""
+    if target.numel():
+        size = target.element_size()
+        _verify_kernel[_grid(target.numel(), block)](
+            target, positions, values, seg, partials, target.numel(), count,
+            MAXPOS=_maxpos(size), DIFF=diff, PLANAR=planar, SIZE=size, BLOCK=block,
+            CHUNK=chunk, num_warps=num_warps)
+
+
+def scatter(positions, target, values, count, *, diff, planar, block, num_warps):
     if count:
         size = target.element_size()
-        _apply_values_kernel[_grid(count, block)](
-            positions, target, values, partials, count, MAXPOS=(1 << (8 * size - 1)) - 1,
-            DIFF=diff, PLANAR=planar, WRITE=write, SIZE=size, BLOCK=block, num_warps=num_warps)
+        _scatter_kernel[_grid(count, block)](
+            positions, target, values, count, MAXPOS=_maxpos(size), DIFF=diff, PLANAR=planar,
+            SIZE=size, BLOCK=block, num_warps=num_warps)
 
 
 # ------------------------------------------------------------------------ AOT configurations
@@ -312,16 +361,20 @@ def _delta_aot_specs(block=2048, num_warps=8):
                  "val_ptr": "*u8" if diff_planar else elem, "count": "i64"},
                 dict(GAP16=gap16, DIFF=diff_planar, PLANAR=diff_planar, SIZE=size, BLOCK=block),
                 num_warps))
-        variants = ((False, False), (True, True)) if size != 2 else \
-            ((False, False), (False, True), (True, False), (True, True))
-        for diff_planar, write in variants:
+        for diff_planar in (False, True):
+            tag2 = "diff,planar" if diff_planar else "raw"
+            vals = "*u8" if diff_planar else elem
             specs.append(_spec(
-                f"delta_apply_values[{tag},{'diff,planar' if diff_planar else 'raw'},"
-                f"{'write' if write else 'verify'}]", _apply_values_kernel,
-                {"pos_ptr": "*i64", "target_ptr": elem, "val_ptr": "*u8" if diff_planar else elem,
-                 "partial_ptr": "*i64", "count": "i64"},
-                dict(MAXPOS=(1 << (8 * size - 1)) - 1, DIFF=diff_planar, PLANAR=diff_planar,
-                     WRITE=write, SIZE=size, BLOCK=block), num_warps))
+                f"delta_verify[{tag},{tag2}]", _verify_kernel,
+                {"target_ptr": elem, "pos_ptr": "*i64", "val_ptr": vals, "seg_ptr": "*i64",
+                 "partial_ptr": "*i64", "n": "i64", "count": "i64"},
+                dict(MAXPOS=_maxpos(size), DIFF=diff_planar, PLANAR=diff_planar, SIZE=size,
+                     BLOCK=block, CHUNK=VERIFY_CHUNK), num_warps))
+            specs.append(_spec(
+                f"delta_scatter[{tag},{tag2}]", _scatter_kernel,
+                {"pos_ptr": "*i64", "target_ptr": elem, "val_ptr": vals, "count": "i64"},
+                dict(MAXPOS=_maxpos(size), DIFF=diff_planar, PLANAR=diff_planar, SIZE=size,
+                     BLOCK=block), num_warps))
     for planar in (False, True):
         gaps = "*u8" if planar else "*i16"
         specs.append(_spec(f"delta_gap_sums[planar={planar}]", _gap_sums_kernel,
