@@ -23,25 +23,25 @@ NEG_INF = float("-inf")
 
 
 @triton.jit
-def _safe_max(m):
+def safe_max(m):
     """m, or 0 where m is -inf (a row or tile of only -inf): keeps e^(z - m) = 0, not NaN."""
     return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
-def _lse_tile(m, s, z):
+def lse_tile(m, s, z):
     """Fold one tile z into the running (max m, sum s of e^(z - m))."""
     m_new = tl.maximum(m, tl.max(z, axis=0))
-    shift = _safe_max(m_new)
+    shift = safe_max(m_new)
     s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
     return m_new, s
 
 
 @triton.jit
 def _lse_entropy_tile(m, s, t, z):
-    """_lse_tile plus t = sum e^(z - m) (z - m); -inf entries contribute 0 (not 0 * inf)."""
+    """lse_tile plus t = sum e^(z - m) (z - m); -inf entries contribute 0 (not 0 * inf)."""
     m_new = tl.maximum(m, tl.max(z, axis=0))
-    shift = _safe_max(m_new)
+    shift = safe_max(m_new)
     alpha = tl.exp(m - shift)
     # Select before multiplying: 0 * inf would be NaN.
     t = alpha * (t + tl.where(m > float("-inf"), m - shift, 0.0) * s)
@@ -86,7 +86,7 @@ def _logprob_stats_kernel(
         if ENTROPY:
             m, s, t = _lse_entropy_tile(m, s, t, z)
         else:
-            m, s = _lse_tile(m, s, z)
+            m, s = lse_tile(m, s, z)
     z_t, valid, owned = _target_logit(base, tl.load(ids_ptr + row), vocab_start, V,
                                       vocab_total, flag_ptr, inv_temp)
     if PARTIAL:
@@ -162,7 +162,7 @@ def _load_row_tile(base, k, V, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _sum_exp(x, inv_temp, m):
-    return tl.sum(tl.exp(x.to(tl.float32) * inv_temp - _safe_max(m)), axis=0)
+    return tl.sum(tl.exp(x.to(tl.float32) * inv_temp - safe_max(m)), axis=0)
 
 
 @triton.jit
@@ -198,7 +198,7 @@ def _icepop_logits_kernel(
             m = tl.full([], float("-inf"), tl.float32)
             s = tl.zeros([], tl.float32)
             for start in range(0, V, BLOCK_V):
-                m, s = _lse_tile(m, s, _load_z(base, start + tl.arange(0, BLOCK_V), V,
+                m, s = lse_tile(m, s, _load_z(base, start + tl.arange(0, BLOCK_V), V,
                                                inv_temp))
         else:
             x0, cols0 = _load_row_tile(base, 0, V, BLOCK_V)
@@ -259,81 +259,6 @@ def _icepop_logits_kernel(
                 if ROW_TILES >= 3:
                     _store_grad_tile(out, x2.to(tl.float32) * inv_temp, cols2, V, tid, lse,
                                      coef)
-
-
-@triton.jit
-def _reverse_kl_kernel(
-    student_ptr, teacher_ptr,
-    # outputs: final kl / lse_s / lse_t [N] each, or partial stats [N, 5]
-    kl_ptr, lse_s_ptr, lse_t_ptr, partial_ptr,
-    V, stride_s, stride_t, inv_temp,
-    PARTIAL: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """KL(p_s || p_t) of one row in one sweep over both tensors:
-    KL = u / s_s - (lse_s - lse_t), u = sum e^(z_s - m_s) (z_s - z_t) carried online like s_s.
-    Partial (a vocab shard): (m_s, s_s, u, m_t, s_t)."""
-    row = tl.program_id(0).to(tl.int64)
-    base_s = student_ptr + row * stride_s
-    base_t = teacher_ptr + row * stride_t
-    m_s = tl.full([], float("-inf"), tl.float32)
-    m_t = tl.full([], float("-inf"), tl.float32)
-    s_s = tl.zeros([], tl.float32)
-    s_t = tl.zeros([], tl.float32)
-    u = tl.zeros([], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        inside = cols < V
-        z_s = tl.load(base_s + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_temp
-        z_t = tl.load(base_t + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m_s, tl.max(z_s, axis=0))
-        shift = _safe_max(m_new)
-        alpha = tl.exp(m_s - shift)
-        e = tl.exp(z_s - shift)
-        u = u * alpha + tl.sum(e * tl.where(z_s > float("-inf"), z_s - z_t, 0.0), axis=0)
-        s_s = s_s * alpha + tl.sum(e, axis=0)
-        m_s = m_new
-        m_t, s_t = _lse_tile(m_t, s_t, z_t)
-    if PARTIAL:
-        out = partial_ptr + row * 5
-        tl.store(out + 0, m_s)
-        tl.store(out + 1, s_s)
-        tl.store(out + 2, u)
-        tl.store(out + 3, m_t)
-        tl.store(out + 4, s_t)
-    else:
-        lse_s = m_s + tl.log(s_s)
-        lse_t = m_t + tl.log(s_t)
-        tl.store(kl_ptr + row, u / s_s - (lse_s - lse_t))
-        tl.store(lse_s_ptr + row, lse_s)
-        tl.store(lse_t_ptr + row, lse_t)
-
-
-@triton.jit
-def _reverse_kl_grad_kernel(
-    student_ptr, teacher_ptr, lse_s_ptr, lse_t_ptr, kl_ptr, coef_ptr, grad_ptr,
-    V, stride_s, stride_t, stride_grad, inv_temp, BLOCK_V: tl.constexpr,
-):
-    """d(coef * KL)/d student = coef / T * p_s (log p_s - log p_t - KL); exact 0 rows where
-    coef == 0 and where p_s == 0."""
-    row = tl.program_id(0).to(tl.int64)
-    base_s = student_ptr + row * stride_s
-    base_t = teacher_ptr + row * stride_t
-    out = grad_ptr + row * stride_grad
-    lse_s = tl.load(lse_s_ptr + row)
-    lse_t = tl.load(lse_t_ptr + row)
-    kl = tl.load(kl_ptr + row)
-    coef = tl.load(coef_ptr + row) * inv_temp
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        inside = cols < V
-        log_s = tl.load(base_s + cols, mask=inside,
-                        other=float("-inf")).to(tl.float32) * inv_temp - lse_s
-        log_t = tl.load(base_t + cols, mask=inside,
-                        other=float("-inf")).to(tl.float32) * inv_temp - lse_t
-        p = tl.exp(log_s)
-        term = p * tl.where(p > 0.0, log_s - log_t - kl, 0.0)
-        g = tl.where(coef == 0.0, 0.0, coef * term)
-        tl.store(out + cols, g.to(grad_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -399,26 +324,6 @@ def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag,
         STORE_GRAD=store_grad, ROW_TILES=row_tiles, BLOCK_V=block_v, num_warps=num_warps)
 
 
-def reverse_kl(student, teacher, *, kl, lse_s, lse_t, partial, inv_temp, block_v, num_warps):
-    """Final (kl, lse_s, lse_t) or, when ``partial`` is a tensor, [N, 5] shard statistics."""
-    n, v = student.shape
-    if n:
-        dummy = student if partial is None else partial
-        _reverse_kl_kernel[(n,)](
-            student, teacher, dummy if kl is None else kl, dummy if lse_s is None else lse_s,
-            dummy if lse_t is None else lse_t, dummy, v, student.stride(0), teacher.stride(0),
-            inv_temp, PARTIAL=partial is not None, BLOCK_V=block_v, num_warps=num_warps)
-
-
-def reverse_kl_grad(student, teacher, lse_s, lse_t, kl, coef, grad, *, inv_temp, block_v,
-                    num_warps):
-    n, v = student.shape
-    if n:
-        _reverse_kl_grad_kernel[(n,)](
-            student, teacher, lse_s, lse_t, kl, coef, grad, v, student.stride(0),
-            teacher.stride(0), grad.stride(0), inv_temp, BLOCK_V=block_v, num_warps=num_warps)
-
-
 def scale_inplace(x, factor, *, block=4096, num_warps=4):
     n = x.numel()
     if n:
@@ -469,19 +374,6 @@ def _aot_specs():
                 _icepop_logits_kernel, sig,
                 {"HAS_OLD": False, "HAS_MASK": True, "STORE_GRAD": True,
                  "ROW_TILES": row_tiles, "BLOCK_V": block}, num_warps=warps))
-        for partial in (False, True):
-            sig = {"student_ptr": f"*{dt}", "teacher_ptr": f"*{dt}", "kl_ptr": "*fp32",
-                   "lse_s_ptr": "*fp32", "lse_t_ptr": "*fp32", "partial_ptr": "*fp32",
-                   "V": "i32", "stride_s": "i64", "stride_t": "i64", "inv_temp": "fp32",
-                   "PARTIAL": "constexpr", "BLOCK_V": "constexpr"}
-            specs.append(AotSpec(f"reverse_kl[{dt},partial={partial}]", _reverse_kl_kernel, sig,
-                                 {"PARTIAL": partial, "BLOCK_V": 4096}, num_warps=8))
-        sig = {"student_ptr": f"*{dt}", "teacher_ptr": f"*{dt}", "lse_s_ptr": "*fp32",
-               "lse_t_ptr": "*fp32", "kl_ptr": "*fp32", "coef_ptr": "*fp32",
-               "grad_ptr": f"*{dt}", "V": "i32", "stride_s": "i64", "stride_t": "i64",
-               "stride_grad": "i64", "inv_temp": "fp32", "BLOCK_V": "constexpr"}
-        specs.append(AotSpec(f"reverse_kl_grad[{dt}]", _reverse_kl_grad_kernel, sig,
-                             {"BLOCK_V": 4096}, num_warps=8))
     for dt in ("bf16", "fp32"):
         specs.append(AotSpec(f"scale_inplace[{dt}]", _scale_kernel,
                              {"x_ptr": f"*{dt}", "factor_ptr": "*fp32", "n": "i64",

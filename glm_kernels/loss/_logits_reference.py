@@ -76,7 +76,7 @@ def logprob_partial_stats(logits, token_ids, inv_temp, vocab_start, want_entropy
     m = max z, s = sum e^(z - m), t = sum e^(z - m) (z - m) (0 unless ``want_entropy``),
     z_t = z of the target column when this tensor holds it, else 0 (another shard owns it).
     """
-    z = logits.float() * inv_temp
+    z = scaled_fp32(logits, inv_temp)
     v = z.shape[-1]
     m = z.amax(-1)
     shifted = z - row_shift(m).unsqueeze(-1)
@@ -99,22 +99,53 @@ def finalize_logprob_stats(m, s, t, z_t):
     return z_t - lse, lse, log_s - t / s
 
 
+def scaled_fp32(logits, inv_temp):
+    """A private fp32 copy of z = logits * inv_temp (callers modify it in place)."""
+    z = logits.to(torch.float32, copy=True)
+    return z if inv_temp == 1.0 else z.mul_(inv_temp)
+
+
+def logprobs_lse_entropy(logits, token_ids, inv_temp, want_entropy):
+    """(lp, lse, entropy or None) of whole rows: lse = logsumexp z, lp = z_t - lse,
+    H = sum entr(softmax z) (entr(0) = 0: -inf entries contribute 0)."""
+    z = scaled_fp32(logits, inv_temp)
+    lse = torch.logsumexp(z, -1)
+    lp = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - lse
+    if not want_entropy:
+        return lp, lse, None
+    return lp, lse, torch.special.entr(torch.softmax(z, -1)).sum(-1)
+
+
 def softmax_grad(logits, token_ids, lse, entropy, coef, coef_entropy, inv_temp, vocab_start):
     """dL/dlogits [N, V] fp32 for L = sum coef * lp + coef_entropy * H (entropy optional).
 
-    A row whose coefficient is exactly 0 gets exactly 0 even if its logits are NaN/inf.
+    A row whose coefficients are exactly 0 gets exactly 0 even if its logits are NaN/inf.
     """
-    z = logits.float() * inv_temp
-    logp = z - lse.unsqueeze(-1)
+    return softmax_grad_of_z(scaled_fp32(logits, inv_temp), token_ids, lse, entropy, coef,
+                             coef_entropy, inv_temp, vocab_start)
+
+
+def softmax_grad_of_z(z, token_ids, lse, entropy, coef, coef_entropy, inv_temp, vocab_start):
+    """softmax_grad from z = logits * inv_temp in fp32 (consumed: modified in place)."""
+    logp = z.sub_(lse.unsqueeze(-1))
     p = logp.exp()
-    cols = torch.arange(z.shape[-1], device=z.device)
-    onehot = (cols == (token_ids.long() - vocab_start).unsqueeze(-1)).float()
-    c = (coef.float() * inv_temp).unsqueeze(-1)
-    grad = torch.where(c == 0, 0.0, c * (onehot - p))
+    c = coef.float() * inv_temp
+    grad = p * -c.unsqueeze(-1)                                   # the -c p part of c(onehot - p)
+    local = token_ids.long() - vocab_start
+    owned = (local >= 0) & (local < logp.shape[-1])
+    grad.scatter_add_(-1, local.clamp(0, logp.shape[-1] - 1).unsqueeze(-1),
+                      torch.where(owned, c, 0.0).unsqueeze(-1))
+    zero_rows = c == 0
     if coef_entropy is not None:
-        c_ent = (coef_entropy.float() * inv_temp).unsqueeze(-1)
+        c_ent = coef_entropy.float() * inv_temp
         plogp = p * torch.where(p > 0, logp + entropy.unsqueeze(-1), 0.0)
-        grad = grad - torch.where(c_ent == 0, 0.0, c_ent * plogp)
+        grad -= c_ent.unsqueeze(-1) * plogp
+        zero_rows &= c_ent == 0
+    # Only rows with a non-finite lse (NaN/inf logits) can hold NaN here; on CPU the check is
+    # free, on a GPU it would cost a sync, so the fill runs unconditionally there.
+    zero_rows &= ~torch.isfinite(lse)
+    if grad.is_cuda or bool(zero_rows.any()):
+        grad.masked_fill_(zero_rows.unsqueeze(-1), 0.0)
     return grad
 
 
@@ -125,8 +156,9 @@ def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv
     ``scale`` [N] is the reduction's factor per token; rows follow the layout of the IcePop
     kernel's per-program statistics (loss, masked, popped, clipped, ratio sum/max/min, count).
     """
-    partial = logprob_partial_stats(logits, token_ids, inv_temp, 0, False)
-    lp, lse, _ = finalize_logprob_stats(*partial.unbind(-1))
+    z = scaled_fp32(logits, inv_temp)
+    lse = torch.logsumexp(z, -1)
+    lp = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - lse
     kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
                   eps_high=eps_high)
     loss, popped, clipped, gate_ratio, masked = icepop_token_terms(lp, rollout, adv, mask,
@@ -139,7 +171,7 @@ def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv
     if not need_grad:
         return None, rows
     coef = icepop_token_grad(lp, rollout, adv, mask, **kwargs) * scale
-    return softmax_grad(logits, token_ids, lse, None, coef, None, inv_temp, 0), rows
+    return softmax_grad_of_z(z, token_ids, lse, None, coef, None, inv_temp, 0), rows
 
 
 def reverse_kl_partial_stats(student, teacher, inv_temp):

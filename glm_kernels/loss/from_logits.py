@@ -15,10 +15,11 @@ Two paths:
 * fused (token_mean / sum / seq_mean_token_mean, no ``tp_group``): ``_icepop_logits_kernel``
   reads each row, computes lse, lp, the IcePop term (the shared ``icepop_token_math``) and
   writes the gradient for grad_output = 1 -- into a new buffer, or over the logits with
-  ``inplace_backward=True``. Rows of up to 32768 columns (a TP>=8 shard of GLM-5's vocab) are
-  read once; longer rows are swept twice by the same program, the second sweep meant to hit
-  L2. Backward multiplies the buffer by grad_output in place, with a kernel that returns at
-  once when grad_output == 1 (a device-side test: no host sync).
+  ``inplace_backward=True``. Rows that fit in registers are read once (bf16 up to 24576
+  columns, e.g. 19360 = GLM-5's vocab / 8; fp32 up to 16384); longer rows are swept twice by
+  the same program of a persistent grid, the second sweep meant to hit L2. Backward
+  multiplies the buffer by grad_output in place, with a kernel that returns at once when
+  grad_output == 1 (a device-side test: no host sync).
 * composed (``reduction="none"``: the per-token grad_output is only known in backward; or
   ``tp_group``: the full-vocab lse needs all-reduces between reading a row and writing its
   gradient): ``selective_logprobs`` then ``icepop_loss``; backward recomputes the softmax from
@@ -98,7 +99,9 @@ def loss_from_rows(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _scale_impl(x: torch.Tensor, factor: torch.Tensor) -> None:
     kernels = kernels_or_none(_dispatch.select_backend("icepop_loss_from_logits", x))
     if kernels is None:
-        x.mul_(factor.to(x.dtype))
+        # Reading the factor costs nothing on CPU; on a GPU it would be a sync: multiply.
+        if x.is_cuda or float(factor) != 1.0:
+            x.mul_(factor.to(x.dtype))
     else:
         kernels.scale_inplace(x, factor)
     if not torch.compiler.is_compiling():

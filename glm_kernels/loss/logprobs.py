@@ -155,9 +155,8 @@ def _logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: floa
     kernels = kernels_or_none(backend)
     if kernels is None:
         flag_ids_torch(flag, token_ids, v)
-        partial = ref.logprob_partial_stats(logits, token_ids, inv_temp, 0, want_entropy)
-        lp, lse, entropy = ref.finalize_logprob_stats(*partial.unbind(-1))
-        entropy = entropy if want_entropy else entropy.new_empty(0)
+        lp, lse, entropy = ref.logprobs_lse_entropy(logits, token_ids, inv_temp, want_entropy)
+        entropy = lp.new_empty(0) if entropy is None else entropy
     else:
         cfg = make_launch_config(backend)
         lp, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(2))

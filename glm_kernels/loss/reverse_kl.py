@@ -20,13 +20,20 @@ import torch
 from .. import _dispatch
 from . import _logits_reference as ref
 from . import _vocab_parallel
-from .logprobs import kernels_or_none, make_launch_config, rows_2d, run_op
+from .logprobs import make_launch_config, rows_2d, run_op
+
+
+def _kernels_or_none(backend: str):
+    if backend == "torch":
+        return None
+    from . import _reverse_kl_kernels
+    return _reverse_kl_kernels
 
 
 def _stats_impl(student: torch.Tensor, teacher: torch.Tensor, inv_temp: float,
                 partial: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     backend = _dispatch.select_backend("reverse_kl_from_logits", student, teacher)
-    kernels = kernels_or_none(backend)
+    kernels = _kernels_or_none(backend)
     if kernels is None:
         stats = ref.reverse_kl_partial_stats(student, teacher, inv_temp)
         if partial:
@@ -64,7 +71,7 @@ def _grad_impl(student: torch.Tensor, teacher: torch.Tensor, lse_s: torch.Tensor
                lse_t: torch.Tensor, kl: torch.Tensor, grad_kl: torch.Tensor,
                inv_temp: float) -> torch.Tensor:
     backend = _dispatch.select_backend("reverse_kl_from_logits", student, teacher)
-    kernels = kernels_or_none(backend)
+    kernels = _kernels_or_none(backend)
     if kernels is None:
         return ref.reverse_kl_grad(student, teacher, lse_s, lse_t, kl, grad_kl,
                                    inv_temp).to(student.dtype)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import _logits_kernels, reverse_kl
+from glm_kernels.loss import _reverse_kl_kernels, reverse_kl
 from glm_kernels.loss._logits_reference import reverse_kl_reference
 from glm_kernels.loss.reverse_kl import reverse_kl_from_logits
 from tests._compare import assert_close
@@ -76,15 +76,15 @@ def test_empty(any_backend):
 def test_kernels_write_every_element(kernel_backend):
     student, teacher = _pair((7, 517))
     outs = [torch.full((7,), float("nan")) for _ in range(3)]
-    _logits_kernels.reverse_kl(student, teacher, kl=outs[0], lse_s=outs[1], lse_t=outs[2],
+    _reverse_kl_kernels.reverse_kl(student, teacher, kl=outs[0], lse_s=outs[1], lse_t=outs[2],
                                partial=None, inv_temp=1.0, block_v=256, num_warps=4)
     assert not any(torch.isnan(o).any() for o in outs)
     partial = torch.full((7, 5), float("nan"))
-    _logits_kernels.reverse_kl(student, teacher, kl=None, lse_s=None, lse_t=None,
+    _reverse_kl_kernels.reverse_kl(student, teacher, kl=None, lse_s=None, lse_t=None,
                                partial=partial, inv_temp=1.0, block_v=128, num_warps=4)
     assert not torch.isnan(partial).any()
     grad = torch.full((7, 517), float("nan"))
-    _logits_kernels.reverse_kl_grad(student, teacher, *outs[1:], outs[0], torch.rand(7), grad,
+    _reverse_kl_kernels.reverse_kl_grad(student, teacher, *outs[1:], outs[0], torch.rand(7), grad,
                                     inv_temp=1.0, block_v=256, num_warps=4)
     assert not torch.isnan(grad).any()
 
