@@ -5,6 +5,7 @@ import torch
 import torch.multiprocessing as mp
 
 from glm_kernels import sync
+from glm_kernels.sync.protocol import full_entry, pack
 from tests.sync._helpers import STEPS, ipc_receiver, make_state, plain_bytes, sparse_step
 
 DRIFT_AT = 11   # the receiver damages its own copy before this step: refusal, then resync
@@ -54,3 +55,29 @@ def test_ipc_cpu_twenty_steps_with_resync():
 @pytest.mark.gpu
 def test_ipc_cuda_twenty_steps_with_resync():
     _run("cuda")
+
+
+def test_incomplete_update_refused_after_frame_timeout():
+    """Only the first frame of a multi-frame update arrives: refused, tensors unchanged,
+    and the sender is asked for a full snapshot (one process, both ends)."""
+    ctx = mp.get_context("spawn")
+    link = sync.IpcTransport(ctx, frame_timeout=0.2)
+    state = make_state()
+    params = {k: v.clone() for k, v in state.items()}
+    receiver = sync.Receiver(link, params, version=3)
+    frames = list(pack(4, None, (full_entry(k, v) for k, v in state.items()), 200))
+    assert len(frames) > 1
+    link._frames.put(tuple(frames[0]))
+    before = plain_bytes(params)
+    with pytest.raises(sync.SyncError, match="incomplete update"):
+        receiver.receive(timeout=30)
+    assert plain_bytes(params) == before and receiver.version == 3
+    assert link.full_requested() and not link.full_requested()
+    assert receiver.receive(timeout=0) is None
+
+
+def test_bad_transport_setup():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sync.BroadcastTransport()
+    with pytest.raises(ValueError, match="full_every"):
+        sync.DiskTransport("/tmp/unused-glm-sync", full_every=0)
