@@ -34,7 +34,8 @@ constexpr uint32_t K1 = 0x9E3779B1u, K2 = 0x85EBCA77u, K3 = 0x165667B1u;
 constexpr uint32_t M1 = 0x27D4EB2Fu, M2 = 0xC2B2AE3Du, M3 = 0x61C88647u;
 constexpr uint64_t GOLDEN64 = 0x9E3779B97F4A7C15ull;
 constexpr int64_t ESCAPE = 65535;
-constexpr int64_t TILE = 32768;   // elements per encode task: in-tile gaps stay below ESCAPE
+constexpr int64_t TILE = 32768;   // elements per encode task: in-tile gaps stay below ESCAPE,
+                                  // offsets fit uint16, a tile of both tensors stays in L2
 constexpr int64_t CHUNK = 65536;  // changes per apply task, elements per checksum task
 
 template <typename T>
@@ -48,6 +49,13 @@ template <typename T>
 inline void store(void* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
+
+// Hot loops get an AVX2 clone next to the baseline one, chosen at load time (GCC, Linux x86-64).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define GLM_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define GLM_HOT
+#endif
 
 inline uint64_t word_term(uint32_t w, uint64_t i) {
   const uint32_t lo = static_cast<uint32_t>(i), hi = static_cast<uint32_t>(i >> 32);
@@ -126,50 +134,89 @@ void parallel_for(int64_t n_tasks, int threads, F&& fn) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// S of elements x[a, b), element x[i] having index first_index + i. Along a contiguous range
+// k and m advance by K1 and M1 per word, so the loop has one multiply per word and
+// vectorizes; the high half of the word index is refreshed where it changes (every 2^32 words).
 template <typename U>
-uint64_t checksum_sum_t(const U* x, int64_t n, int threads) {
+GLM_HOT uint64_t checksum_range(const U* x, int64_t a, int64_t b, uint64_t first_index = 0) {
+  constexpr uint64_t WORDS = sizeof(U) == 8 ? 2 : 1;
+  uint64_t s = 0;
+  while (a < b) {
+    const uint64_t word = (first_index + static_cast<uint64_t>(a)) * WORDS;
+    const uint64_t room = ((uint64_t(1) << 32) - (word & 0xFFFFFFFFull)) / WORDS;
+    const int64_t end = static_cast<int64_t>(std::min<uint64_t>(static_cast<uint64_t>(b - a), room)) + a;
+    const uint32_t lo = static_cast<uint32_t>(word), hi = static_cast<uint32_t>(word >> 32);
+    uint32_t k = lo * K1 + hi * K2 + K3, m = lo * M1 + hi * M2 + M3;
+    for (int64_t i = a; i < end; ++i) {
+      const U v = load<U>(x + i);
+      if constexpr (sizeof(U) == 8) {
+        s += static_cast<uint64_t>(static_cast<uint32_t>(v) ^ k) * (m | 1u);
+        k += K1;
+        m += M1;
+        s += static_cast<uint64_t>(static_cast<uint32_t>(v >> 32) ^ k) * (m | 1u);
+      } else {
+        s += static_cast<uint64_t>(static_cast<uint32_t>(v) ^ k) * (m | 1u);
+      }
+      k += K1;
+      m += M1;
+    }
+    a = end;
+  }
+  return s;
+}
+
+template <typename U>
+uint64_t checksum_sum_t(const U* x, int64_t n, int threads, uint64_t first_index = 0) {
   const int64_t tasks = ceil_div(n, CHUNK);
   std::vector<uint64_t> part(static_cast<size_t>(tasks), 0);
   parallel_for(tasks, threads, [&](int64_t t) {
-    const int64_t a = t * CHUNK, b = std::min(n, a + CHUNK);
-    uint64_t s = 0;
-    for (int64_t i = a; i < b; ++i) s += element_term(load<U>(x + i), static_cast<uint64_t>(i));
-    part[static_cast<size_t>(t)] = s;
+    part[static_cast<size_t>(t)] =
+        checksum_range(x, t * CHUNK, std::min(n, (t + 1) * CHUNK), first_index);
   });
   uint64_t s = 0;
   for (uint64_t p : part) s += p;
   return s;
 }
 
-// ---------------------------------------------------------------------------------- encode
-struct TileStats {
-  int64_t count = 0, first = -1, last = -1;
-  uint64_t s_new = 0, s_old = 0;
-};
+// Appends the tile-local offsets of the elements of [a, b) whose bits differ. Equal 32-byte
+// blocks (most of them) are skipped with a few word compares.
+template <typename U>
+GLM_HOT void find_changes(const U* nb, const U* ob, int64_t a, int64_t b,
+                          std::vector<uint16_t>& out) {
+  constexpr int64_t STEP = 32 / sizeof(U);
+  const auto* pn = reinterpret_cast<const unsigned char*>(nb);
+  const auto* po = reinterpret_cast<const unsigned char*>(ob);
+  int64_t i = a;
+  for (; i + STEP <= b; i += STEP) {
+    uint64_t d = 0;
+    for (int q = 0; q < 4; ++q)
+      d |= load<uint64_t>(pn + sizeof(U) * i + 8 * q) ^ load<uint64_t>(po + sizeof(U) * i + 8 * q);
+    if (!d) continue;
+    for (int64_t j = i; j < i + STEP; ++j)
+      if (load<U>(nb + j) != load<U>(ob + j)) out.push_back(static_cast<uint16_t>(j - a));
+  }
+  for (; i < b; ++i)
+    if (load<U>(nb + i) != load<U>(ob + i)) out.push_back(static_cast<uint16_t>(i - a));
+}
 
+// ---------------------------------------------------------------------------------- encode
 template <typename U>
 py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bool planar,
                   int threads) {
   if (!gap16 && n > (int64_t(1) << 31))
     throw std::invalid_argument("int32 positions cannot address more than 2^31 elements");
+  // Pass 1, one read of new and old per tile: checksum sums and the tile's changed offsets
+  // (uint16: TILE <= 65536; 2 bytes of scratch per change).
   const int64_t tiles = ceil_div(n, TILE);
-  std::vector<TileStats> stats(static_cast<size_t>(tiles));
+  std::vector<std::vector<uint16_t>> changed(static_cast<size_t>(tiles));
+  std::vector<uint64_t> s_new_part(static_cast<size_t>(tiles)), s_old_part(static_cast<size_t>(tiles));
   {
     py::gil_scoped_release nogil;
     parallel_for(tiles, threads, [&](int64_t t) {
-      TileStats s;
       const int64_t a = t * TILE, b = std::min(n, a + TILE);
-      for (int64_t i = a; i < b; ++i) {
-        const U x = nb[i], y = ob[i];
-        s.s_new += element_term(x, static_cast<uint64_t>(i));
-        if (diff) s.s_old += element_term(y, static_cast<uint64_t>(i));
-        if (x != y) {
-          if (s.count == 0) s.first = i;
-          s.last = i;
-          ++s.count;
-        }
-      }
-      stats[static_cast<size_t>(t)] = s;
+      s_new_part[static_cast<size_t>(t)] = checksum_range(nb, a, b);
+      if (diff) s_old_part[static_cast<size_t>(t)] = checksum_range(ob, a, b);
+      find_changes(nb, ob, a, b, changed[static_cast<size_t>(t)]);
     });
   }
   // Prefix over tiles: output offset, previous changed position, escapes in stream order.
@@ -179,20 +226,21 @@ py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bo
   int64_t count = 0, last = -1;
   uint64_t s_new = 0, s_old = 0;
   for (int64_t t = 0; t < tiles; ++t) {
-    const TileStats& s = stats[static_cast<size_t>(t)];
+    const auto& c = changed[static_cast<size_t>(t)];
     offset[static_cast<size_t>(t)] = count;
     prev_last[static_cast<size_t>(t)] = last;
-    if (s.count) {
-      if (gap16 && s.first - last - 1 >= ESCAPE) escapes.push_back(s.first - last - 1);
-      last = s.last;
-      count += s.count;
+    if (!c.empty()) {
+      const int64_t first = t * TILE + c.front();
+      if (gap16 && first - last - 1 >= ESCAPE) escapes.push_back(first - last - 1);
+      last = t * TILE + c.back();
+      count += static_cast<int64_t>(c.size());
     }
-    s_new += s.s_new;
-    s_old += s.s_old;
+    s_new += s_new_part[static_cast<size_t>(t)];
+    s_old += s_old_part[static_cast<size_t>(t)];
   }
   const int64_t size = sizeof(U);
-  auto alloc = [](py::dtype dt, int64_t n) {
-    return py::array(dt, std::vector<py::ssize_t>{static_cast<py::ssize_t>(n)});
+  auto alloc = [](py::dtype dt, int64_t k) {
+    return py::array(dt, std::vector<py::ssize_t>{static_cast<py::ssize_t>(k)});
   };
   py::array positions = !gap16  ? alloc(py::dtype::of<int32_t>(), count)
                         : planar ? alloc(py::dtype::of<uint8_t>(), 2 * count)
@@ -205,14 +253,14 @@ py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bo
   auto* pos_out = static_cast<unsigned char*>(positions.mutable_data());
   auto* val_out = static_cast<unsigned char*>(values.mutable_data());
   {
+    // Pass 2, count-sized: write positions or gaps and values at the tile's offset.
     py::gil_scoped_release nogil;
     parallel_for(tiles, threads, [&](int64_t t) {
-      if (!stats[static_cast<size_t>(t)].count) return;
-      const int64_t a = t * TILE, b = std::min(n, a + TILE);
+      const auto& c = changed[static_cast<size_t>(t)];
       int64_t k = offset[static_cast<size_t>(t)], prev = prev_last[static_cast<size_t>(t)];
-      for (int64_t i = a; i < b; ++i) {
-        const U x = nb[i], y = ob[i];
-        if (x == y) continue;
+      for (const uint16_t local : c) {
+        const int64_t i = t * TILE + local;
+        const U x = load<U>(nb + i), y = load<U>(ob + i);
         if (!gap16) {
           store<int32_t>(pos_out + 4 * k, static_cast<int32_t>(i));
         } else {
@@ -404,13 +452,13 @@ int resolve_threads(int threads) {
   return hw ? static_cast<int>(hw) : 1;
 }
 
-uint64_t py_checksum_sum(const py::array& x, int threads) {
+uint64_t py_checksum_sum(const py::array& x, int threads, uint64_t first_index) {
   const py::buffer_info info = contiguous(x, "x");
   return by_size(info.itemsize, [&](auto tag) {
     using U = decltype(tag);
     py::gil_scoped_release nogil;
     return checksum_sum_t(static_cast<const U*>(info.ptr), static_cast<int64_t>(info.size),
-                          resolve_threads(threads));
+                          resolve_threads(threads), first_index);
   });
 }
 
@@ -527,7 +575,9 @@ py::array_t<uint8_t> py_byte_ungroup(const py::array& planes, int64_t size, int 
 PYBIND11_MODULE(_host, m) {
   m.doc() = "glm_kernels host (CPU) delta codec paths; formats in glm_kernels/delta/_reference.py";
   m.def("checksum_sum", &py_checksum_sum, py::arg("x"), py::arg("threads") = 0,
-        "Word-checksum sum S (mod 2^64) of a contiguous 1/2/4/8-byte array.");
+        py::arg("first_index") = 0,
+        "Word-checksum sum S (mod 2^64) of a contiguous 1/2/4/8-byte array whose first "
+        "element has index first_index (a slice of a larger tensor).");
   m.def("finalize", [](uint64_t s, uint64_t n_words) {
           const uint64_t h = finalize(s, n_words);
           char b[8];

@@ -43,17 +43,19 @@ def default_config(device: torch.device) -> DeltaKernelConfig:
     return DeltaKernelConfig(block=4096, apply_block=4096)
 
 
-def _sum64(pairs: torch.Tensor) -> int:
-    """Sum (mod 2^64) of uint64 values stored as int64 halves [rows, 2] (each below 2^32)."""
-    lo, hi = (int(v) for v in pairs.sum(0).tolist()) if pairs.numel() else (0, 0)
-    return (lo + (hi << 32)) & ref.MASK64
+def _sums64(halves: torch.Tensor) -> list:
+    """Column sums (mod 2^64) of uint64 values stored as int64 halves [rows, 2k] (each half
+    below 2^32, so torch adds them without overflow); one host sync."""
+    cols = [int(v) for v in halves.sum(0).tolist()] if halves.shape[0] else \
+        [0] * halves.shape[1]
+    return [(cols[i] + (cols[i + 1] << 32)) & ref.MASK64 for i in range(0, len(cols), 2)]
 
 
 def checksum_sum(x: torch.Tensor, cfg: DeltaKernelConfig) -> int:
     """S of a flat signed-int view (see _reference) with the checksum kernel."""
     partials = torch.empty((-(-x.numel() // cfg.block), 2), dtype=torch.int64, device=x.device)
     _kernels.checksum_partials(x, partials, block=cfg.block, num_warps=cfg.num_warps)
-    return _sum64(partials)
+    return _sums64(partials)[0]
 
 
 @dataclass
@@ -91,8 +93,7 @@ def encode(nb: torch.Tensor, ob: torch.Tensor, spec: ref.StreamSpec, encoding: s
     escapes = first_gap[(counts > 0) & (first_gap >= ref.ESCAPE)] if spec.positions == "gap16" \
         else first_gap[:0]
     count = int(counts.sum()) if programs else 0
-    sums = stats[:, 3:7].reshape(-1, 2, 2).transpose(0, 1)
-    s_new, s_old = _sum64(sums[0]), _sum64(sums[1])
+    s_new, s_old = _sums64(stats[:, 3:7])
     e = escapes.numel()
     gap16 = spec.positions == "gap16"
     if spec.planar:
@@ -212,7 +213,7 @@ def apply(tb: torch.Tensor, packet, spec: ref.StreamSpec, host_streams,
     kwargs = dict(diff=spec.diff, planar=spec.planar, num_warps=cfg.num_warps)
     _kernels.verify(tb, pos, values, seg, partials, c, block=cfg.block,
                     chunk=_kernels.VERIFY_CHUNK, **kwargs)
-    s_target, delta = _sum64(partials[:, :2]), _sum64(partials[:, 2:])
+    s_target, delta = _sums64(partials)
     n_words = numel * ref.words_per_element(tb.element_size())
     if packet.base_checksum and ref.finalize(s_target, n_words) != packet.base_checksum:
         raise ValueError("target is not the packet's base: base checksum mismatch (the packet "

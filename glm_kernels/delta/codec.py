@@ -81,7 +81,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
     >>> new = old.clone(); new.view(torch.int16)[::100] += 1      # ten one-ulp steps
     >>> packet = encode(new, old, encoding="gap16")
     >>> packet.count, packet.nbytes()
-    (10, 112)
+    (10, 116)
     >>> target = old.clone()
     >>> _ = apply_(target, DeltaPacket.from_bytes(packet.to_bytes()))
     >>> torch.equal(target.view(torch.int16), new.view(torch.int16))

@@ -208,3 +208,15 @@ def test_threads_do_not_change_results():
     assert one.positions.tobytes() == four.positions.tobytes()
     assert one.values.tobytes() == four.values.tobytes()
     assert (one.s_new, one.s_old) == (four.s_new, four.s_old)
+
+
+@pytest.mark.parametrize("dtype,first", [(np.uint16, 2 ** 32 - 1000), (np.uint64, 2 ** 31 - 700),
+                                         (np.uint32, 2 ** 33 + 5)])
+def test_checksum_past_2_pow_32_words(dtype, first):
+    """The word index's high half (tensors past 2^32 words), without allocating 16 GiB: the
+    C++ sum of a slice that starts at element ``first`` against the definition."""
+    x = np.random.default_rng(1).integers(0, np.iinfo(dtype).max, 5000, dtype=dtype)
+    want = int(ref.element_terms(x, np.arange(first, first + x.size, dtype=np.uint64)).sum(
+        dtype=np.uint64))
+    assert host.checksum_sum(x, 2, first) == want
+    assert host.checksum_sum(x, 1, first) != host.checksum_sum(x, 1, 0)
