@@ -336,8 +336,8 @@ def scale_inplace(x, factor, *, block=4096, num_warps=4):
 # (the largest on-chip rows that compile without spills: bf16 up to 3 x 8192 columns at 32
 # warps, fp32 up to 16384).
 ROW_PLANS = {
-    "bf16": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 8), (1, 16384, 16), (3, 8192, 32)),
-    "fp32": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 8), (1, 16384, 16)),
+    "bf16": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (3, 8192, 32)),
+    "fp32": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16)),
 }
 def _aot_specs():
     specs = []

@@ -178,14 +178,15 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
 
     Example
     -------
-    >>> import torch, glm_kernels
+    >>> import torch
+    >>> from glm_kernels.loss import fused_linear_icepop_loss, selective_logprobs
     >>> hidden = torch.randn(6, 16, requires_grad=True)
     >>> weight = torch.randn(50, 16, requires_grad=True)
     >>> ids = torch.randint(0, 50, (6,))
     >>> with torch.no_grad():
-    ...     rollout = glm_kernels.selective_logprobs(hidden @ weight.T, ids)
-    >>> loss = glm_kernels.fused_linear_icepop_loss(hidden, weight, ids, rollout,
-    ...                                             torch.ones(6), chunk_size=4)
+    ...     rollout = selective_logprobs(hidden @ weight.T, ids)
+    >>> loss = fused_linear_icepop_loss(hidden, weight, ids, rollout, torch.ones(6),
+    ...                                 chunk_size=4)
     >>> loss.backward(); hidden.grad.shape, weight.grad.shape
     (torch.Size([6, 16]), torch.Size([50, 16]))
     """

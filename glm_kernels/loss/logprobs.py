@@ -53,7 +53,7 @@ class LogitsLaunchConfig:
         """(row_tiles, BLOCK_V, num_warps) of the fused kernel; row_tiles 0 = streamed."""
         if element_size <= 4 and v <= self.max_single_tile:
             block = 1 << max(v - 1, 1).bit_length()
-            return 1, block, 4 if block <= 1024 else 8 if block <= 8192 else 16
+            return 1, block, 4 if block <= 1024 else 8 if block <= 4096 else 16
         if element_size <= 2 and v <= 3 * self.onchip_tile:
             return 3, self.onchip_tile, 32
         return 0, self.block_v, self.num_warps
@@ -362,10 +362,10 @@ def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
 
     Example
     -------
-    >>> import torch, glm_kernels
+    >>> import torch
+    >>> from glm_kernels.loss import selective_logprobs
     >>> logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
-    >>> lp, h = glm_kernels.selective_logprobs(logits, torch.tensor([0, 2]),
-    ...                                        return_entropy=True)
+    >>> lp, h = selective_logprobs(logits, torch.tensor([0, 2]), return_entropy=True)
     >>> [round(x, 4) for x in lp.tolist()], round(h[1].item(), 4)   # uniform row: log 3
     ([-0.2395, -1.0986], 1.0986)
     >>> lp.sum().backward(); [round(x, 4) for x in logits.grad[1].tolist()]

@@ -144,10 +144,11 @@ def reverse_kl_from_logits(student_logits: torch.Tensor, teacher_logits: torch.T
 
     Example
     -------
-    >>> import torch, glm_kernels
+    >>> import torch
+    >>> from glm_kernels.loss import reverse_kl_from_logits
     >>> student = torch.tensor([[0.0, 0.0], [1.0, 1.0]], requires_grad=True)
     >>> teacher = torch.tensor([[0.0, 0.0], [0.0, 2.0]])
-    >>> kl = glm_kernels.reverse_kl_from_logits(student, teacher)
+    >>> kl = reverse_kl_from_logits(student, teacher)
     >>> [round(x, 4) for x in kl.tolist()]          # identical rows: 0; [0.5, 0.5] vs teacher
     [0.0, 0.4338]
     >>> kl.sum().backward(); student.grad.shape

@@ -232,3 +232,24 @@ def test_gpu_glm5_vocab(v):
     assert_close(got[0], ref[0], tol=1e-5, name="lp")
     assert_close(got[1], ref[1], tol=1e-5, name="entropy")
     assert_close(got[2].float(), ref[2].float(), tol=1e-2, name="dlogits")
+
+
+@pytest.mark.parametrize("module", ["logprobs", "from_logits", "reverse_kl", "fused_linear"])
+def test_docstring_examples(module):
+    """The runnable examples in the public docstrings (torch backend, CPU)."""
+    import doctest
+    import importlib
+    mod = importlib.import_module(f"glm_kernels.loss.{module}")
+    with glm_kernels.force_backend("torch"):
+        result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_docs_examples():
+    """The examples of docs/logits.md run as written (torch backend, CPU)."""
+    import doctest
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "logits.md")
+    with glm_kernels.force_backend("torch"):
+        result = doctest.testfile(os.path.abspath(path), module_relative=False)
+    assert result.attempted > 0 and result.failed == 0
