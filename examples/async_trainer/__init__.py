@@ -1,1 +1,3 @@
-"""Example asynchronous GRPO + IcePop trainer (CPU by default): ``python -m examples.async_trainer``."""
+"""Example GLM-5-style post-training on CPU by default: SFT, asynchronous GRPO + IcePop per
+task, then two-teacher on-policy distillation (``python -m examples.async_trainer``;
+docs/trainer.md)."""

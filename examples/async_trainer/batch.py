@@ -4,7 +4,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from glm_kernels import icepop_loss_from_logits
+from glm_kernels.loss import fused_linear_icepop_loss
 
 from . import task
 from .packing import assign_to_ranks
@@ -52,12 +52,29 @@ def sft_sample(cfg, prompt: List[int]) -> dict:
             "rollout_logprobs": [0.0] * len(mask)}
 
 
-# advantage_fn(mb_samples, batch, logits) -> (advantages [B] or [B, L-1], {metric: sum})
-AdvantageFn = Callable[[List[dict], Batch, torch.Tensor], tuple]
+# loss_fn(model, mb_samples, batch) -> (summed loss, icepop metrics, {extra metric: sum})
+LossFn = Callable[[torch.nn.Module, List[dict], Batch], tuple]
 
 
-def policy_step(cfg, model, opt, samples: List[dict], advantage_fn: AdvantageFn) -> Dict:
-    """One optimizer step of IcePop over ``samples`` packed into micro-batches on DP ranks.
+def icepop_kwargs(cfg) -> dict:
+    return dict(beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high, reduction="sum",
+                return_metrics=True)
+
+
+def fused_linear_grpo_loss(cfg, advantages: torch.Tensor, row_of: Dict[int, int]) -> LossFn:
+    """GRPO + IcePop straight from the last hidden states and the lm_head weight
+    (``fused_linear_icepop_loss``: the [tokens, vocab] logits are never materialized)."""
+    def loss_fn(model, mb_samples, batch):
+        adv = advantages[[row_of[id(s)] for s in mb_samples]]                # [B], per sample
+        loss, m = fused_linear_icepop_loss(model.hidden(batch.inputs), model.head.weight,
+                                           batch.targets, batch.rollout_logprobs, adv,
+                                           batch.loss_mask, **icepop_kwargs(cfg))
+        return loss, m, {}
+    return loss_fn
+
+
+def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
+    """One optimizer step over ``samples`` packed into micro-batches on simulated DP ranks.
 
     The loss is the global token mean over every rank's masked tokens (slime's token_mean);
     gradients are accumulated over the simulated ranks' micro-batches, as an all-reduce would.
@@ -72,18 +89,13 @@ def policy_step(cfg, model, opt, samples: List[dict], advantage_fn: AdvantageFn)
         for mb in micro_batches:
             mb_samples = [samples[i] for i in mb]
             batch = collate(mb_samples, device)
-            logits = model(batch.inputs)
-            adv, extra = advantage_fn(mb_samples, batch, logits)
-            loss, m = icepop_loss_from_logits(
-                logits, batch.targets, batch.rollout_logprobs, adv, batch.loss_mask,
-                beta=cfg.beta, eps_low=cfg.eps_low, eps_high=cfg.eps_high, reduction="sum",
-                return_metrics=True)
+            loss, m, extra = loss_fn(model, mb_samples, batch)
             (loss / n_tok).backward()
             masked = float(batch.loss_mask.sum())
             sums["pop"] += float(m["pop_frac"]) * masked
             sums["clip"] += float(m["clip_frac"]) * masked
             sums["tokens"] += masked
-            sums["loss"] += float(loss)
+            sums["loss"] += float(loss.detach())
             for k, v in extra.items():
                 sums[k] = sums.get(k, 0.0) + v
     opt.step()

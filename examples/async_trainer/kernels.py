@@ -6,6 +6,7 @@ used and announced once in the log (never silently).
 """
 import torch
 
+from glm_kernels.loss import reverse_kl_from_logits
 from glm_kernels.topk import moe_route as _moe_route
 from glm_kernels.topk import topk as _topk
 
@@ -38,12 +39,4 @@ def make_optimizer(model, lr: float, weight_decay: float):
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """Exact full-vocab KL(pi_student || pi_teacher) per position (fp32 [*S])."""
-    try:
-        from glm_kernels import reverse_kl_from_logits
-    except ImportError:
-        warn_once("reverse_kl", "glm_kernels.reverse_kl_from_logits not available in this "
-                                "checkout: the OPD reverse-KL metric uses torch log_softmax")
-        s = torch.log_softmax(student_logits.float(), -1)
-        t = torch.log_softmax(teacher_logits.float(), -1)
-        return (s.exp() * (s - t)).sum(-1)
     return reverse_kl_from_logits(student_logits, teacher_logits)

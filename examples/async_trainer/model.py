@@ -70,12 +70,16 @@ class TinyLM(nn.Module):
             for _ in range(cfg.n_layers))
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
-    def forward(self, tokens):
+    def hidden(self, tokens):
+        """Last hidden states after the final norm, [B, T, d] (the lm_head's input)."""
         x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for n1, attn, n2, moe in self.blocks:
             x = x + attn(n1(x))
             x = x + moe(n2(x))
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, tokens):
+        return self.head(self.hidden(tokens))
 
     def update_balance_bias(self, rate: float) -> None:
         for *_, moe in self.blocks:

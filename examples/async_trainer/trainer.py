@@ -18,10 +18,11 @@ from typing import Dict, List, Optional
 import torch
 from tqdm.auto import tqdm
 
-from glm_kernels import group_advantages, opd_advantages, selective_logprobs
+from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantages,
+                         selective_logprobs)
 
 from . import kernels, task
-from .batch import collate, policy_step, sft_sample
+from .batch import collate, fused_linear_grpo_loss, icepop_kwargs, policy_step, sft_sample
 from .buffer import DataBuffer
 from .config import TrainerConfig
 from .log import logger
@@ -232,9 +233,8 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
     def grpo_step(samples):
         rewards = torch.tensor([s["reward"] for s in samples], device=model.emb.weight.device)
         adv = group_advantages(rewards, cfg.group_size)                     # [n * G]
-        row = {id(s): i for i, s in enumerate(samples)}
-        sums = policy_step(cfg, model, opt, samples,
-                           lambda mb, batch, logits: (adv[[row[id(s)] for s in mb]], {}))
+        row_of = {id(s): i for i, s in enumerate(samples)}
+        sums = policy_step(cfg, model, opt, samples, fused_linear_grpo_loss(cfg, adv, row_of))
         return {"reward": float(rewards.mean()), "pop_frac": sums["pop"] / sums["tokens"],
                 "clip_frac": sums["clip"] / sums["tokens"]}
 
@@ -255,7 +255,8 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
     for t in teachers.values():
         t.eval().requires_grad_(False)
 
-    def teacher_advantages(mb, batch, logits):
+    def distill_loss(model, mb, batch):
+        logits = model(batch.inputs)
         teacher_lp = torch.zeros_like(batch.rollout_logprobs)
         exact_kl = torch.zeros_like(batch.rollout_logprobs)
         for name in {s["task"] for s in mb}:
@@ -265,13 +266,16 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
                 t_logits = teachers[name](batch.inputs[rows])
                 teacher_lp[rows] = selective_logprobs(t_logits, batch.targets[rows])
                 exact_kl[rows] = kernels.reverse_kl(logits[rows].detach(), t_logits)
-        adv = opd_advantages(batch.rollout_logprobs, teacher_lp, form="log_ratio")
+        adv = opd_advantages(batch.rollout_logprobs, teacher_lp, form="log_ratio")  # [B, T]
+        loss, metrics = icepop_loss_from_logits(logits, batch.targets, batch.rollout_logprobs,
+                                                adv, batch.loss_mask, **icepop_kwargs(cfg))
         m = batch.loss_mask
-        return adv, {"kl_sampled": float(((batch.rollout_logprobs - teacher_lp) * m).sum()),
-                     "kl_exact": float((exact_kl * m).sum())}
+        return loss, metrics, {
+            "kl_sampled": float(((batch.rollout_logprobs - teacher_lp) * m).sum()),
+            "kl_exact": float((exact_kl * m).sum())}
 
     def distill_step(samples):
-        sums = policy_step(cfg, model, opt, samples, teacher_advantages)
+        sums = policy_step(cfg, model, opt, samples, distill_loss)
         rec = {"pop_frac": sums["pop"] / sums["tokens"], "clip_frac": sums["clip"] / sums["tokens"],
                "reverse_kl": sums["kl_exact"] / sums["tokens"],
                "reverse_kl_sampled": sums["kl_sampled"] / sums["tokens"],
