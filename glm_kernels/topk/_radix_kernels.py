@@ -301,7 +301,7 @@ def _radix_aot_specs():
                      "fill": fill}
         constexprs = dict(HAS_LENGTHS=lengths, IS_FLOAT=dtype != "i64", KEY_BITS=key_bits,
                           LARGEST=True, DIRECT=direct, SORTED=is_sorted, RADIX_BITS=8,
-                          TILE=tile, K_POW2=k_pow2, CAND_MAX=0 if direct else 4096)
+                          TILE=tile, K_POW2=k_pow2, CAND_MAX=0 if direct else 8192)
         signature.update({name: "constexpr" for name in constexprs})
         mode = "direct" if direct else f"k<={k_pow2},sorted={is_sorted},tile={tile}"
         specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},{mode}]",

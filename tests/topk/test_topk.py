@@ -307,9 +307,13 @@ def test_gpu_dsa_and_moe_shapes():
                     _reference.topk_reference(x, k, lengths=lengths), "lengths")
 
 
-def test_docstring_examples():
+def test_docstring_and_doc_examples():
     import doctest
+    import os
     moe_module = __import__("sys").modules["glm_kernels.topk.moe_route"]
     for module in (topk_module, moe_module):
         failed, attempted = doctest.testmod(module, verbose=False)
         assert attempted > 0 and failed == 0, f"{module.__name__}: {failed} of {attempted}"
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "topk.md")
+    failed, attempted = doctest.testfile(doc, module_relative=False, verbose=False)
+    assert attempted > 0 and failed == 0, f"docs/topk.md: {failed} of {attempted}"
