@@ -65,9 +65,10 @@ def icepop_gate_weights(gate_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     return -per_token
 
 
-def _response_logprobs(args, batch, logits: torch.Tensor) -> List[torch.Tensor]:
-    """log pi_theta of every response token, one fp32 tensor [R_i] per sample, in slime's
-    layout (the order and CP slicing ``sum_of_sample_mean`` expects)."""
+def _response_logprobs(args, batch, logits: torch.Tensor
+                       ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """log pi_theta and the entropy of every response position, one fp32 tensor [R_i] each
+    per sample, in slime's layout (the order and CP slicing ``sum_of_sample_mean`` expects)."""
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be slime's packed [1, T, V] tensor, got shape "
                          f"{tuple(logits.shape)}")
@@ -76,16 +77,17 @@ def _response_logprobs(args, batch, logits: torch.Tensor) -> List[torch.Tensor]:
     if int(getattr(args, "tensor_model_parallel_size", 1)) > 1:
         from megatron.core import mpu  # only inside a Megatron run
         tp_group = mpu.get_tensor_model_parallel_group()
-    kwargs = {"temperature": temperature}
+    kwargs = {"temperature": temperature, "return_entropy": True}
     if tp_group is not None:
         kwargs["tp_group"] = tp_group   # logits are this rank's vocab shard
     if int(getattr(args, "context_parallel_size", 1)) > 1 or getattr(args, "allgather_cp", False):
         # CP splits every sequence in two chunks per rank; slime's own slicer knows the layout.
         from slime.backends.megatron_utils.loss import get_responses
-        return [selective_logprobs(chunk, tokens, **kwargs) for chunk, tokens in get_responses(
+        pairs = [selective_logprobs(chunk, tokens, **kwargs) for chunk, tokens in get_responses(
             logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
             total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
             apply_temperature=False)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
     flat = logits[0]
     rows, targets, sizes, end = [], [], [], 0
     for tokens, total, resp in zip(batch["unconcat_tokens"], batch["total_lengths"],
@@ -99,8 +101,8 @@ def _response_logprobs(args, batch, logits: torch.Tensor) -> List[torch.Tensor]:
     if end > flat.shape[0]:
         raise ValueError(f"total_lengths sum to {end} but logits hold {flat.shape[0]} positions")
     picked = flat.index_select(0, torch.cat(rows)) if rows else flat[:0]
-    lp = selective_logprobs(picked, torch.cat(targets).to(flat.device).long(), **kwargs)
-    return list(lp.split(sizes))
+    lp, entropy = selective_logprobs(picked, torch.cat(targets).to(flat.device).long(), **kwargs)
+    return list(lp.split(sizes)), list(entropy.split(sizes))
 
 
 def _cat(xs, device) -> torch.Tensor:
@@ -117,7 +119,7 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     args : slime's argument namespace. Read: ``use_rollout_logprobs`` (coupled mode, no
         recomputed old log-probs), ``tis_clip_low`` / ``tis_clip`` (gate), ``eps_clip`` /
         ``eps_clip_high`` (PPO clip), ``rollout_temperature``, ``tensor_model_parallel_size``,
-        ``context_parallel_size``, ``calculate_per_token_loss``.
+        ``context_parallel_size``, ``calculate_per_token_loss``, ``entropy_coef``.
     batch : dict of per-sample lists for one micro-batch: ``unconcat_tokens`` [total_i] int64,
         ``total_lengths`` / ``response_lengths`` ints, ``loss_masks`` [R_i] int,
         ``advantages`` [R_i] fp32, ``rollout_log_probs`` [R_i] fp32, optionally ``log_probs``
@@ -129,23 +131,24 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
 
     Returns
     -------
-    (loss, metrics): scalar loss with gradient to ``logits``; metrics of 0-dim detached
-    tensors, each a sum over samples that slime divides by the step's sample count:
-    ``pg_loss``, ``pop_frac``, ``clip_frac``, ``train_rollout_logprob_abs_diff`` and
-    ``opd_reverse_kl`` when the batch carries teacher log-probs.
+    (loss, metrics): scalar ``pg_loss - entropy_coef * entropy_loss`` with gradient to
+    ``logits``; metrics of 0-dim detached tensors, each a sum over samples that slime divides
+    by the step's sample count: ``loss``, ``pg_loss``, ``entropy_loss``, ``pop_frac``,
+    ``clip_frac``, ``train_rollout_logprob_abs_diff`` and ``opd_reverse_kl`` when the batch
+    carries teacher log-probs.
     """
-    if getattr(args, "use_kl_loss", False) or float(getattr(args, "entropy_coef", 0.0)) != 0.0:
-        raise ValueError("icepop_loss_function computes the IcePop policy loss only; for "
-                         "--use-kl-loss or --entropy-coef use --loss-type policy_loss with "
-                         "--custom-tis-function-path glm_kernels.integrations.slime."
-                         "icepop_tis_function")
+    if getattr(args, "use_kl_loss", False):
+        raise ValueError("icepop_loss_function has no reference-KL term; for --use-kl-loss use "
+                         "--loss-type policy_loss with --custom-tis-function-path "
+                         "glm_kernels.integrations.slime.icepop_tis_function")
     for key in ("unconcat_tokens", "total_lengths", "response_lengths", "loss_masks",
                 "advantages", "rollout_log_probs"):
         if not batch.get(key):
             raise ValueError(f"icepop_loss_function: batch[{key!r}] is missing or empty "
                              f"(slime provides it for policy training)")
     device = logits.device
-    logprobs = torch.cat(_response_logprobs(args, batch, logits))
+    lp_list, entropy_list = _response_logprobs(args, batch, logits)
+    logprobs, entropy = torch.cat(lp_list), torch.cat(entropy_list)
     rollout = _cat(batch["rollout_log_probs"], device)
     advantages = _cat(batch["advantages"], device)
     mask = _cat(batch["loss_masks"], device)
@@ -161,7 +164,10 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     per_token, m = icepop_loss(logprobs, rollout, advantages, mask, old_logprobs=old,
                                gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
                                eps_high=eps_high, reduction="none", return_metrics=True)
-    loss = sum_of_sample_mean(per_token)
+    pg_loss = sum_of_sample_mean(per_token)
+    entropy_loss = sum_of_sample_mean(entropy)
+    entropy_coef = float(getattr(args, "entropy_coef", 0.0))
+    loss = pg_loss - entropy_coef * entropy_loss if entropy_coef else pg_loss
     if logprobs.numel() == 0:            # keep every rank's graph connected (as slime does)
         loss = loss + 0.0 * logits.sum()
     weights = icepop_gate_weights(old if old is not None else logprobs, rollout, mask,
@@ -173,7 +179,8 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
         else float(len(batch["response_lengths"]))
     metrics = {
         "loss": loss.detach().clone(),
-        "pg_loss": loss.detach().clone(),
+        "pg_loss": pg_loss.detach().clone(),
+        "entropy_loss": entropy_loss.detach().clone(),
         "pop_frac": sum_of_sample_mean(popped).detach(),
         "clip_frac": (m["clip_frac"] * weight).detach(),
         "train_rollout_logprob_abs_diff":

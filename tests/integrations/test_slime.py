@@ -77,7 +77,7 @@ def hand_icepop(lp, rollout, adv, old=None, lo=0.5, hi=2.0, eps_low=0.2, eps_hig
 
 @pytest.mark.parametrize("with_old", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_loss_function_matches_icepop_by_hand(with_old, temperature):
+def test_loss_function_matches_icepop_by_hand(with_old, temperature, any_backend):
     batch, logits, true_lp = slime_batch(3, with_old=with_old, temperature=temperature)
     args = slime_args(rollout_temperature=temperature)
     reduce = make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"],
@@ -106,7 +106,7 @@ def test_loss_function_matches_icepop_by_hand(with_old, temperature):
         end += total
         feeding[end - resp - 1:end - 1] = True
     assert float(logits.grad[0, ~feeding].abs().sum()) == 0.0
-    assert set(metrics) >= {"loss", "pg_loss", "pop_frac", "clip_frac",
+    assert set(metrics) >= {"loss", "pg_loss", "entropy_loss", "pop_frac", "clip_frac",
                             "train_rollout_logprob_abs_diff"}
     assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
     assert 0.0 <= float(metrics["pop_frac"]) <= len(batch["response_lengths"])
@@ -135,6 +135,18 @@ def test_loss_function_logs_opd_reverse_kl_and_rejects_unsupported_flags():
     _, metrics = plug.icepop_loss_function(slime_args(), batch, logits, reduce)
     expected = reduce(torch.full((sum(batch["response_lengths"]),), 0.25))
     torch.testing.assert_close(metrics["opd_reverse_kl"], expected, rtol=1e-5, atol=1e-6)
+    # --entropy-coef: the fused entropy of selective_logprobs enters the loss like slime's.
+    loss0, m0 = plug.icepop_loss_function(slime_args(), batch, logits, reduce)
+    loss1, m1 = plug.icepop_loss_function(slime_args(entropy_coef=0.01), batch, logits, reduce)
+    ent = []
+    end = 0
+    for total, resp in zip(batch["total_lengths"], batch["response_lengths"]):
+        end += total
+        p = torch.softmax(logits.detach()[0, end - resp - 1:end - 1].double(), -1)
+        ent.append(-(p * p.log()).sum(-1))
+    expected_entropy = reduce(torch.cat(ent))
+    torch.testing.assert_close(m0["entropy_loss"].double(), expected_entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss1, loss0 - 0.01 * m0["entropy_loss"], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="use-kl-loss"):
         plug.icepop_loss_function(slime_args(use_kl_loss=True), batch, logits, reduce)
     with pytest.raises(ValueError, match="tis-clip-low"):
@@ -147,7 +159,7 @@ def test_loss_function_logs_opd_reverse_kl_and_rejects_unsupported_flags():
         plug.icepop_loss_function(slime_args(), short, logits, reduce)
 
 
-def test_tis_function_is_the_icepop_gate():
+def test_tis_function_is_the_icepop_gate(any_backend):
     g = torch.Generator().manual_seed(11)
     lengths = [3, 5]
     old = [torch.randn(n, generator=g) for n in lengths]
@@ -206,8 +218,8 @@ def test_docs_first_example_runs():
     block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     namespace = {}
     exec(compile(block, "docs/slime.md", "exec"), namespace)
-    assert sorted(namespace["metrics"]) == ["clip_frac", "loss", "pg_loss", "pop_frac",
-                                            "train_rollout_logprob_abs_diff"]
+    assert sorted(namespace["metrics"]) == ["clip_frac", "entropy_loss", "loss", "pg_loss",
+                                            "pop_frac", "train_rollout_logprob_abs_diff"]
     assert namespace["weighted"].tolist() == [1.0] * 3 + [0.0] * 5
     grad = namespace["logits"].grad[0]
     assert float(grad[7 + 2 - 1:7 + 7 - 1].abs().sum()) > 0 and float(grad[14:].abs().sum()) == 0
