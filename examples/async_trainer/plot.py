@@ -21,10 +21,10 @@ def plot(cfg, records) -> None:
     stages = list(dict.fromkeys(r["stage"] for r in train))
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 9), sharex=True)
     for ax, (key, label) in zip(axes, PANELS):
-        for stage in stages:
+        for i, stage in enumerate(stages):
             pts = [(r["global_step"], r[key]) for r in train if r["stage"] == stage and key in r]
             if pts:
-                ax.plot(*zip(*pts), label=stage)
+                ax.plot(*zip(*pts), label=stage, color=f"C{i}")
         ax.set_ylabel(label, fontsize=8)
     for r in records:
         if r.get("kind") == "eval":

@@ -43,7 +43,9 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
         if greedy:
             nxt = kernels.topk(logp, 1).indices                      # ties -> smaller id
         else:
-            nxt = torch.multinomial(logp.exp(), 1, generator=gen)
+            # Sampled on the CPU with the caller's generator: one seeded stream per process,
+            # whatever device the model is on (a [rows, vocab] copy; the vocab is tiny).
+            nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)
         lp = logp.gather(-1, nxt).squeeze(-1)
         nxt = nxt.squeeze(-1)
         live = ~done

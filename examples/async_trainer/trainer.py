@@ -176,8 +176,9 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
     buf, received, held = DataBuffer(group_size), 0, []
     trained = run.trained.setdefault(stage, [])
     try:
-        for step in tqdm(range(start, steps), desc=stage, disable=not cfg.progress,
-                         initial=start, total=steps):
+        bar = tqdm(range(start, steps), desc=stage, disable=not cfg.progress, initial=start,
+                   total=steps)
+        for step in bar:
             run.current = (stage, model, opt, step)
             t0 = time.perf_counter()
             groups = held = []              # popped from the buffer, not trained yet
@@ -204,6 +205,8 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
                        weight_version=version, bytes_synced=stats.payload_bytes,
                        changed_elements=stats.changed, step_s=time.perf_counter() - t0)
             run.log(rec)
+            bar.set_postfix(reward=f"{rec['reward']:.2f}", pop=f"{rec['pop_frac']:.3f}",
+                            stale=f"{rec['staleness']:.1f}", refresh=False)
             if on_step:
                 on_step(stage, step + 1)
     finally:
