@@ -170,6 +170,11 @@ def _plan(shapes: Tuple[Tuple[int, int, int], ...], block: int, block_n: int,
 
 
 # --------------------------------------------------------------------------- the engine
+def _workspace(shape, dtype, device) -> torch.Tensor:
+    """Every uninitialized buffer of this module (tests fill them with NaN: poison)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def orthogonalize(sources: Sequence[torch.Tensor], schedule: Sequence[Tuple[float, float, float]],
                   *, method: str, eps: float, config: NSConfig, backend: str
                   ) -> List[torch.Tensor]:
@@ -197,7 +202,7 @@ def orthogonalize(sources: Sequence[torch.Tensor], schedule: Sequence[Tuple[floa
 def _pack(sources, plan, shapes, eps, storage):
     """X_0 of every block into a fresh workspace (zero padding), one norm per block."""
     device = sources[0].device
-    ws = torch.empty(plan.x_numel, dtype=storage, device=device)
+    ws = _workspace((plan.x_numel,), storage, device)
     for src, (count, m, n), x_off in zip(sources, shapes, plan.source_x_offsets):
         m_pad, n_pad = _ceil(m, _PAD), _ceil(n, _PAD)
         view = ws[x_off:x_off + count * m_pad * n_pad].view(count, m_pad, n_pad)
@@ -285,9 +290,8 @@ def _run_tiled(_kernels, plan, x, schedule, method, run, opts):
                                xin, xout, alpha=1.0, beta=beta,
                                **dict(left_opts, block_n=run.block))
 
-    x_next = torch.empty_like(x)
-    mats = torch.empty((5 if method == "gram" else 2, plan.a_numel), dtype=torch.float32,
-                       device=x.device)
+    x_next = _workspace(x.shape, x.dtype, x.device)
+    mats = _workspace((5 if method == "gram" else 2, plan.a_numel), torch.float32, x.device)
     if method == "standard":
         A, B = mats
         for a, b, c in schedule:
@@ -334,7 +338,7 @@ def head_block_views(G: torch.Tensor, num_heads: int, block_rows: Sequence[int]
 
 def _orthogonalize_split(G, num_heads, block_rows, schedule, method, eps, config):
     backend = _dispatch.select_backend("newton_schulz", G)
-    out = torch.empty_like(G)
+    out = _workspace(G.shape, G.dtype, G.device)
     if G.numel() == 0:
         return out
     G = G.contiguous()
