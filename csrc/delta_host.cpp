@@ -32,6 +32,7 @@ namespace {
 
 constexpr uint32_t K1 = 0x9E3779B1u, K2 = 0x85EBCA77u, K3 = 0x165667B1u;
 constexpr uint32_t M1 = 0x27D4EB2Fu, M2 = 0xC2B2AE3Du, M3 = 0x61C88647u;
+constexpr uint32_t N1 = 0x7FEB352Du, N2 = 0x846CA68Bu, N3 = 0x2545F491u;
 constexpr uint64_t GOLDEN64 = 0x9E3779B97F4A7C15ull;
 constexpr int64_t ESCAPE = 65535;
 constexpr int64_t TILE = 32768;   // elements per encode task: in-tile gaps stay below ESCAPE,
@@ -57,11 +58,16 @@ inline void store(void* p, T v) {
 #define GLM_HOT
 #endif
 
+// (w ^ k) * M mod 2^64, M = n * 2^32 + (m | 1): odd, so every single-word change shows.
+// Written as a 32x32->64 and a 32x32->32 product (what SIMD units have), not a 64x64 one.
+inline uint64_t mix(uint32_t w, uint32_t k, uint32_t m, uint32_t n) {
+  const uint32_t x = w ^ k;
+  return static_cast<uint64_t>(x) * (m | 1u) + (static_cast<uint64_t>(x * n) << 32);
+}
+
 inline uint64_t word_term(uint32_t w, uint64_t i) {
   const uint32_t lo = static_cast<uint32_t>(i), hi = static_cast<uint32_t>(i >> 32);
-  const uint32_t k = lo * K1 + hi * K2 + K3;
-  const uint32_t m = (lo * M1 + hi * M2 + M3) | 1u;
-  return static_cast<uint64_t>(w ^ k) * m;
+  return mix(w, lo * K1 + hi * K2 + K3, lo * M1 + hi * M2 + M3, lo * N1 + hi * N2 + N3);
 }
 
 template <typename U>
@@ -135,7 +141,7 @@ void parallel_for(int64_t n_tasks, int threads, F&& fn) {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // S of elements x[a, b), element x[i] having index first_index + i. Along a contiguous range
-// k and m advance by K1 and M1 per word, so the loop has one multiply per word and
+// k, m and n advance by K1, M1 and N1 per word, so the loop has one multiply per word and
 // vectorizes; the high half of the word index is refreshed where it changes (every 2^32 words).
 template <typename U>
 GLM_HOT uint64_t checksum_range(const U* x, int64_t a, int64_t b, uint64_t first_index = 0) {
@@ -146,19 +152,21 @@ GLM_HOT uint64_t checksum_range(const U* x, int64_t a, int64_t b, uint64_t first
     const uint64_t room = ((uint64_t(1) << 32) - (word & 0xFFFFFFFFull)) / WORDS;
     const int64_t end = static_cast<int64_t>(std::min<uint64_t>(static_cast<uint64_t>(b - a), room)) + a;
     const uint32_t lo = static_cast<uint32_t>(word), hi = static_cast<uint32_t>(word >> 32);
-    uint32_t k = lo * K1 + hi * K2 + K3, m = lo * M1 + hi * M2 + M3;
+    uint32_t k = lo * K1 + hi * K2 + K3, m = lo * M1 + hi * M2 + M3, n = lo * N1 + hi * N2 + N3;
     for (int64_t i = a; i < end; ++i) {
       const U v = load<U>(x + i);
       if constexpr (sizeof(U) == 8) {
-        s += static_cast<uint64_t>(static_cast<uint32_t>(v) ^ k) * (m | 1u);
+        s += mix(static_cast<uint32_t>(v), k, m, n);
         k += K1;
         m += M1;
-        s += static_cast<uint64_t>(static_cast<uint32_t>(v >> 32) ^ k) * (m | 1u);
+        n += N1;
+        s += mix(static_cast<uint32_t>(v >> 32), k, m, n);
       } else {
-        s += static_cast<uint64_t>(static_cast<uint32_t>(v) ^ k) * (m | 1u);
+        s += mix(static_cast<uint32_t>(v), k, m, n);
       }
       k += K1;
       m += M1;
+      n += N1;
     }
     a = end;
   }

@@ -21,8 +21,8 @@ class DeltaKernelConfig:
     inside one program then stays below the gap16 escape). apply_block: changes per decode /
     apply program. The wire format does not depend on either.
     """
-    block: int = 2048
-    apply_block: int = 2048
+    block: int = 4096
+    apply_block: int = 4096
     num_warps: int = 8
 
     def __post_init__(self):
@@ -35,12 +35,10 @@ class DeltaKernelConfig:
 
 
 def default_config(device: torch.device) -> DeltaKernelConfig:
-    """GPU: 2048 elements x 8 warps (8 per thread: 40-80 registers, no spills at sm_90, see
-    benchmarks/notes/delta.md). The interpreter runs each program as numpy, where fewer and
-    larger programs are faster: 4096."""
-    if torch.device(device).type == "cuda":
-        return DeltaKernelConfig()
-    return DeltaKernelConfig(block=4096, apply_block=4096)
+    """GPU: 4096 elements x 8 warps (16 per thread: 40-60 registers at sm_90, no spills, and
+    the per-program reductions amortized; see benchmarks/notes/delta.md). The interpreter uses
+    the same tiles (fewer, larger programs are also what makes it fast)."""
+    return DeltaKernelConfig()
 
 
 def _sums64(halves: torch.Tensor) -> list:
@@ -75,27 +73,36 @@ def _empty(n: int, dtype, device) -> torch.Tensor:
 
 
 def encode(nb: torch.Tensor, ob: torch.Tensor, spec: ref.StreamSpec, encoding: str,
-           cfg: DeltaKernelConfig) -> DeviceStreams:
+           cfg: DeltaKernelConfig, hash_old: bool) -> DeviceStreams:
     """Streams turning ``ob`` into ``nb`` (flat signed-int views on one device)."""
     n, size, device = nb.numel(), nb.element_size(), nb.device
     programs = -(-n // cfg.block)
-    mask_words = torch.empty(programs * cfg.block // 32, dtype=torch.int32, device=device)
+    local = torch.empty(n, dtype=torch.int16, device=device)      # compacted change offsets
     stats = torch.zeros((programs, _kernels.STATS), dtype=torch.int64, device=device)
-    _kernels.encode_scan(nb, ob, mask_words, stats, hash_old=spec.diff, block=cfg.block,
+    _kernels.encode_scan(nb, ob, local, stats, hash_old=hash_old, block=cfg.block,
                          num_warps=cfg.num_warps)
-    counts, first, last = stats[:, 0], stats[:, 1], stats[:, 2]
+    counts = stats[:, 0].contiguous()          # kernels index it by program: no strides
     offsets = torch.cumsum(counts, 0) - counts
-    # Last changed position before each program (-1: none); a gap inside one program is
-    # shorter than the escape, so only a program's first gap can need one.
+    count, s_new, s_old = 0, 0, 0
+    if programs:
+        count = int(counts.sum())
+        s_new, s_old = _sums64(stats[:, 1:5])
+    # First and last change of each program from its compacted offsets; the last change
+    # before each program (-1: none). A gap inside one program is shorter than the escape,
+    # so only a program's first gap can need one.
+    starts = torch.arange(programs, dtype=torch.int64, device=device) * cfg.block
+    has = counts > 0
+    first_at = torch.where(has, starts, 0)
+    last_at = torch.where(has, starts + counts - 1, 0)
+    first = starts + (local[first_at].to(torch.int64) & 0xFFFF) if n else starts
+    last = torch.where(has, starts + (local[last_at].to(torch.int64) & 0xFFFF), -1) if n \
+        else starts
     seen_last = torch.cummax(last, 0).values if programs else last
     prev_last = torch.cat([last.new_full((1,), -1), seen_last[:-1]]) if programs else last
     first_gap = first - prev_last - 1
-    escapes = first_gap[(counts > 0) & (first_gap >= ref.ESCAPE)] if spec.positions == "gap16" \
-        else first_gap[:0]
-    count = int(counts.sum()) if programs else 0
-    s_new, s_old = _sums64(stats[:, 3:7])
-    e = escapes.numel()
     gap16 = spec.positions == "gap16"
+    escapes = first_gap[has & (first_gap >= ref.ESCAPE)] if gap16 else first_gap[:0]
+    e = escapes.numel()
     if spec.planar:
         payload = None
         planes = _empty((2 + size) * count, torch.uint8, device)
@@ -112,9 +119,8 @@ def encode(nb: torch.Tensor, ob: torch.Tensor, spec: ref.StreamSpec, encoding: s
             return payload[at:at + length].view(dtype)
         positions = section("positions", torch.int16 if gap16 else torch.int32)
         values = section("values", nb.dtype)
-    _kernels.encode_write(nb, ob, mask_words, offsets, prev_last, positions, values, count,
-                          gap16=gap16, diff=spec.diff, planar=spec.planar, block=cfg.block,
-                          num_warps=cfg.num_warps)
+    _kernels.encode_write(nb, ob, local, counts, offsets, prev_last, positions, values, count,
+                          gap16=gap16, diff=spec.diff, planar=spec.planar, block=cfg.block)
     return DeviceStreams(count, e, s_new, s_old, payload, escapes, planes)
 
 

@@ -1,16 +1,18 @@
 """Triton kernels of the delta codec. No validation here: callers pass flat signed-integer
 views (int8/16/32/64) of contiguous tensors and outputs of the right size.
 
-Encode is two passes over the tensors' elements with a scan of per-program totals between
-them (done by torch on the tiny [programs] arrays):
-  1. ``_encode_scan_kernel`` reads new and old once: a 1-bit-per-element change mask, and per
-     program the change count, first/last changed position and checksum sums.
-  2. ``_encode_write_kernel`` reads the mask (1/8 byte per element) and, only at changed
-     positions, new (and old for differences): writes positions or gap16 gaps, and values.
+Encode is two passes with a scan of per-program totals between them (torch, on the small
+[programs] arrays):
+  1. ``_encode_scan_kernel`` reads new and old once: per program, the offsets of its changed
+     elements compacted into a uint16 scratch (2 bytes per element, written only at changes),
+     the change count and checksum sums.
+  2. ``_encode_write_kernel`` works per change: reads the compacted offsets and, at changed
+     positions only, new (and old for differences); writes positions or gap16 gaps (gap from
+     the previous change) and values.
 Apply decodes gaps with a scan in two passes (``_gap_sums_kernel``, ``_gap_positions_kernel``),
-checksums the target (``_checksum_kernel``), sums the checksum change of the changed
-elements (``_apply_values_kernel`` with WRITE=False), and only after the host has compared
-both with the packet scatters the values (the same kernel with WRITE=True).
+reads the target once (``_verify_kernel``: its checksum sum plus the checksum change of the
+changes each program holds, found by searchsorted since positions are sorted) and, only after
+the host compared both with the packet, scatters the values (``_scatter_kernel``).
 Offsets are int64 throughout: tensors past 2^31 elements are addressed correctly.
 """
 from __future__ import annotations
@@ -23,18 +25,22 @@ from . import _reference as ref
 
 _K1, _K2, _K3 = tl.constexpr(ref.K1), tl.constexpr(ref.K2), tl.constexpr(ref.K3)
 _M1, _M2, _M3 = tl.constexpr(ref.M1), tl.constexpr(ref.M2), tl.constexpr(ref.M3)
+_N1, _N2, _N3 = tl.constexpr(ref.N1), tl.constexpr(ref.N2), tl.constexpr(ref.N3)
 _ESCAPE = tl.constexpr(ref.ESCAPE)
 VERIFY_CHUNK = 256   # changes per step of the verify kernel's loop
-STATS = 8   # per-program encode stats: count, first, last, S(new) lo/hi, S(old) lo/hi, unused
+STATS = 5   # per-program encode stats: change count, S(new) lo/hi, S(old) lo/hi
+_STATS = tl.constexpr(STATS)
+WRITE_CHUNK, WRITE_WARPS = 128, 4   # encode pass 2: changes per step, warps
 
 
 @triton.jit
 def _word_terms(w, lo, hi):
     """Checksum terms (uint64) of 32-bit words ``w`` at word index hi:lo (uint32 halves; ``hi``
-    may be a scalar): (w ^ k) * m with k, m from the index (see _reference)."""
-    k = lo * _K1 + (hi * _K2 + _K3)
+    may be a scalar): (w ^ k) * (n * 2^32 + (m | 1)) mod 2^64, k, m, n from the index."""
+    x = w ^ (lo * _K1 + (hi * _K2 + _K3))
     m = (lo * _M1 + (hi * _M2 + _M3)) | 1
-    return (w ^ k).to(tl.uint64) * m.to(tl.uint64)
+    n = lo * _N1 + (hi * _N2 + _N3)
+    return x.to(tl.uint64) * m.to(tl.uint64) + ((x * n).to(tl.uint64) << 32)
 
 
 @triton.jit
@@ -91,74 +97,68 @@ def _checksum_kernel(x_ptr, partial_ptr, n, SIZE: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _encode_scan_kernel(new_ptr, old_ptr, mask_ptr, stats_ptr, n, HASH_OLD: tl.constexpr,
+def _encode_scan_kernel(new_ptr, old_ptr, local_ptr, stats_ptr, n, HASH_OLD: tl.constexpr,
                         SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 1: change mask (bit j of word w = element 32w + j changed) and per-program stats."""
+    """Pass 1, one read of new and old: the offsets (within the program) of the changed
+    elements, compacted to the front of the program's slice of ``local`` (uint16 in an int16
+    view), and per program the change count and checksum sums."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * BLOCK
     local = tl.arange(0, BLOCK)
     in_bounds = local < tl.minimum(n - start, BLOCK).to(tl.int32)
     x = tl.load(new_ptr + start + local, mask=in_bounds, other=0)
     y = tl.load(old_ptr + start + local, mask=in_bounds, other=0)
-    changed = (x != y) & in_bounds
-    flags = tl.reshape(changed.to(tl.uint32), (BLOCK // 32, 32))
-    words = tl.sum(flags << tl.arange(0, 32).to(tl.uint32)[None, :], axis=1)
-    tl.store(mask_ptr + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32),
-             words.to(tl.int32, bitcast=True))
-    n_changed = tl.sum(changed.to(tl.int32), axis=0)
-    row = stats_ptr + pid.to(tl.int64) * 8
-    tl.store(row, n_changed.to(tl.int64))
-    tl.store(row + 1, start + tl.min(tl.where(changed, local, BLOCK), axis=0))
-    tl.store(row + 2, tl.where(n_changed > 0,
-                               start + tl.max(tl.where(changed, local, 0), axis=0), -1))
+    ones = ((x != y) & in_bounds).to(tl.int32)
+    rank = tl.cumsum(ones, axis=0) - ones
+    tl.store(local_ptr + start + rank, local.to(tl.int16), mask=ones != 0)
+    row = stats_ptr + pid.to(tl.int64) * _STATS
+    tl.store(row, tl.sum(ones, axis=0).to(tl.int64))
     lo, hi = _block_word_index(start, local, SIZE)
-    _store_sum(row + 3, tl.sum(tl.where(in_bounds, _element_terms(x, lo, hi, SIZE), 0), axis=0))
+    _store_sum(row + 1, tl.sum(tl.where(in_bounds, _element_terms(x, lo, hi, SIZE), 0), axis=0))
     if HASH_OLD:
-        _store_sum(row + 5, tl.sum(tl.where(in_bounds, _element_terms(y, lo, hi, SIZE), 0),
+        _store_sum(row + 3, tl.sum(tl.where(in_bounds, _element_terms(y, lo, hi, SIZE), 0),
                                    axis=0))
 
 
 @triton.jit
-def _encode_write_kernel(new_ptr, old_ptr, mask_ptr, offset_ptr, prev_last_ptr, pos_ptr, val_ptr,
-                         count, GAP16: tl.constexpr, DIFF: tl.constexpr, PLANAR: tl.constexpr,
-                         SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 2: the k-th change of the tensor goes to slot k (offset of this program + rank)."""
+def _encode_write_kernel(new_ptr, old_ptr, local_ptr, counts_ptr, offset_ptr, prev_last_ptr,
+                         pos_ptr, val_ptr, count, GAP16: tl.constexpr, DIFF: tl.constexpr,
+                         PLANAR: tl.constexpr, SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    """Pass 2, work proportional to the changes: change j of program p goes to slot
+    offset[p] + j; its gap is taken from the previous change (or the last change of earlier
+    programs for j = 0)."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * BLOCK
-    local = tl.arange(0, BLOCK)
-    lanes = tl.arange(0, 32)[None, :]
-    words = tl.load(mask_ptr + pid.to(tl.int64) * (BLOCK // 32) + tl.arange(0, BLOCK // 32))
-    changed = tl.reshape((words[:, None] >> lanes) & 1, (BLOCK,)) != 0
-    ones = changed.to(tl.int32)
-    rank = tl.cumsum(ones, axis=0) - ones                 # exclusive rank of each element
-    base = tl.load(offset_ptr + pid)                      # int64: changes before this program
-    if GAP16:
-        # Gaps in rank order: each element falls in the bin of the next change (its exclusive
-        # rank), so bin k holds change k and the unchanged elements just before it. The first
-        # gap also spans the elements after the last change of earlier programs.
-        n_here = tl.sum(ones, axis=0)
-        carried = start - tl.load(prev_last_ptr + pid) - 1
-        gap = tl.histogram(rank, BLOCK).to(tl.int64) - 1
-        gap = tl.minimum(gap + tl.where(local == 0, carried, 0), _ESCAPE)
+    n_here = tl.load(counts_ptr + pid)
+    base = tl.load(offset_ptr + pid)
+    for k0 in range(0, n_here, CHUNK):
+        k = k0 + tl.arange(0, CHUNK)
+        valid = k < n_here
+        pos = start + (tl.load(local_ptr + start + k, mask=valid, other=0).to(tl.int32) & 0xFFFF)
+        if GAP16:
+            before = tl.load(local_ptr + start + k - 1, mask=valid & (k > 0), other=0)
+            prev = tl.where(k > 0, start + (before.to(tl.int32) & 0xFFFF),
+                            tl.load(prev_last_ptr + pid))
+            gap = tl.minimum(pos - prev - 1, _ESCAPE)
+            if PLANAR:
+                tl.store(pos_ptr + base + k, (gap & 0xFF).to(tl.uint8), mask=valid)
+                tl.store(pos_ptr + count + base + k, (gap >> 8).to(tl.uint8), mask=valid)
+            else:
+                tl.store(pos_ptr + base + k, gap.to(tl.int16), mask=valid)
+        else:   # int32 positions: the caller guarantees numel <= 2^31
+            tl.store(pos_ptr + base + k, pos.to(tl.int32), mask=valid)
+        x = tl.load(new_ptr + pos, mask=valid, other=0)
+        if DIFF:  # zigzag of the wrapped integer difference: +-1 -> 2, 1
+            d = x - tl.load(old_ptr + pos, mask=valid, other=0)
+            x = (d << 1) ^ (d >> (8 * SIZE - 1))
         if PLANAR:
-            tl.store(pos_ptr + base + local, (gap & 0xFF).to(tl.uint8), mask=local < n_here)
-            tl.store(pos_ptr + count + base + local, (gap >> 8).to(tl.uint8),
-                     mask=local < n_here)
+            wide = x.to(tl.int64)        # sign extension does not reach the bytes kept
+            for b in tl.static_range(SIZE):
+                tl.store(val_ptr + b * count + base + k, ((wide >> (8 * b)) & 0xFF).to(tl.uint8),
+                         mask=valid)
         else:
-            tl.store(pos_ptr + base + local, gap.to(tl.int16), mask=local < n_here)
-    else:   # int32 positions: the caller guarantees numel <= 2^31
-        tl.store(pos_ptr + base + rank, start.to(tl.int32) + local, mask=changed)
-    x = tl.load(new_ptr + start + local, mask=changed, other=0)
-    if DIFF:  # zigzag of the wrapped integer difference: +-1 -> 2, 1
-        d = x - tl.load(old_ptr + start + local, mask=changed, other=0)
-        x = (d << 1) ^ (d >> (8 * SIZE - 1))
-    if PLANAR:
-        wide = x.to(tl.int64)        # sign extension does not reach the bytes kept
-        for b in tl.static_range(SIZE):
-            tl.store(val_ptr + b * count + base + rank, ((wide >> (8 * b)) & 0xFF).to(tl.uint8),
-                     mask=changed)
-    else:
-        tl.store(val_ptr + base + rank, x, mask=changed)
+            tl.store(val_ptr + base + k, x, mask=valid)
 
 
 @triton.jit
@@ -275,20 +275,21 @@ def checksum_partials(x, partials, *, block, num_warps):
                                                    BLOCK=block, num_warps=num_warps)
 
 
-def encode_scan(new, old, mask_words, stats, *, hash_old, block, num_warps):
-    """mask_words: int32 [programs * block / 32]; stats: int64 [programs, STATS]."""
+def encode_scan(new, old, local, stats, *, hash_old, block, num_warps):
+    """local: int16 [n] scratch; stats: int64 [programs, STATS]."""
     if new.numel():
         _encode_scan_kernel[_grid(new.numel(), block)](
-            new, old, mask_words, stats, new.numel(), HASH_OLD=hash_old,
-            SIZE=new.element_size(), BLOCK=block, num_warps=num_warps)
+            new, old, local, stats, new.numel(), HASH_OLD=hash_old, SIZE=new.element_size(),
+            BLOCK=block, num_warps=num_warps)
 
 
-def encode_write(new, old, mask_words, offsets, prev_last, positions, values, count, *, gap16,
-                 diff, planar, block, num_warps):
+def encode_write(new, old, local, counts, offsets, prev_last, positions, values, count, *,
+                 gap16, diff, planar, block):
     if count:
         _encode_write_kernel[_grid(new.numel(), block)](
-            new, old, mask_words, offsets, prev_last, positions, values, count, GAP16=gap16,
-            DIFF=diff, PLANAR=planar, SIZE=new.element_size(), BLOCK=block, num_warps=num_warps)
+            new, old, local, counts, offsets, prev_last, positions, values, count, GAP16=gap16,
+            DIFF=diff, PLANAR=planar, SIZE=new.element_size(), BLOCK=block, CHUNK=WRITE_CHUNK,
+            num_warps=WRITE_WARPS, num_stages=1)
 
 
 def gap_sums(gaps, sums, count, *, planar, block, num_warps):
@@ -316,7 +317,7 @@ def verify(target, positions, values, seg, partials, count, *, diff, planar, blo
         _verify_kernel[_grid(target.numel(), block)](
             target, positions, values, seg, partials, target.numel(), count,
             MAXPOS=_maxpos(size), DIFF=diff, PLANAR=planar, SIZE=size, BLOCK=block,
-            CHUNK=chunk, num_warps=num_warps)
+            CHUNK=chunk, num_warps=num_warps, num_stages=1)
 
 
 def scatter(positions, target, values, count, *, diff, planar, block, num_warps):
@@ -331,13 +332,13 @@ def scatter(positions, target, values, count, *, diff, planar, block, num_warps)
 _INT = {1: "*i8", 2: "*i16", 4: "*i32", 8: "*i64"}
 
 
-def _spec(name, kernel, signature, constexprs, num_warps):
+def _spec(name, kernel, signature, constexprs, num_warps, num_stages=3):
     sig = dict(signature)
     sig.update({k: "constexpr" for k in constexprs})
-    return AotSpec(name, kernel, sig, constexprs, num_warps=num_warps)
+    return AotSpec(name, kernel, sig, constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
-def _delta_aot_specs(block=2048, num_warps=8):
+def _delta_aot_specs(block=4096, num_warps=8):
     """Every kernel at the GPU default tiles, for each element size the codec supports."""
     specs = []
     for size in (1, 2, 4, 8):
@@ -348,7 +349,7 @@ def _delta_aot_specs(block=2048, num_warps=8):
         for hash_old in (False, True) if size in (2, 8) else (False,):
             specs.append(_spec(f"delta_encode_scan[{tag},hash_old={hash_old}]",
                                _encode_scan_kernel,
-                               {"new_ptr": elem, "old_ptr": elem, "mask_ptr": "*i32",
+                               {"new_ptr": elem, "old_ptr": elem, "local_ptr": "*i16",
                                 "stats_ptr": "*i64", "n": "i64"},
                                dict(HASH_OLD=hash_old, SIZE=size, BLOCK=block), num_warps))
         for gap16, diff_planar in ((False, False), (True, False), (True, True)):
@@ -356,11 +357,11 @@ def _delta_aot_specs(block=2048, num_warps=8):
             specs.append(_spec(
                 f"delta_encode_write[{tag},{'gap16' if gap16 else 'int32'}"
                 f"{',diff,planar' if diff_planar else ''}]", _encode_write_kernel,
-                {"new_ptr": elem, "old_ptr": elem, "mask_ptr": "*i32", "offset_ptr": "*i64",
-                 "prev_last_ptr": "*i64", "pos_ptr": pos,
+                {"new_ptr": elem, "old_ptr": elem, "local_ptr": "*i16", "counts_ptr": "*i64",
+                 "offset_ptr": "*i64", "prev_last_ptr": "*i64", "pos_ptr": pos,
                  "val_ptr": "*u8" if diff_planar else elem, "count": "i64"},
-                dict(GAP16=gap16, DIFF=diff_planar, PLANAR=diff_planar, SIZE=size, BLOCK=block),
-                num_warps))
+                dict(GAP16=gap16, DIFF=diff_planar, PLANAR=diff_planar, SIZE=size, BLOCK=block,
+                     CHUNK=WRITE_CHUNK), WRITE_WARPS, num_stages=1))
         for diff_planar in (False, True):
             tag2 = "diff,planar" if diff_planar else "raw"
             vals = "*u8" if diff_planar else elem
@@ -369,7 +370,7 @@ def _delta_aot_specs(block=2048, num_warps=8):
                 {"target_ptr": elem, "pos_ptr": "*i64", "val_ptr": vals, "seg_ptr": "*i64",
                  "partial_ptr": "*i64", "n": "i64", "count": "i64"},
                 dict(MAXPOS=_maxpos(size), DIFF=diff_planar, PLANAR=diff_planar, SIZE=size,
-                     BLOCK=block, CHUNK=VERIFY_CHUNK), num_warps))
+                     BLOCK=block, CHUNK=VERIFY_CHUNK), num_warps, num_stages=1))
             specs.append(_spec(
                 f"delta_scatter[{tag},{tag2}]", _scatter_kernel,
                 {"pos_ptr": "*i64", "target_ptr": elem, "val_ptr": vals, "count": "i64"},

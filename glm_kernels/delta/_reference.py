@@ -9,16 +9,18 @@ Checksum (``checksum_sum`` / ``finalize``)
     for 1/2/4-byte dtypes, two words (low half, high half) per element for 8-byte dtypes.
     Word ``w`` at word index ``i`` (``lo``/``hi`` = low/high 32 bits of ``i``) contributes::
 
-        k = lo*K1 + hi*K2 + K3          (mod 2^32)
-        m = (lo*M1 + hi*M2 + M3) | 1    (mod 2^32, odd)
-        term = (w ^ k) * m              (exact 64-bit product)
-        S = sum(term)                   (mod 2^64)
-        checksum = fmix64(S ^ (W * G))  (8 bytes little-endian; W = word count)
+        k = lo*K1 + hi*K2 + K3                       (mod 2^32)
+        M = (lo*N1 + hi*N2 + N3) * 2^32 + ((lo*M1 + hi*M2 + M3) | 1)   (odd, 64-bit)
+        term = (w ^ k) * M                           (mod 2^64)
+        S = sum(term)                                (mod 2^64)
+        checksum = fmix64(S ^ (W * G))               (8 bytes little-endian; W = word count)
 
     S is a sum, so it is computed in parallel in any order, and the checksum of a tensor
     after changing a few elements is ``S + sum(term(new) - term(old))`` over those elements
     only: ``apply_`` verifies the result before writing anything. A single changed word
-    always changes S (``m`` odd, exact product); it is a corruption check, not a MAC.
+    always changes S (M is odd, so invertible mod 2^64); M spans 64 bits, so the changes of
+    many words (a wrong base: many one-ulp differences) wrap around 2^64 and cancel with
+    probability about 2^-64. It is a corruption check, not a MAC.
 
 gap16 stream
     For the k-th changed position p_k (p_{-1} = -1) the gap g_k = p_k - p_{k-1} - 1 is one
@@ -44,6 +46,7 @@ MASK32 = 0xFFFFFFFF
 MASK64 = (1 << 64) - 1
 K1, K2, K3 = 0x9E3779B1, 0x85EBCA77, 0x165667B1
 M1, M2, M3 = 0x27D4EB2F, 0xC2B2AE3D, 0x61C88647
+N1, N2, N3 = 0x7FEB352D, 0x846CA68B, 0x2545F491
 GOLDEN64 = 0x9E3779B97F4A7C15
 INT32_MAX_NUMEL = 1 << 31              # int32 positions address elements 0 .. 2^31 - 1
 
@@ -88,11 +91,12 @@ def words_per_element(size: int) -> int:
 
 def word_terms(words: np.ndarray, index: np.ndarray) -> np.ndarray:
     """uint64 terms of 32-bit ``words`` (held in uint64) at uint64 word ``index``."""
-    lo, hi = index & np.uint64(MASK32), index >> np.uint64(32)
-    k = (lo * np.uint64(K1) + hi * np.uint64(K2) + np.uint64(K3)) & np.uint64(MASK32)
-    m = ((lo * np.uint64(M1) + hi * np.uint64(M2) + np.uint64(M3)) & np.uint64(MASK32)) \
-        | np.uint64(1)
-    return (words ^ k) * m
+    u = np.uint64
+    lo, hi = index & u(MASK32), index >> u(32)
+    k = (lo * u(K1) + hi * u(K2) + u(K3)) & u(MASK32)
+    m = ((lo * u(M1) + hi * u(M2) + u(M3)) & u(MASK32)) | u(1)
+    n = (lo * u(N1) + hi * u(N2) + u(N3)) & u(MASK32)
+    return (words ^ k) * ((n << u(32)) | m)            # uint64 arithmetic wraps mod 2^64
 
 
 def element_terms(bits: np.ndarray, positions: np.ndarray) -> np.ndarray:

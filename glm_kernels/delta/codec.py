@@ -107,7 +107,8 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
     else:
         cfg = config or default_config(new.device)
         dev = _device.encode(ref.int_view(new.detach().contiguous()),
-                             ref.int_view(old.detach().contiguous()), spec, encoding, cfg)
+                             ref.int_view(old.detach().contiguous()), spec, encoding, cfg,
+                             hash_old=relative)
         count, n_esc, s_new, s_old = dev.count, dev.n_escapes, dev.s_new, dev.s_old
         if encoding == "zstd":
             planes = dev.planes.cpu().numpy()

@@ -64,7 +64,8 @@ def test_checksum_cpp_numpy_and_by_hand(size):
             lo, hi = i & 0xFFFFFFFF, i >> 32
             k = (lo * ref.K1 + hi * ref.K2 + ref.K3) & 0xFFFFFFFF
             m = ((lo * ref.M1 + hi * ref.M2 + ref.M3) & 0xFFFFFFFF) | 1
-            s += (w ^ k) * m
+            n = (lo * ref.N1 + hi * ref.N2 + ref.N3) & 0xFFFFFFFF
+            s += (w ^ k) * ((n << 32) + m)
     assert ref.checksum_sum(nb[:50]) == s & ref.MASK64
     assert host.finalize(s & ref.MASK64, 77) == ref.finalize(s, 77)
 
@@ -220,3 +221,15 @@ def test_checksum_past_2_pow_32_words(dtype, first):
         dtype=np.uint64))
     assert host.checksum_sum(x, 2, first) == want
     assert host.checksum_sum(x, 1, first) != host.checksum_sum(x, 1, 0)
+
+
+def test_checksum_change_of_a_small_step_spans_64_bits():
+    """A one-ulp step changes a word's term by a full-width 64-bit amount, so the changes of
+    many such words (a target one version behind) wrap around 2^64 rather than summing to a
+    small number that could cancel (the reason M is a 64-bit multiplier)."""
+    rng = np.random.default_rng(3)
+    w = rng.integers(0, 2 ** 31, 2000, dtype=np.uint64)
+    i = rng.integers(0, 2 ** 40, 2000, dtype=np.uint64)
+    delta = ref.word_terms(w + np.uint64(1), i) - ref.word_terms(w, i)
+    signed = delta.view(np.int64)
+    assert np.mean(np.abs(signed.astype(np.float64)) > 2.0 ** 56) > 0.9
