@@ -38,8 +38,7 @@ from . import _logits_reference as ref
 from .icepop import (_check_hyperparameters, _check_inputs, _metrics_from_stats,
                      _stats_from_partials, icepop_loss)
 from .logprobs import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
-                       flag_ids_torch, kernels_or_none, logprobs_rows, make_launch_config,
-                       rows_2d, run_op, token_id_flag)
+                       kernels_or_none, logprobs_rows, prepare_call, rows_2d, run_op)
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -67,11 +66,8 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
     """Run the fused pass on [N, V] rows; writes dL/dlogits into ``grad`` unless it is None
     (``grad`` may be ``logits`` itself). Returns the IcePop stats rows [N, 8] fp32."""
     n, v = logits.shape
-    flag = token_id_flag(token_ids, v)
-    backend = _dispatch.select_backend("icepop_loss_from_logits", logits)
-    kernels = kernels_or_none(backend)
+    kernels, cfg, flag = prepare_call("icepop_loss_from_logits", logits, token_ids, v)
     if kernels is None:
-        flag_ids_torch(flag, token_ids, v)
         full_grad, rows = ref.icepop_logits_rows(
             logits, token_ids, rollout, old, adv, mask, scale, inv_temp=inv_temp,
             gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
@@ -79,7 +75,7 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
         if grad is not None:
             grad.copy_(full_grad)
     else:
-        cfg = config or make_launch_config(backend)
+        cfg = config or cfg
         rows = torch.empty((n, 8), dtype=torch.float32, device=logits.device)
         row_tiles, block_v, num_warps = cfg.row_plan(v, logits.element_size())
         kernels.icepop_logits(
@@ -212,6 +208,20 @@ class _FusedIcePopFromLogits(torch.autograd.Function):
         return (scale_by_grad_output(grad, grad_loss),) + (None,) * 13
 
 
+def check_icepop_arguments(shape, device, rollout, advantages, loss_mask, old_logprobs,
+                           reduction, beta, gate_low, gate_high, eps_low, eps_high,
+                           temperature):
+    """icepop_loss's checks for tokens of ``shape``; returns the validated
+    (gate_low, gate_high, eps_low, eps_high, temperature)."""
+    # A zero-stride stand-in with the log-probs' shape lets icepop's checks run unchanged.
+    lp_shape = torch.empty_strided(shape, (0,) * len(shape), dtype=torch.float32,
+                                   device=device)
+    _check_inputs(lp_shape, rollout, advantages, loss_mask, old_logprobs, reduction)
+    checked = _check_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high)
+    return checked + (_dispatch.check_finite_number("temperature", temperature,
+                                                    positive=True),)
+
+
 def flat_token_inputs(shape, rollout, advantages, loss_mask, old_logprobs):
     """Contiguous [N] views of the per-token inputs (per-sequence advantages expanded, a bool
     mask viewed as uint8 for the kernels)."""
@@ -283,13 +293,9 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
     """
     check_logits_and_ids(logits, token_ids)
     shape = token_ids.shape
-    # A zero-stride stand-in with the log-probs' shape lets icepop's checks run unchanged.
-    lp_shape = torch.empty_strided(shape, (0,) * len(shape), dtype=torch.float32,
-                                   device=logits.device)
-    _check_inputs(lp_shape, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
-    lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
-                                                       eps_high)
-    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    lo, hi, eps_low, eps_high, temperature = check_icepop_arguments(
+        shape, logits.device, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction,
+        beta, gate_low, gate_high, eps_low, eps_high, temperature)
     ids = token_ids.reshape(-1).contiguous()
 
     if tp_group is not None or reduction == "none":

@@ -23,10 +23,9 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _dispatch
-from .from_logits import (flat_token_inputs, icepop_rows_into, loss_from_rows,
-                          scale_by_grad_output, token_scales)
-from .icepop import (_check_hyperparameters, _check_inputs, _metrics_from_stats,
-                     _stats_from_partials)
+from .from_logits import (check_icepop_arguments, flat_token_inputs, icepop_rows_into,
+                          loss_from_rows, scale_by_grad_output, token_scales)
+from .icepop import _metrics_from_stats, _stats_from_partials
 from .logprobs import run_op
 
 DEFAULT_MEMORY_BUDGET = 512 << 20          # bytes for the [C, V] logits chunk
@@ -209,12 +208,9 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
                          "gradients are computed in forward for a scalar loss); use "
                          "icepop_loss_from_logits")
     shape = token_ids.shape
-    lp_shape = torch.empty_strided(shape, (0,) * len(shape), dtype=torch.float32,
-                                   device=hidden.device)
-    _check_inputs(lp_shape, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
-    lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
-                                                       eps_high)
-    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    lo, hi, eps_low, eps_high, temperature = check_icepop_arguments(
+        shape, hidden.device, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction,
+        beta, gate_low, gate_high, eps_low, eps_high, temperature)
     n_tokens, vocab = shape.numel(), weight.shape[0]
     config = make_fused_linear_config(max(n_tokens, 1), vocab, weight.dtype,
                                       chunk_size=chunk_size, memory_budget=memory_budget)

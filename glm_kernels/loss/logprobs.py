@@ -146,19 +146,30 @@ def kernels_or_none(backend: str):
     return _logits_kernels
 
 
+def prepare_call(op: str, logits: torch.Tensor, token_ids: torch.Tensor, vocab_total: int):
+    """(kernel module or None for torch, launch config or None, token-id flag) of one call.
+
+    The flag is checked now on CPU (ValueError) and set on the device by the torch path or,
+    later, by the kernels; :func:`check_token_id_flag` reads it after the launch.
+    """
+    flag = token_id_flag(token_ids, vocab_total)
+    backend = _dispatch.select_backend(op, logits)
+    kernels = kernels_or_none(backend)
+    if kernels is None:
+        flag_ids_torch(flag, token_ids, vocab_total)
+        return None, None, flag
+    return kernels, make_launch_config(backend), flag
+
+
 # --------------------------------------------------------------------------- custom ops
 def _logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
                    want_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, v = logits.shape
-    flag = token_id_flag(token_ids, v)
-    backend = _dispatch.select_backend("selective_logprobs", logits)
-    kernels = kernels_or_none(backend)
+    kernels, cfg, flag = prepare_call("selective_logprobs", logits, token_ids, v)
     if kernels is None:
-        flag_ids_torch(flag, token_ids, v)
         lp, lse, entropy = ref.logprobs_lse_entropy(logits, token_ids, inv_temp, want_entropy)
         entropy = lp.new_empty(0) if entropy is None else entropy
     else:
-        cfg = make_launch_config(backend)
         lp, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(2))
         entropy = torch.empty(n if want_entropy else 0, dtype=torch.float32,
                               device=logits.device)
@@ -186,15 +197,11 @@ def _logprobs_fake(logits, token_ids, inv_temp, want_entropy):
 def _shard_stats_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
                       want_entropy: bool, vocab_start: int, vocab_total: int) -> torch.Tensor:
     n, _ = logits.shape
-    flag = token_id_flag(token_ids, vocab_total)
-    backend = _dispatch.select_backend("selective_logprobs", logits)
-    kernels = kernels_or_none(backend)
+    kernels, cfg, flag = prepare_call("selective_logprobs", logits, token_ids, vocab_total)
     if kernels is None:
-        flag_ids_torch(flag, token_ids, vocab_total)
         partial = ref.logprob_partial_stats(logits, token_ids, inv_temp, vocab_start,
                                             want_entropy)
     else:
-        cfg = make_launch_config(backend)
         partial = torch.empty((n, 4), dtype=torch.float32, device=logits.device)
         kernels.logprob_partial(logits, token_ids, flag, partial, want_entropy=want_entropy,
                                 inv_temp=inv_temp, vocab_start=vocab_start,

@@ -1,5 +1,4 @@
 """fused_linear_icepop_loss: chunked over tokens; never a [tokens, V] tensor."""
-import warnings
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from glm_kernels.loss._logits_reference import (fused_linear_icepop_loss_referen
                                                 selective_logprobs_reference)
 from glm_kernels.loss.fused_linear import fused_linear_icepop_loss, make_fused_linear_config
 from tests._compare import assert_close
+from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
               pytest.mark.filterwarnings("ignore:divide by zero encountered")]
@@ -159,20 +159,7 @@ def test_torch_compile_fullgraph(any_backend):
 
     def step(h, w):
         return fused_linear_icepop_loss(h, w, ids, rollout, adv, mask, chunk_size=3) * 2.0
-
-    leaves = lambda: (hidden.clone().requires_grad_(True),   # noqa: E731
-                      weight.clone().requires_grad_(True))
-    eager_in = leaves()
-    eager = step(*eager_in)
-    eager.backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled_in = leaves()
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled_in)
-        compiled.backward()
-    assert_close(compiled.detach(), eager.detach(), tol=1e-6, name="compiled")
-    for a, b in zip(compiled_in, eager_in):
-        assert_close(a.grad, b.grad, tol=1e-6, name="compiled grad")
+    check_compiled_matches_eager(step, hidden, weight)
 
 
 def test_opcheck_custom_op():

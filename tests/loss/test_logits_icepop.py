@@ -1,6 +1,5 @@
 """icepop_loss_from_logits: fused kernel and composed paths vs the fp32 reference."""
 import math
-import warnings
 import zlib
 
 import pytest
@@ -12,6 +11,7 @@ from glm_kernels.loss._logits_reference import (icepop_loss_from_logits_referenc
                                                 selective_logprobs_reference)
 from glm_kernels.loss.from_logits import icepop_loss_from_logits
 from tests._compare import assert_close
+from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
@@ -229,18 +229,7 @@ def test_torch_compile_fullgraph(any_backend):
                                                 reduction="seq_mean_token_mean",
                                                 return_metrics=True)
         return loss * 2.0, metrics["pop_frac"]
-
-    eager_x = logits.clone().requires_grad_(True)
-    eager = step(eager_x)
-    eager[0].backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled_x = logits.clone().requires_grad_(True)
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_x)
-        compiled[0].backward()
-    assert_close(compiled[0].detach(), eager[0].detach(), tol=1e-6, name="compiled loss")
-    assert_close(compiled_x.grad, eager_x.grad, tol=1e-6, name="compiled grad")
-    assert compiled[1].item() == eager[1].item()
+    check_compiled_matches_eager(step, logits)
 
 
 def test_opcheck_fused_op():

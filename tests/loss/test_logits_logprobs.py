@@ -178,23 +178,31 @@ class TestBadInputs:
             selective_logprobs(torch.zeros(3, 10), torch.zeros(3).long(), temperature=0.0)
 
 
+def check_compiled_matches_eager(step, *inputs):
+    """step(*leaves) -> loss or (loss, *extras): torch.compile(fullgraph=True, aot_eager)
+    gives the eager loss, extras and gradients. Shared by the test_logits_* files."""
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        out = out if isinstance(out, tuple) else (out,)
+        out[0].backward()
+        return [o.detach() for o in out], [t.grad for t in leaves]
+
+    eager = run(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = run(torch.compile(step, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(compiled[0] + compiled[1], eager[0] + eager[1]):
+        assert_close(a, b, tol=1e-6, name="compiled vs eager")
+
+
 def test_torch_compile_fullgraph(any_backend):
     logits, ids = _logits((4, 5, 70)), _ids((4, 5), 70)
 
     def step(x):
         lp, ent = selective_logprobs(x, ids, temperature=0.9, return_entropy=True)
         return (lp * 2.0).sum() + ent.mean()
-
-    eager_x = logits.clone().requires_grad_(True)
-    eager = step(eager_x)
-    eager.backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled_x = logits.clone().requires_grad_(True)
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_x)
-        compiled.backward()
-    assert_close(compiled.detach(), eager.detach(), tol=1e-6, name="compiled")
-    assert_close(compiled_x.grad, eager_x.grad, tol=1e-6, name="compiled grad")
+    check_compiled_matches_eager(step, logits)
 
 
 def test_opcheck_custom_ops():

@@ -1,5 +1,4 @@
 """reverse_kl_from_logits: kernels (interpreter / GPU) and torch path vs the fp32 reference."""
-import warnings
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ from glm_kernels.loss import _reverse_kl_kernels, reverse_kl
 from glm_kernels.loss._logits_reference import reverse_kl_reference
 from glm_kernels.loss.reverse_kl import reverse_kl_from_logits
 from tests._compare import assert_close
+from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 from tests.conftest import DEVICE
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
@@ -106,17 +106,7 @@ def test_torch_compile_fullgraph(any_backend):
 
     def step(x):
         return reverse_kl_from_logits(x, teacher, temperature=1.5).mean() * 3.0
-
-    eager_x = student.clone().requires_grad_(True)
-    eager = step(eager_x)
-    eager.backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled_x = student.clone().requires_grad_(True)
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_x)
-        compiled.backward()
-    assert_close(compiled.detach(), eager.detach(), tol=1e-6, name="compiled")
-    assert_close(compiled_x.grad, eager_x.grad, tol=1e-6, name="compiled grad")
+    check_compiled_matches_eager(step, student)
 
 
 def test_opcheck_custom_ops():
