@@ -11,6 +11,7 @@ from glm_kernels.loss._logits_reference import (fused_linear_icepop_loss_referen
                                                 selective_logprobs_reference)
 from glm_kernels.loss.fused_linear import fused_linear_icepop_loss, make_fused_linear_config
 from tests._compare import assert_close
+from tests.conftest import DEVICE
 from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
@@ -27,7 +28,8 @@ def _inputs(b, t, v, h, *, seed, dtype=torch.float32, with_old=False):
     old = lp + 0.2 * torch.randn(b, t, generator=g) if with_old else None
     adv = torch.randn(b, t, generator=g)
     mask = torch.rand(b, t, generator=g) > 0.2
-    return hidden, weight, ids, rollout, adv, mask, old
+    return tuple(None if x is None else x.to(DEVICE)
+                 for x in (hidden, weight, ids, rollout, adv, mask, old))
 
 
 def _run(fn, hidden, weight, *args, scale=1.0, **kw):
@@ -163,10 +165,23 @@ def test_torch_compile_fullgraph(any_backend):
 
 
 def test_opcheck_custom_op():
-    hidden, weight, ids, rollout, adv, mask, _ = _inputs(1, 4, 20, 8, seed=6)
+    hidden, weight, ids, rollout, adv, mask = (t.cpu() for t in _inputs(1, 4, 20, 8,
+                                                                          seed=6)[:6])
     args = (hidden.reshape(4, 8), weight, ids.reshape(-1), rollout.reshape(-1), None,
             adv.reshape(-1), mask.reshape(-1).view(torch.uint8), torch.full((4,), 0.25), 1.0,
             0.5, 2.0, 0.2, 0.28, 3, True, True)
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(fused_linear._fused_linear_op, args,
                               test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+def test_gpu_glm5_vocab_bf16():
+    hidden, weight, ids, rollout, adv, mask, _ = _inputs(2, 256, 154880, 512, seed=7,
+                                                         dtype=torch.bfloat16)
+    got = _run(fused_linear_icepop_loss, hidden, weight, ids, rollout, adv, mask,
+               chunk_size=200)
+    ref = _run(_bf16_logits_reference, hidden, weight, ids, rollout, adv, mask)
+    assert_close(got[0], ref[0], tol=1e-2, name="loss")
+    assert_close(got[1].float(), ref[1].float(), tol=1e-2, name="dhidden")
+    assert_close(got[2].float(), ref[2].float(), tol=1e-2, name="dweight")

@@ -11,6 +11,7 @@ from glm_kernels.loss._logits_reference import (icepop_loss_from_logits_referenc
                                                 selective_logprobs_reference)
 from glm_kernels.loss.from_logits import icepop_loss_from_logits
 from tests._compare import assert_close
+from tests.conftest import DEVICE
 from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
@@ -29,7 +30,8 @@ def _inputs(b, t, v, *, seed, dtype=torch.float32, scale=3.0, with_old=False):
     old = lp + 0.2 * torch.randn(b, t, generator=g) if with_old else None
     adv = torch.randn(b, t, generator=g)
     mask = torch.rand(b, t, generator=g) > 0.2
-    return logits, ids, rollout, adv, mask, old
+    return tuple(None if x is None else x.to(DEVICE)
+                 for x in (logits, ids, rollout, adv, mask, old))
 
 
 def _run(fn, logits, *args, inplace=False, **kw):
@@ -38,7 +40,7 @@ def _run(fn, logits, *args, inplace=False, **kw):
     feed = x * 1.0 if inplace else x
     loss, metrics = fn(feed, *args, return_metrics=True,
                        **(dict(inplace_backward=True) if inplace else {}), **kw)
-    weights = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+    weights = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).reshape(loss.shape)
     (loss * weights).sum().backward()
     return loss.detach(), x.grad, metrics
 
@@ -96,7 +98,7 @@ def test_inplace_backward_is_refused_when_someone_else_needs_the_logits(any_back
                                                                           reduction):
     logits, ids, rollout, adv, mask, _ = _inputs(2, 4, 50, seed=4)
     logits_buffer = logits.clone().requires_grad_(True) * 1.0
-    w = torch.ones((), requires_grad=True)
+    w = torch.ones((), device=DEVICE, requires_grad=True)
     other = (logits_buffer * w).sum()          # saves the logits for dw
     loss = icepop_loss_from_logits(logits_buffer, ids, rollout, adv, mask,
                                    inplace_backward=True, reduction=reduction).sum()
@@ -114,7 +116,7 @@ def test_grad_output_scales_the_gradient(any_backend):
 
 def test_per_sequence_advantages_and_no_mask(any_backend):
     logits, ids, rollout, _, _, _ = _inputs(3, 4, 90, seed=6)
-    adv = torch.tensor([0.5, -1.0, 2.0])
+    adv = torch.tensor([0.5, -1.0, 2.0], device=DEVICE)
     for reduction in ("token_mean", "seq_mean_token_mean"):
         got = _run(icepop_loss_from_logits, logits, ids, rollout, adv, reduction=reduction)
         ref = _run(icepop_loss_from_logits_reference, logits, ids, rollout, adv,
@@ -128,7 +130,7 @@ def test_popped_tokens_give_exact_zero_even_with_nan_inf_logits(any_backend, wit
     logits[0, 0, :] = float("nan")                 # NaN lp -> gate ratio NaN -> popped
     logits[0, 1, 5] = float("inf")                 # inf logit -> lse inf -> lp NaN -> popped
     rollout[0, 2] += 5.0                           # ratio e^-5: popped
-    mask = torch.ones(1, 6, dtype=torch.bool)
+    mask = torch.ones(1, 6, dtype=torch.bool, device=DEVICE)
     mask[0, 3] = False                             # unmasked with a NaN logit row
     logits[0, 3, :] = float("nan")
     if with_old:                                   # decoupled: the gate is on old vs rollout
@@ -144,9 +146,10 @@ def test_popped_tokens_give_exact_zero_even_with_nan_inf_logits(any_backend, wit
 
 
 def test_empty_input(any_backend):
-    x = torch.zeros(0, 5, requires_grad=True)
-    empty = torch.zeros(0)
-    loss, metrics = icepop_loss_from_logits(x, torch.zeros(0, dtype=torch.long), empty, empty,
+    x = torch.zeros(0, 5, device=DEVICE, requires_grad=True)
+    empty = torch.zeros(0, device=DEVICE)
+    loss, metrics = icepop_loss_from_logits(x, torch.zeros(0, dtype=torch.long, device=DEVICE),
+                                            empty, empty,
                                             return_metrics=True)
     loss.backward()
     assert loss.item() == 0.0 and x.grad.shape == (0, 5)
@@ -168,12 +171,13 @@ def test_fused_kernel_writes_every_element(kernel_backend):
         n = 10
         cfg = logprobs.make_launch_config("interpret")
         row_tiles, block_v, warps = cfg.row_plan(v, logits.element_size())
-        grad = torch.full((n, v), float("nan"), dtype=dtype)
-        rows = torch.full((n, 8), float("nan"))
-        flag = torch.zeros(1, dtype=torch.int32)
+        grad = torch.full((n, v), float("nan"), dtype=dtype, device=DEVICE)
+        rows = torch.full((n, 8), float("nan"), device=DEVICE)
+        flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         _logits_kernels.icepop_logits(
             logits.reshape(n, v), ids.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
-            mask.reshape(-1).view(torch.uint8), torch.full((n,), 0.1), grad, rows, flag,
+            mask.reshape(-1).view(torch.uint8), torch.full((n,), 0.1, device=DEVICE), grad,
+            rows, flag,
             inv_temp=1.0, gate_low=0.5, gate_high=2.0, clip_low=0.8, clip_high=1.28,
             block_v=block_v, row_tiles=row_tiles, num_warps=warps, max_programs=3)
         assert not torch.isnan(grad).any() and not torch.isnan(rows[:, :5]).any()
@@ -233,10 +237,20 @@ def test_torch_compile_fullgraph(any_backend):
 
 
 def test_opcheck_fused_op():
-    logits, ids, rollout, adv, mask, _ = _inputs(1, 4, 20, seed=11)
+    logits, ids, rollout, adv, mask = (t.cpu() for t in _inputs(1, 4, 20, seed=11)[:5])
     args = (logits.reshape(4, 20), ids.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
             mask.reshape(-1).view(torch.uint8), torch.full((4,), 0.25), 1.0, 0.5, 2.0, 0.2,
             0.28, True)
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(from_logits._fused_op, args,
                               test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [154880 // 8, 154880])   # three register tiles / streamed rows
+@pytest.mark.parametrize("inplace", [False, True])
+def test_gpu_glm5_vocab(v, inplace):
+    logits, ids, rollout, adv, mask, _ = _inputs(4, 64, v, seed=12, dtype=torch.bfloat16)
+    got = _run(icepop_loss_from_logits, logits, ids, rollout, adv, mask, inplace=inplace)
+    ref = _run(icepop_loss_from_logits_reference, logits, ids, rollout, adv, mask)
+    _check(got, ref, grad_tol=1e-2)

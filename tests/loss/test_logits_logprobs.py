@@ -9,7 +9,7 @@ from glm_kernels.loss import _logits_kernels, logprobs
 from glm_kernels.loss._logits_reference import selective_logprobs_reference
 from glm_kernels.loss.logprobs import selective_logprobs
 from tests._compare import assert_close
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, HAS_CUDA
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
@@ -18,11 +18,12 @@ pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
 
 def _logits(shape, dtype=torch.float32, scale=3.0, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).to(dtype)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
 
 
 def _ids(shape, v, seed=1, low=0):
-    return torch.randint(low, v, shape, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, v, shape, generator=g).to(DEVICE)
 
 
 def _run(fn, logits, ids, **kw):
@@ -64,7 +65,7 @@ def test_large_magnitudes_masked_vocab_and_temperature(any_backend):
     logits[2, :] = float("-inf")
     logits[2, 7] = 5.0                      # a row with one finite entry: lp 0, H 0
     logits[3, 250:] = float("-inf")         # -inf across whole tiles
-    ids = torch.tensor([3, 250, 7, 99, 599])
+    ids = torch.tensor([3, 250, 7, 99, 599], device=DEVICE)
     got = _run(_ours, logits, ids, temperature=0.5)
     ref = _run(_ref, logits, ids, temperature=0.5)
     assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
@@ -79,7 +80,7 @@ def test_neg_inf_target_and_all_neg_inf_row(any_backend):
     logits = _logits((3, 40))
     logits[0, 5] = float("-inf")            # sampled a masked token: lp = -inf
     logits[1, :] = float("-inf")            # no distribution: NaN
-    ids = torch.tensor([5, 3, 0])
+    ids = torch.tensor([5, 3, 0], device=DEVICE)
     x = logits.clone().requires_grad_(True)
     lp, ent = selective_logprobs(x, ids, return_entropy=True)
     assert lp[0] == float("-inf") and torch.isfinite(ent[0])
@@ -95,18 +96,19 @@ def test_zero_upstream_gradient_gives_exact_zero_row_even_for_nan_logits(kernel_
     logits = _logits((2, 50))
     logits[0, 3] = float("nan")
     x = logits.clone().requires_grad_(True)
-    lp = selective_logprobs(x, torch.tensor([1, 2]))
-    (lp * torch.tensor([0.0, 1.0])).sum().backward()
+    lp = selective_logprobs(x, torch.tensor([1, 2], device=DEVICE))
+    (lp * torch.tensor([0.0, 1.0], device=DEVICE)).sum().backward()
     assert torch.all(x.grad[0] == 0) and torch.isfinite(x.grad[1]).all()
 
 
 def test_empty_and_one_element(any_backend):
-    x = torch.zeros(0, 7, requires_grad=True)
-    lp, ent = selective_logprobs(x, torch.zeros(0, dtype=torch.long), return_entropy=True)
+    x = torch.zeros(0, 7, device=DEVICE, requires_grad=True)
+    lp, ent = selective_logprobs(x, torch.zeros(0, dtype=torch.long, device=DEVICE),
+                                 return_entropy=True)
     (lp.sum() + ent.sum()).backward()
     assert lp.shape == ent.shape == (0,) and x.grad.shape == (0, 7)
-    one = torch.tensor([2.5], requires_grad=True)
-    lp = selective_logprobs(one, torch.tensor(0))
+    one = torch.tensor([2.5], device=DEVICE, requires_grad=True)
+    lp = selective_logprobs(one, torch.tensor(0, device=DEVICE))
     lp.backward()
     assert lp.shape == () and lp.item() == 0.0 and one.grad.item() == 0.0
 
@@ -126,12 +128,12 @@ class TestKernelsWriteEverything:
 
     def test_final_and_partial_stats(self, kernel_backend):
         logits, ids = _logits((9, 517)), _ids((9,), 517)
-        outs = [torch.full((9,), float("nan")) for _ in range(3)]
-        flag = torch.zeros(1, dtype=torch.int32)
+        outs = [torch.full((9,), float("nan"), device=DEVICE) for _ in range(3)]
+        flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         _logits_kernels.logprob_final(logits, ids, flag, *outs, inv_temp=1.0, block_v=256,
                                       num_warps=4)
         assert not any(torch.isnan(o).any() for o in outs)
-        partial = torch.full((9, 4), float("nan"))
+        partial = torch.full((9, 4), float("nan"), device=DEVICE)
         _logits_kernels.logprob_partial(logits, ids, flag, partial, want_entropy=True,
                                         inv_temp=1.0, vocab_start=0, vocab_total=517,
                                         block_v=128, num_warps=4)
@@ -141,28 +143,34 @@ class TestKernelsWriteEverything:
     def test_gradient(self, kernel_backend, entropy):
         logits, ids = _logits((5, 517), torch.bfloat16), _ids((5,), 517)
         lse = torch.logsumexp(logits.float(), -1)
-        ent = torch.rand(5)
-        grad = torch.full((5, 517), float("nan"), dtype=torch.bfloat16)
-        _logits_kernels.logits_grad(logits, ids, lse, ent, torch.rand(5),
-                                    torch.rand(5) if entropy else None, grad, inv_temp=1.0,
+        ent, coef, coef_ent = (torch.rand(5, device=DEVICE) for _ in range(3))
+        grad = torch.full((5, 517), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        _logits_kernels.logits_grad(logits, ids, lse, ent, coef,
+                                    coef_ent if entropy else None, grad, inv_temp=1.0,
                                     vocab_start=0, block_v=256, num_warps=4)
         assert not torch.isnan(grad).any()
 
     def test_out_of_range_ids_are_flagged_and_give_nan(self, kernel_backend):
         logits = _logits((4, 30))
         for bad in (-1, 30, 1 << 40):
-            ids = torch.tensor([0, bad, 2, 3])
-            flag = torch.zeros(1, dtype=torch.int32)
-            lp, lse = torch.empty(4), torch.empty(4)
+            ids = torch.tensor([0, bad, 2, 3], device=DEVICE)
+            flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+            lp, lse = torch.empty(4, device=DEVICE), torch.empty(4, device=DEVICE)
             _logits_kernels.logprob_final(logits, ids, flag, lp, lse, None, inv_temp=1.0,
                                           block_v=16, num_warps=4)
             assert flag.item() == 1 and torch.isnan(lp[1]) and torch.isfinite(lp[[0, 2, 3]]).all()
 
 
+# The ValueError is the CPU behaviour (on CUDA: the kernel's flag and a device-side assert).
+CPU_BACKENDS = ["torch"] + ([] if HAS_CUDA else ["interpret"])
+
+
 class TestBadInputs:
-    def test_token_ids_out_of_range_raise_before_running(self, any_backend):
+    @pytest.mark.parametrize("backend", CPU_BACKENDS)
+    def test_token_ids_out_of_range_raise_before_running(self, backend):
         for bad in ([0, 1, 10], [-1, 0, 0]):
-            with pytest.raises(ValueError, match=r"token_ids must lie in \[0, 10\)"):
+            with glm_kernels.force_backend(backend), \
+                    pytest.raises(ValueError, match=r"token_ids must lie in \[0, 10\)"):
                 selective_logprobs(torch.zeros(3, 10), torch.tensor(bad))
 
     def test_types_and_shapes(self):
@@ -206,7 +214,7 @@ def test_torch_compile_fullgraph(any_backend):
 
 
 def test_opcheck_custom_ops():
-    logits, ids = _logits((3, 20)), _ids((3,), 20)
+    logits, ids = _logits((3, 20)).cpu(), _ids((3,), 20).cpu()
     lse = torch.logsumexp(logits, -1)
     utils = ("test_schema", "test_faketensor")
     with glm_kernels.force_backend("torch"):

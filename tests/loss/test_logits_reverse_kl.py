@@ -8,8 +8,8 @@ from glm_kernels.loss import _reverse_kl_kernels, reverse_kl
 from glm_kernels.loss._logits_reference import reverse_kl_reference
 from glm_kernels.loss.reverse_kl import reverse_kl_from_logits
 from tests._compare import assert_close
-from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 from tests.conftest import DEVICE
+from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
               pytest.mark.filterwarnings("ignore:divide by zero encountered")]
@@ -19,7 +19,7 @@ def _pair(shape, dtype=torch.float32, scale=3.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     student = torch.randn(shape, generator=g) * scale
     teacher = student + torch.randn(shape, generator=g) * scale / 2
-    return student.to(dtype), teacher.to(dtype)
+    return student.to(dtype).to(DEVICE), teacher.to(dtype).to(DEVICE)
 
 
 def _run(fn, student, teacher, **kw):
@@ -67,25 +67,26 @@ def test_identical_distributions_and_infinite_kl(any_backend):
 
 
 def test_empty(any_backend):
-    x = torch.zeros(0, 9, requires_grad=True)
-    kl = reverse_kl_from_logits(x, torch.zeros(0, 9))
+    x = torch.zeros(0, 9, device=DEVICE, requires_grad=True)
+    kl = reverse_kl_from_logits(x, torch.zeros(0, 9, device=DEVICE))
     kl.sum().backward()
     assert kl.shape == (0,) and x.grad.shape == (0, 9)
 
 
 def test_kernels_write_every_element(kernel_backend):
     student, teacher = _pair((7, 517))
-    outs = [torch.full((7,), float("nan")) for _ in range(3)]
+    outs = [torch.full((7,), float("nan"), device=DEVICE) for _ in range(3)]
     _reverse_kl_kernels.reverse_kl(student, teacher, kl=outs[0], lse_s=outs[1], lse_t=outs[2],
                                partial=None, inv_temp=1.0, block_v=256, num_warps=4)
     assert not any(torch.isnan(o).any() for o in outs)
-    partial = torch.full((7, 5), float("nan"))
+    partial = torch.full((7, 5), float("nan"), device=DEVICE)
     _reverse_kl_kernels.reverse_kl(student, teacher, kl=None, lse_s=None, lse_t=None,
                                partial=partial, inv_temp=1.0, block_v=128, num_warps=4)
     assert not torch.isnan(partial).any()
-    grad = torch.full((7, 517), float("nan"))
-    _reverse_kl_kernels.reverse_kl_grad(student, teacher, *outs[1:], outs[0], torch.rand(7), grad,
-                                    inv_temp=1.0, block_v=256, num_warps=4)
+    grad = torch.full((7, 517), float("nan"), device=DEVICE)
+    _reverse_kl_kernels.reverse_kl_grad(student, teacher, *outs[1:], outs[0],
+                                        torch.rand(7, device=DEVICE), grad, inv_temp=1.0,
+                                        block_v=256, num_warps=4)
     assert not torch.isnan(grad).any()
 
 
@@ -110,7 +111,7 @@ def test_torch_compile_fullgraph(any_backend):
 
 
 def test_opcheck_custom_ops():
-    student, teacher = _pair((3, 20))
+    student, teacher = (t.cpu() for t in _pair((3, 20)))
     utils = ("test_schema", "test_faketensor")
     with glm_kernels.force_backend("torch"):
         for partial in (False, True):
@@ -125,7 +126,7 @@ def test_opcheck_custom_ops():
 @pytest.mark.gpu
 def test_gpu_glm5_vocab():
     student, teacher = _pair((32, 154880), torch.bfloat16)
-    got = _run(reverse_kl_from_logits, student.to(DEVICE), teacher.to(DEVICE))
-    ref = _run(reverse_kl_reference, student.to(DEVICE), teacher.to(DEVICE))
+    got = _run(reverse_kl_from_logits, student, teacher)
+    ref = _run(reverse_kl_reference, student, teacher)
     assert_close(got[0], ref[0], tol=1e-5, name="kl")
     assert_close(got[1].float(), ref[1].float(), tol=1e-2, name="dstudent")
