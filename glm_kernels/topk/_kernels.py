@@ -68,44 +68,6 @@ def _unpack_index(packed):
     return 0xFFFFFFFF - (packed & 0xFFFFFFFF)
 
 
-@triton.jit
-def _radix_ukey(key, KEY_BITS: tl.constexpr):
-    """The key's bits arranged so that unsigned order (and digit order) is the key's order."""
-    if KEY_BITS == 16:
-        return key + 32768                       # int32 in [0, 65535]
-    elif KEY_BITS == 32:
-        return key ^ -2147483648                 # flip the sign bit of the int32 pattern
-    else:
-        return key ^ -9223372036854775808
-
-
-@triton.jit
-def _radix_key_of_ukey(ukey, KEY_BITS: tl.constexpr):
-    if KEY_BITS == 16:
-        return ukey - 32768
-    elif KEY_BITS == 32:
-        return ukey ^ -2147483648
-    else:
-        return ukey ^ -9223372036854775808
-
-
-@triton.constexpr_function
-def _digit_shift(key_bits, radix_bits, pass_id):
-    """Lowest bit of the digit examined by pass ``pass_id`` (digits go from the top)."""
-    return max(key_bits - (pass_id + 1) * radix_bits, 0)
-
-
-@triton.constexpr_function
-def _digit_mask(key_bits, radix_bits, pass_id):
-    top = key_bits - pass_id * radix_bits
-    return (1 << (top - max(top - radix_bits, 0))) - 1
-
-
-@triton.constexpr_function
-def _num_passes(key_bits, radix_bits):
-    return -(-key_bits // radix_bits)
-
-
 # --------------------------------------------------------------------------- bitonic network
 # Triton's tl.topk swaps partners with an xor-reduction, which its interpreter runs one
 # element at a time in Python; this network takes max/min over each pair instead (one

@@ -64,7 +64,7 @@ class TopkConfig:
     rows_per_program: int = 1
     tile: int = 2048
     radix_bits: int = 8
-    candidates: int = 4096
+    candidates: int = 8192
     programs: int = 0
     num_warps: int = 8
 
@@ -82,7 +82,11 @@ def _sm_count(device: torch.device) -> int:
 def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
                      interpret: bool = False, device: Optional[torch.device] = None
                      ) -> TopkConfig:
-    """Heuristic: registers for short rows of <= 32-bit keys, radix select otherwise."""
+    """Heuristic: registers for short rows of <= 32-bit keys, radix select otherwise.
+
+    ``device`` (CUDA) sizes the persistent radix grid by its SM count; ``interpret`` picks
+    small tiles and buffers so the interpreter exercises every path on small rows.
+    """
     if KEY_BITS[dtype] <= 32 and n_cols <= SHORT_MAX:
         block = _next_pow2(n_cols)
         rows = max(1, min(_next_pow2(n_rows), 2048 // block))
@@ -117,10 +121,6 @@ def _check_config(config: TopkConfig, dtype: torch.dtype) -> None:
                          "takes the 'radix' method")
 
 
-def _fill(dtype: torch.dtype, largest: bool):
-    return _reference.fill_value(dtype, largest)
-
-
 def _topk_rows(x2d: torch.Tensor, k: int, largest: bool, sorted: bool,
                lengths: Optional[torch.Tensor], method: str, rows_per_program: int, tile: int,
                radix_bits: int, candidates: int, programs: int, num_warps: int
@@ -134,7 +134,7 @@ def _topk_rows(x2d: torch.Tensor, k: int, largest: bool, sorted: bool,
     values = torch.empty((n_rows, k), dtype=x2d.dtype, device=device)
     indices = torch.empty((n_rows, k), dtype=torch.int64, device=device)
     key_bits = KEY_BITS[x2d.dtype]
-    common = dict(k=k, fill=_fill(x2d.dtype, largest), is_float=x2d.is_floating_point(),
+    common = dict(k=k, fill=_reference.fill_value(x2d.dtype, largest), is_float=x2d.is_floating_point(),
                   key_bits=key_bits, largest=largest, sorted=sorted, num_warps=num_warps)
     if method == "short":
         from . import _kernels
