@@ -208,9 +208,11 @@ GLM_HOT void find_changes(const U* nb, const U* ob, int64_t a, int64_t b,
 }
 
 // ---------------------------------------------------------------------------------- encode
+// hash: checksum sums of new (and of old if diff); otherwise "s_delta", the sum of
+// term(new) - term(old) over the changed elements (S(new) = S(old) + s_delta).
 template <typename U>
 py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bool planar,
-                  int threads) {
+                  bool hash, int threads) {
   if (!gap16 && n > (int64_t(1) << 31))
     throw std::invalid_argument("int32 positions cannot address more than 2^31 elements");
   // Pass 1, one read of new and old per tile: checksum sums and the tile's changed offsets
@@ -222,8 +224,8 @@ py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bo
     py::gil_scoped_release nogil;
     parallel_for(tiles, threads, [&](int64_t t) {
       const int64_t a = t * TILE, b = std::min(n, a + TILE);
-      s_new_part[static_cast<size_t>(t)] = checksum_range(nb, a, b);
-      if (diff) s_old_part[static_cast<size_t>(t)] = checksum_range(ob, a, b);
+      if (hash) s_new_part[static_cast<size_t>(t)] = checksum_range(nb, a, b);
+      if (hash && diff) s_old_part[static_cast<size_t>(t)] = checksum_range(ob, a, b);
       find_changes(nb, ob, a, b, changed[static_cast<size_t>(t)]);
     });
   }
@@ -260,6 +262,7 @@ py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bo
     std::memcpy(esc.mutable_data(), escapes.data(), escapes.size() * sizeof(uint64_t));
   auto* pos_out = static_cast<unsigned char*>(positions.mutable_data());
   auto* val_out = static_cast<unsigned char*>(values.mutable_data());
+  std::vector<uint64_t> delta(static_cast<size_t>(tiles), 0);
   {
     // Pass 2, count-sized: write positions or gaps and values at the tile's offset.
     py::gil_scoped_release nogil;
@@ -269,6 +272,9 @@ py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bo
       for (const uint16_t local : c) {
         const int64_t i = t * TILE + local;
         const U x = load<U>(nb + i), y = load<U>(ob + i);
+        if (!hash)
+          delta[static_cast<size_t>(t)] += element_term(x, static_cast<uint64_t>(i)) -
+                                           element_term(y, static_cast<uint64_t>(i));
         if (!gap16) {
           store<int32_t>(pos_out + 4 * k, static_cast<int32_t>(i));
         } else {
@@ -300,6 +306,9 @@ py::dict encode_t(const U* nb, const U* ob, int64_t n, bool gap16, bool diff, bo
   out["values"] = values;
   out["s_new"] = py::int_(s_new);
   out["s_old"] = py::int_(s_old);
+  uint64_t s_delta = 0;
+  for (uint64_t d : delta) s_delta += d;
+  out["s_delta"] = py::int_(s_delta);
   return out;
 }
 
@@ -471,14 +480,14 @@ uint64_t py_checksum_sum(const py::array& x, int threads, uint64_t first_index) 
 }
 
 py::dict py_encode(const py::array& new_bits, const py::array& old_bits, bool gap16, bool diff,
-                   bool planar, int threads) {
+                   bool planar, bool hash, int threads) {
   const py::buffer_info a = contiguous(new_bits, "new"), b = contiguous(old_bits, "old");
   if (a.itemsize != b.itemsize || a.size != b.size)
     throw std::invalid_argument("new and old must have the same element size and count");
   return by_size(a.itemsize, [&](auto tag) {
     using U = decltype(tag);
     return encode_t<U>(static_cast<const U*>(a.ptr), static_cast<const U*>(b.ptr),
-                       static_cast<int64_t>(a.size), gap16, diff, planar,
+                       static_cast<int64_t>(a.size), gap16, diff, planar, hash,
                        resolve_threads(threads));
   });
 }
@@ -593,8 +602,9 @@ PYBIND11_MODULE(_host, m) {
           return py::bytes(b, 8);
         }, py::arg("s"), py::arg("n_words"), "8-byte checksum from S and the word count.");
   m.def("encode", &py_encode, py::arg("new"), py::arg("old"), py::arg("gap16"), py::arg("diff"),
-        py::arg("planar"), py::arg("threads") = 0,
-        "Streams turning old into new: dict(count, positions, escapes, values, s_new, s_old).");
+        py::arg("planar"), py::arg("hash") = true, py::arg("threads") = 0,
+        "Streams turning old into new: dict(count, positions, escapes, values, s_new, s_old, "
+        "s_delta); hash=False skips hashing the tensors (s_delta: the changes' term sum).");
   m.def("apply", &py_apply, py::arg("target"), py::arg("gap16"), py::arg("diff"),
         py::arg("planar"), py::arg("positions"), py::arg("escapes"), py::arg("values"),
         py::arg("count"), py::arg("result_checksum"), py::arg("base_checksum"),

@@ -34,10 +34,13 @@ class DeltaKernelConfig:
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
 
 
-def default_config(device: torch.device) -> DeltaKernelConfig:
-    """GPU: 4096 elements x 8 warps (16 per thread: 40-60 registers at sm_90, no spills, and
-    the per-program reductions amortized; see benchmarks/notes/delta.md). The interpreter uses
-    the same tiles (fewer, larger programs are also what makes it fast)."""
+def default_config(device: torch.device, element_size: int = 2) -> DeltaKernelConfig:
+    """GPU: 4096 elements x 8 warps (16 per thread: the per-program reductions amortized, at
+    most ~140 registers at sm_90 and no spills), 2048 for 8-byte elements (their two-hash
+    scan reaches 200 registers at 4096). The interpreter uses the same tiles (fewer, larger
+    programs are also what makes it fast). See benchmarks/notes/delta.md."""
+    if element_size == 8:
+        return DeltaKernelConfig(block=2048, apply_block=4096)
     return DeltaKernelConfig()
 
 
@@ -73,13 +76,16 @@ def _empty(n: int, dtype, device) -> torch.Tensor:
 
 
 def encode(nb: torch.Tensor, ob: torch.Tensor, spec: ref.StreamSpec, encoding: str,
-           cfg: DeltaKernelConfig, hash_old: bool) -> DeviceStreams:
-    """Streams turning ``ob`` into ``nb`` (flat signed-int views on one device)."""
+           cfg: DeltaKernelConfig, old_sum: Optional[int] = None) -> DeviceStreams:
+    """Streams turning ``ob`` into ``nb`` (flat signed-int views on one device).
+    ``old_sum``: S(old) when known; then nothing is hashed in pass 1 and S(new) comes from
+    S(old) plus the changes' term differences, summed in pass 2."""
     n, size, device = nb.numel(), nb.element_size(), nb.device
     programs = -(-n // cfg.block)
     local = torch.empty(n, dtype=torch.int16, device=device)      # compacted change offsets
     stats = torch.zeros((programs, _kernels.STATS), dtype=torch.int64, device=device)
-    _kernels.encode_scan(nb, ob, local, stats, hash_old=hash_old, block=cfg.block,
+    _kernels.encode_scan(nb, ob, local, stats, hash_new=old_sum is None,
+                         hash_old=old_sum is None and spec.diff, block=cfg.block,
                          num_warps=cfg.num_warps)
     counts = stats[:, 0].contiguous()          # kernels index it by program: no strides
     offsets = torch.cumsum(counts, 0) - counts
@@ -119,8 +125,13 @@ def encode(nb: torch.Tensor, ob: torch.Tensor, spec: ref.StreamSpec, encoding: s
             return payload[at:at + length].view(dtype)
         positions = section("positions", torch.int16 if gap16 else torch.int32)
         values = section("values", nb.dtype)
-    _kernels.encode_write(nb, ob, local, counts, offsets, prev_last, positions, values, count,
-                          gap16=gap16, diff=spec.diff, planar=spec.planar, block=cfg.block)
+    deltas = None if old_sum is None else \
+        torch.zeros((programs, 2), dtype=torch.int64, device=device)
+    _kernels.encode_write(nb, ob, local, counts, offsets, prev_last, positions, values, deltas,
+                          count, gap16=gap16, diff=spec.diff, planar=spec.planar,
+                          block=cfg.block)
+    if old_sum is not None:
+        s_new, s_old = (old_sum + _sums64(deltas)[0]) & ref.MASK64, old_sum
     return DeviceStreams(count, e, s_new, s_old, payload, escapes, planes)
 
 

@@ -39,17 +39,22 @@ def checksum_sum(bits: np.ndarray, threads: int = -1) -> int:
     return ext.checksum_sum(bits, resolve_threads(threads)) if ext else ref.checksum_sum(bits)
 
 
-def encode_streams(nb: np.ndarray, ob: np.ndarray, spec: ref.StreamSpec,
-                   threads: int = -1) -> ref.Streams:
+def encode_streams(nb: np.ndarray, ob: np.ndarray, spec: ref.StreamSpec, threads: int = -1,
+                   old_sum: int = None) -> ref.Streams:
+    """See ``_reference.encode_streams`` (``old_sum``: S(old) known, nothing hashed)."""
     ext = extension()
     if ext is None:
-        return ref.encode_streams(nb, ob, spec)
+        return ref.encode_streams(nb, ob, spec, old_sum)
     if spec.positions == "int32":
         ref.check_int32_addressable(nb.size)
     out = ext.encode(nb, ob, spec.positions == "gap16", spec.diff, spec.planar,
-                     resolve_threads(threads))
-    return ref.Streams(out["count"], out["positions"], out["escapes"], out["values"],
-                       out["s_new"], out["s_old"])
+                     old_sum is None, resolve_threads(threads))
+    if old_sum is None:
+        s_new, s_old = out["s_new"], out["s_old"]
+    else:
+        s_new, s_old = (old_sum + out["s_delta"]) & ref.MASK64, old_sum
+    return ref.Streams(out["count"], out["positions"], out["escapes"], out["values"], s_new,
+                       s_old)
 
 
 def apply_streams(bits: np.ndarray, streams: ref.Streams, spec: ref.StreamSpec,

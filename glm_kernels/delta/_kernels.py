@@ -97,8 +97,8 @@ def _checksum_kernel(x_ptr, partial_ptr, n, SIZE: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _encode_scan_kernel(new_ptr, old_ptr, local_ptr, stats_ptr, n, HASH_OLD: tl.constexpr,
-                        SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _encode_scan_kernel(new_ptr, old_ptr, local_ptr, stats_ptr, n, HASH_NEW: tl.constexpr,
+                        HASH_OLD: tl.constexpr, SIZE: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 1, one read of new and old: the offsets (within the program) of the changed
     elements, compacted to the front of the program's slice of ``local`` (uint16 in an int16
     view), and per program the change count and checksum sums."""
@@ -114,7 +114,9 @@ def _encode_scan_kernel(new_ptr, old_ptr, local_ptr, stats_ptr, n, HASH_OLD: tl.
     row = stats_ptr + pid.to(tl.int64) * _STATS
     tl.store(row, tl.sum(ones, axis=0).to(tl.int64))
     lo, hi = _block_word_index(start, local, SIZE)
-    _store_sum(row + 1, tl.sum(tl.where(in_bounds, _element_terms(x, lo, hi, SIZE), 0), axis=0))
+    if HASH_NEW:
+        _store_sum(row + 1, tl.sum(tl.where(in_bounds, _element_terms(x, lo, hi, SIZE), 0),
+                                   axis=0))
     if HASH_OLD:
         _store_sum(row + 3, tl.sum(tl.where(in_bounds, _element_terms(y, lo, hi, SIZE), 0),
                                    axis=0))
@@ -122,16 +124,17 @@ def _encode_scan_kernel(new_ptr, old_ptr, local_ptr, stats_ptr, n, HASH_OLD: tl.
 
 @triton.jit
 def _encode_write_kernel(new_ptr, old_ptr, local_ptr, counts_ptr, offset_ptr, prev_last_ptr,
-                         pos_ptr, val_ptr, count, GAP16: tl.constexpr, DIFF: tl.constexpr,
-                         PLANAR: tl.constexpr, SIZE: tl.constexpr, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         pos_ptr, val_ptr, delta_ptr, count, GAP16: tl.constexpr,
+                         DIFF: tl.constexpr, PLANAR: tl.constexpr, DELTA: tl.constexpr,
+                         SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Pass 2, work proportional to the changes: change j of program p goes to slot
     offset[p] + j; its gap is taken from the previous change (or the last change of earlier
-    programs for j = 0)."""
+    programs for j = 0). DELTA: also delta[p] = sum of term(new) - term(old) over them."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * BLOCK
     n_here = tl.load(counts_ptr + pid)
     base = tl.load(offset_ptr + pid)
+    acc = tl.zeros([CHUNK], tl.uint64)
     for k0 in range(0, n_here, CHUNK):
         k = k0 + tl.arange(0, CHUNK)
         valid = k < n_here
@@ -149,8 +152,14 @@ def _encode_write_kernel(new_ptr, old_ptr, local_ptr, counts_ptr, offset_ptr, pr
         else:   # int32 positions: the caller guarantees numel <= 2^31
             tl.store(pos_ptr + base + k, pos.to(tl.int32), mask=valid)
         x = tl.load(new_ptr + pos, mask=valid, other=0)
+        if DIFF or DELTA:
+            y = tl.load(old_ptr + pos, mask=valid, other=0)
+        if DELTA:
+            plo, phi = _gathered_word_index(pos, SIZE)
+            acc += tl.where(valid, _element_terms(x, plo, phi, SIZE) -
+                            _element_terms(y, plo, phi, SIZE), 0)
         if DIFF:  # zigzag of the wrapped integer difference: +-1 -> 2, 1
-            d = x - tl.load(old_ptr + pos, mask=valid, other=0)
+            d = x - y
             x = (d << 1) ^ (d >> (8 * SIZE - 1))
         if PLANAR:
             wide = x.to(tl.int64)        # sign extension does not reach the bytes kept
@@ -159,6 +168,8 @@ def _encode_write_kernel(new_ptr, old_ptr, local_ptr, counts_ptr, offset_ptr, pr
                          mask=valid)
         else:
             tl.store(val_ptr + base + k, x, mask=valid)
+    if DELTA:
+        _store_sum(delta_ptr + pid.to(tl.int64) * 2, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -275,21 +286,23 @@ def checksum_partials(x, partials, *, block, num_warps):
                                                    BLOCK=block, num_warps=num_warps)
 
 
-def encode_scan(new, old, local, stats, *, hash_old, block, num_warps):
+def encode_scan(new, old, local, stats, *, hash_new, hash_old, block, num_warps):
     """local: int16 [n] scratch; stats: int64 [programs, STATS]."""
     if new.numel():
         _encode_scan_kernel[_grid(new.numel(), block)](
-            new, old, local, stats, new.numel(), HASH_OLD=hash_old, SIZE=new.element_size(),
-            BLOCK=block, num_warps=num_warps)
+            new, old, local, stats, new.numel(), HASH_NEW=hash_new, HASH_OLD=hash_old,
+            SIZE=new.element_size(), BLOCK=block, num_warps=num_warps)
 
 
-def encode_write(new, old, local, counts, offsets, prev_last, positions, values, count, *,
-                 gap16, diff, planar, block):
+def encode_write(new, old, local, counts, offsets, prev_last, positions, values, deltas, count,
+                 *, gap16, diff, planar, block):
+    """deltas: int64 [programs, 2] checksum-change halves, or None (not computed)."""
     if count:
         _encode_write_kernel[_grid(new.numel(), block)](
-            new, old, local, counts, offsets, prev_last, positions, values, count, GAP16=gap16,
-            DIFF=diff, PLANAR=planar, SIZE=new.element_size(), BLOCK=block, CHUNK=WRITE_CHUNK,
-            num_warps=WRITE_WARPS, num_stages=1)
+            new, old, local, counts, offsets, prev_last, positions, values,
+            counts if deltas is None else deltas, count, GAP16=gap16, DIFF=diff,
+            PLANAR=planar, DELTA=deltas is not None, SIZE=new.element_size(), BLOCK=block,
+            CHUNK=WRITE_CHUNK, num_warps=WRITE_WARPS, num_stages=1)
 
 
 def gap_sums(gaps, sums, count, *, planar, block, num_warps):
@@ -338,31 +351,36 @@ def _spec(name, kernel, signature, constexprs, num_warps, num_stages=3):
     return AotSpec(name, kernel, sig, constexprs, num_warps=num_warps, num_stages=num_stages)
 
 
-def _delta_aot_specs(block=4096, num_warps=8):
-    """Every kernel at the GPU default tiles, for each element size the codec supports."""
+def _delta_aot_specs(num_warps=8):
+    """The kernels at the GPU default tiles (``_device.default_config``): every variant for
+    2-byte (bf16/fp16) and 8-byte elements, the main path for 1- and 4-byte ones."""
     specs = []
     for size in (1, 2, 4, 8):
+        block = 2048 if size == 8 else 4096
+        every = size in (2, 8)
         elem, tag = _INT[size], _INT[size][1:]
         specs.append(_spec(f"delta_checksum[{tag}]", _checksum_kernel,
                            {"x_ptr": elem, "partial_ptr": "*i64", "n": "i64"},
                            dict(SIZE=size, BLOCK=block), num_warps))
-        for hash_old in (False, True) if size in (2, 8) else (False,):
-            specs.append(_spec(f"delta_encode_scan[{tag},hash_old={hash_old}]",
-                               _encode_scan_kernel,
+        for hashes in ((True, False), (True, True), (False, False)) if every else ((True, False),):
+            specs.append(_spec(f"delta_encode_scan[{tag},hash_new={hashes[0]},"
+                               f"hash_old={hashes[1]}]", _encode_scan_kernel,
                                {"new_ptr": elem, "old_ptr": elem, "local_ptr": "*i16",
                                 "stats_ptr": "*i64", "n": "i64"},
-                               dict(HASH_OLD=hash_old, SIZE=size, BLOCK=block), num_warps))
-        for gap16, diff_planar in ((False, False), (True, False), (True, True)):
+                               dict(HASH_NEW=hashes[0], HASH_OLD=hashes[1], SIZE=size,
+                                    BLOCK=block), num_warps))
+        for gap16, diff_planar in ((False, False), (True, False), (True, True)) if every else \
+                ((True, False),):
             pos = "*u8" if diff_planar else ("*i16" if gap16 else "*i32")
             specs.append(_spec(
                 f"delta_encode_write[{tag},{'gap16' if gap16 else 'int32'}"
                 f"{',diff,planar' if diff_planar else ''}]", _encode_write_kernel,
                 {"new_ptr": elem, "old_ptr": elem, "local_ptr": "*i16", "counts_ptr": "*i64",
                  "offset_ptr": "*i64", "prev_last_ptr": "*i64", "pos_ptr": pos,
-                 "val_ptr": "*u8" if diff_planar else elem, "count": "i64"},
-                dict(GAP16=gap16, DIFF=diff_planar, PLANAR=diff_planar, SIZE=size, BLOCK=block,
-                     CHUNK=WRITE_CHUNK), WRITE_WARPS, num_stages=1))
-        for diff_planar in (False, True):
+                 "val_ptr": "*u8" if diff_planar else elem, "delta_ptr": "*i64", "count": "i64"},
+                dict(GAP16=gap16, DIFF=diff_planar, PLANAR=diff_planar, DELTA=gap16,
+                     SIZE=size, BLOCK=block, CHUNK=WRITE_CHUNK), WRITE_WARPS, num_stages=1))
+        for diff_planar in (False, True) if every else (False,):
             tag2 = "diff,planar" if diff_planar else "raw"
             vals = "*u8" if diff_planar else elem
             specs.append(_spec(
@@ -371,20 +389,21 @@ def _delta_aot_specs(block=4096, num_warps=8):
                  "partial_ptr": "*i64", "n": "i64", "count": "i64"},
                 dict(MAXPOS=_maxpos(size), DIFF=diff_planar, PLANAR=diff_planar, SIZE=size,
                      BLOCK=block, CHUNK=VERIFY_CHUNK), num_warps, num_stages=1))
-            specs.append(_spec(
-                f"delta_scatter[{tag},{tag2}]", _scatter_kernel,
-                {"pos_ptr": "*i64", "target_ptr": elem, "val_ptr": vals, "count": "i64"},
-                dict(MAXPOS=_maxpos(size), DIFF=diff_planar, PLANAR=diff_planar, SIZE=size,
-                     BLOCK=block), num_warps))
+            if every:
+                specs.append(_spec(
+                    f"delta_scatter[{tag},{tag2}]", _scatter_kernel,
+                    {"pos_ptr": "*i64", "target_ptr": elem, "val_ptr": vals, "count": "i64"},
+                    dict(MAXPOS=_maxpos(size), DIFF=diff_planar, PLANAR=diff_planar, SIZE=size,
+                         BLOCK=block), num_warps))
     for planar in (False, True):
         gaps = "*u8" if planar else "*i16"
         specs.append(_spec(f"delta_gap_sums[planar={planar}]", _gap_sums_kernel,
                            {"gaps_ptr": gaps, "sums_ptr": "*i64", "count": "i64"},
-                           dict(PLANAR=planar, BLOCK=block), num_warps))
+                           dict(PLANAR=planar, BLOCK=4096), num_warps))
         specs.append(_spec(f"delta_gap_positions[planar={planar}]", _gap_positions_kernel,
                            {"gaps_ptr": gaps, "esc_ptr": "*i64", "base_ptr": "*i64",
                             "esc_start_ptr": "*i64", "pos_ptr": "*i64", "count": "i64"},
-                           dict(PLANAR=planar, BLOCK=block), num_warps))
+                           dict(PLANAR=planar, BLOCK=4096), num_warps))
     return specs
 
 

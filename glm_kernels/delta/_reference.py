@@ -85,6 +85,22 @@ def finalize(s: int, n_words: int) -> bytes:
     return fmix64((s & MASK64) ^ ((n_words * GOLDEN64) & MASK64)).to_bytes(8, "little")
 
 
+_INV1 = pow(0xFF51AFD7ED558CCD, -1, 1 << 64)
+_INV2 = pow(0xC4CEB9FE1A85EC53, -1, 1 << 64)
+
+
+def unfinalize(checksum: bytes, n_words: int) -> int:
+    """S back from a checksum (fmix64 is a bijection: each xorshift by 33 is its own
+    inverse, each odd multiplier has an inverse mod 2^64)."""
+    h = int.from_bytes(checksum, "little")
+    h ^= h >> 33
+    h = (h * _INV2) & MASK64
+    h ^= h >> 33
+    h = (h * _INV1) & MASK64
+    h ^= h >> 33
+    return h ^ ((n_words * GOLDEN64) & MASK64)
+
+
 def words_per_element(size: int) -> int:
     return 2 if size == 8 else 1
 
@@ -215,10 +231,21 @@ class Streams:
     s_old: int = 0
 
 
-def encode_streams(nb: np.ndarray, ob: np.ndarray, spec: StreamSpec) -> Streams:
-    """Streams turning bit patterns ``ob`` into ``nb`` (unsigned arrays of one dtype)."""
+def encode_streams(nb: np.ndarray, ob: np.ndarray, spec: StreamSpec,
+                   old_sum: int = None) -> Streams:
+    """Streams turning bit patterns ``ob`` into ``nb`` (unsigned arrays of one dtype).
+
+    ``old_sum``: S of ``ob`` when the caller knows it; then neither tensor is hashed and
+    S(new) = S(old) + the changed elements' term differences.
+    """
     pos = np.flatnonzero(nb != ob)
     values = nb[pos]
+    if old_sum is None:
+        s_new, s_old = checksum_sum(nb), (checksum_sum(ob) if spec.diff else 0)
+    else:
+        delta = int(element_terms(values, pos).sum(dtype=np.uint64)) - int(
+            element_terms(ob[pos], pos).sum(dtype=np.uint64))
+        s_new, s_old = (old_sum + delta) & MASK64, old_sum
     if spec.diff:
         values = zigzag(values, ob[pos])
     escapes = np.zeros(0, np.uint64)
@@ -229,8 +256,7 @@ def encode_streams(nb: np.ndarray, ob: np.ndarray, spec: StreamSpec) -> Streams:
         positions, escapes = gap16_pack(pos)
     if spec.planar:
         positions, values = byte_group(positions), byte_group(values)
-    return Streams(int(pos.size), positions, escapes, values, checksum_sum(nb),
-                   checksum_sum(ob) if spec.diff else 0)
+    return Streams(int(pos.size), positions, escapes, values, s_new, s_old)
 
 
 def decode_positions(streams: Streams, spec: StreamSpec, numel: int) -> np.ndarray:

@@ -41,8 +41,8 @@ def _n_words(numel: int, dtype: torch.dtype) -> int:
 
 
 def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
-           zstd_level: int = 3, relative: bool = True, threads: int = -1,
-           config: Optional[DeltaKernelConfig] = None) -> DeltaPacket:
+           zstd_level: int = 3, relative: bool = True, old_checksum: Optional[bytes] = None,
+           threads: int = -1, config: Optional[DeltaKernelConfig] = None) -> DeltaPacket:
     """Packet that turns ``old`` into ``new`` bit for bit.
 
     Parameters
@@ -62,6 +62,12 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
         zstd only: code values as zigzag(new - old) of the bit patterns (an optimizer step of
         one unit in the last place costs ~1 bit); the packet then carries the base checksum
         and applies only onto that exact base.
+    old_checksum : bytes (8), optional
+        ``checksum(old)`` when the caller knows it -- the previous packet's
+        ``result_checksum`` in a chain of updates. Then neither tensor is hashed (the result
+        checksum is derived from it and the changed elements only), which makes encode
+        several times cheaper on the host and removes the checksum from the GPU's read pass.
+        A wrong value makes every receiver refuse the packet; it cannot corrupt a target.
     threads : int, default -1 (every core)
         Host threads (C++ codec, zstd frames).
     config : DeltaKernelConfig, optional
@@ -96,19 +102,26 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
     relative = bool(relative) and encoding == "zstd"
     spec = stream_spec(encoding, relative)
     size, n = new.element_size(), new.numel()
+    words = _n_words(n, new.dtype)
+    old_sum = None
+    if old_checksum is not None:
+        if not isinstance(old_checksum, (bytes, bytearray)) or len(old_checksum) != 8:
+            raise TypeError(f"old_checksum must be 8 bytes (a checksum()), got "
+                            f"{type(old_checksum).__name__} {old_checksum!r:.40}")
+        old_sum = ref.unfinalize(bytes(old_checksum), words)
     backend = _dispatch.select_backend("delta.encode", new, old)
     if backend == "torch":
         nb = ref.np_bits(new.detach().cpu().contiguous())
         ob = ref.np_bits(old.detach().cpu().contiguous())
-        streams = _host_codec.encode_streams(nb, ob, spec, threads)
+        streams = _host_codec.encode_streams(nb, ob, spec, threads, old_sum)
         payload = build_payload(streams, encoding, size, zstd_level, threads)
         count, n_esc, s_new, s_old = (streams.count, streams.escapes.size, streams.s_new,
                                       streams.s_old)
     else:
-        cfg = config or default_config(new.device)
+        cfg = config or default_config(new.device, size)
         dev = _device.encode(ref.int_view(new.detach().contiguous()),
                              ref.int_view(old.detach().contiguous()), spec, encoding, cfg,
-                             hash_old=relative)
+                             old_sum)
         count, n_esc, s_new, s_old = dev.count, dev.n_escapes, dev.s_new, dev.s_old
         if encoding == "zstd":
             planes = dev.planes.cpu().numpy()
@@ -117,7 +130,6 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
             payload = build_payload(streams, encoding, size, zstd_level, threads)
         else:
             payload = dev.payload
-    words = _n_words(n, new.dtype)
     return DeltaPacket(new.dtype, n, encoding, count, n_esc, ref.finalize(s_new, words),
                        ref.finalize(s_old, words) if relative else b"", payload)
 
@@ -183,7 +195,7 @@ def apply_(target: torch.Tensor, packet: DeltaPacket, *, threads: int = -1,
         else:
             host_streams = parse_payload(packet, threads) if packet.encoding == "zstd" else None
             _device.apply(ref.int_view(target), packet, spec, host_streams,
-                          config or default_config(target.device))
+                          config or default_config(target.device, target.element_size()))
     if packet.count and hasattr(torch.autograd.graph, "increment_version"):
         torch.autograd.graph.increment_version(target)   # written behind autograd's back
     return target
@@ -208,7 +220,7 @@ def checksum(t: torch.Tensor, *, threads: int = -1,
         s = _host_codec.checksum_sum(ref.np_bits(t.detach().cpu().contiguous()), threads)
     else:
         s = _device.checksum_sum(ref.int_view(t.detach().contiguous()),
-                                 config or default_config(t.device))
+                                 config or default_config(t.device, t.element_size()))
     return ref.finalize(s, words)
 
 

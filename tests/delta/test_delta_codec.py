@@ -226,3 +226,27 @@ def test_header_fields_roundtrip():
     v1[4:6] = struct.pack("<H", 1)
     with pytest.raises(ValueError, match="version"):
         DeltaPacket.from_bytes(bytes(v1))
+
+
+@pytest.mark.parametrize("enc", ENCODINGS)
+def test_old_checksum_skips_hashing_and_gives_the_same_packet(enc):
+    new, old = random_pair(20011, 0.03, torch.bfloat16, seed=12)
+    plain = encode(new, old, encoding=enc)
+    chained = encode(new, old, encoding=enc, old_checksum=checksum(old))
+    assert chained.result_checksum == plain.result_checksum == checksum(new)
+    assert chained.base_checksum == plain.base_checksum
+    if enc != "zstd":
+        assert bytes(chained.payload) == bytes(plain.payload)
+    target = old.clone()
+    apply_(target, chained)
+    assert_bits_equal(target, new)
+    liar = encode(new, old, encoding=enc, old_checksum=checksum(new))   # wrong: refused
+    _refused(old.clone(), liar)
+    with pytest.raises(TypeError, match="old_checksum"):
+        encode(new, old, old_checksum="abc")
+
+
+def test_unfinalize_inverts_finalize():
+    from glm_kernels.delta import _reference as ref
+    for s, w in ((0, 0), (1, 7), (2 ** 64 - 1, 12345), (0x0123456789ABCDEF, 2 ** 40)):
+        assert ref.unfinalize(ref.finalize(s, w), w) == s

@@ -233,3 +233,14 @@ def test_checksum_change_of_a_small_step_spans_64_bits():
     delta = ref.word_terms(w + np.uint64(1), i) - ref.word_terms(w, i)
     signed = delta.view(np.int64)
     assert np.mean(np.abs(signed.astype(np.float64)) > 2.0 ** 56) > 0.9
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_known_old_sum_cpp_and_numpy(spec):
+    nb, ob = _np_pair(70001, 0.02, torch.float32, seed=14)
+    full = ref.encode_streams(nb, ob, spec)
+    s_old = ref.checksum_sum(ob)
+    for streams in (ref.encode_streams(nb, ob, spec, s_old),
+                    _host_codec.encode_streams(nb, ob, spec, 2, s_old)):
+        assert (streams.s_new, streams.s_old) == (full.s_new, s_old)
+        assert streams.values.tobytes() == full.values.tobytes()

@@ -144,6 +144,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="num_warps"):
         DeltaKernelConfig(num_warps=3)
     assert _device.default_config(torch.device("cuda")) == DeltaKernelConfig()
+    assert _device.default_config(torch.device("cuda"), 8).block == 2048
 
 
 def test_kernel_backend_is_selected(kernel_backend):
@@ -157,3 +158,16 @@ def test_gpu_large_roundtrip(enc):
     """On a GPU: 2^24 bf16 elements at 1 % density, default tiles."""
     new, old = random_pair(1 << 24, 0.01, torch.bfloat16, seed=11)
     _kernel_roundtrip(new, old, enc, _device.default_config(torch.device("cuda")))
+
+
+@pytest.mark.parametrize("enc", ENCODINGS)
+def test_kernel_old_checksum_matches_host(kernel_backend, enc):
+    new, old = random_pair(3001, 0.05, torch.float16, seed=13)
+    with glm_kernels.force_backend("torch"):
+        host = encode(new, old, encoding=enc)
+        old_ck = checksum(old)
+    pkt = encode(new.to(DEVICE), old.to(DEVICE), encoding=enc, old_checksum=old_ck, config=SMALL)
+    assert (pkt.result_checksum, pkt.base_checksum) == (host.result_checksum, host.base_checksum)
+    target = old.to(DEVICE)
+    apply_(target, pkt, config=SMALL)
+    assert_bits_equal(target.cpu(), new)
