@@ -66,7 +66,7 @@ def fused_linear_grpo_loss(cfg, advantages: torch.Tensor, row_of: Dict[int, int]
     (``fused_linear_icepop_loss``: the [tokens, vocab] logits are never materialized)."""
     def loss_fn(model, mb_samples, batch):
         adv = advantages[[row_of[id(s)] for s in mb_samples]]                # [B], per sample
-        loss, m = fused_linear_icepop_loss(model.hidden(batch.inputs), model.head.weight,
+        loss, m = fused_linear_icepop_loss(model.hidden(batch.inputs), model.lm_head.weight,
                                            batch.targets, batch.rollout_logprobs, adv,
                                            batch.loss_mask, **icepop_kwargs(cfg))
         return loss, m, {}

@@ -37,8 +37,10 @@ class TrainerConfig:
     opd_lr: float = 2e-3
     opd_prompts_per_step: int = 32
     opd_ratio: float = 0.4           # fraction of OPD prompts drawn from the first task
-    # trainer mechanics
+    # optimizer of RL and OPD: MuonSplit (Muon lr for matrices; rl_lr / opd_lr for AdamW parts)
+    muon_lr: float = 0.01
     weight_decay: float = 0.0
+    # trainer mechanics
     dp_ranks: int = 2                # simulated data-parallel ranks
     packing: str = "kk"              # "first_fit" or "kk" (Karmarkar-Karp balanced)
     max_tokens_per_microbatch: int = 256
@@ -82,7 +84,7 @@ class TrainerConfig:
             if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
                 raise TypeError(f"config.{f.name} must be {expected.__name__}, got {v!r}")
         positive = ("num_digits", "d_model", "n_layers", "n_heads", "n_experts", "top_k",
-                    "n_expert_groups", "topk_groups", "sft_batch", "sft_lr", "rl_lr",
+                    "n_expert_groups", "topk_groups", "sft_batch", "sft_lr", "rl_lr", "muon_lr",
                     "prompts_per_step", "opd_lr", "opd_prompts_per_step", "dp_ranks",
                     "max_tokens_per_microbatch", "rollout_batch_samples", "max_ahead_steps", "eps_low",
                     "eps_high", "eval_prompts")

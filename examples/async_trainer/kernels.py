@@ -1,16 +1,13 @@
 """Every place the example selects, routes, optimizes or measures KL goes through here.
 
-Each uses the glm_kernels kernel (Triton on CUDA tensors, the torch reference on CPU). Where
-this checkout does not have a kernel yet, a plain torch stand-in with the same contract is
-used and announced once in the log (never silently).
+Each uses the glm_kernels kernel (Triton on CUDA tensors, the torch reference on CPU).
 """
 import torch
 
 from glm_kernels.loss import reverse_kl_from_logits
+from glm_kernels.optim import MuonSplit, muon_param_groups
 from glm_kernels.topk import moe_route as _moe_route
 from glm_kernels.topk import topk as _topk
-
-from .log import warn_once
 
 
 def topk(x: torch.Tensor, k: int):
@@ -30,11 +27,14 @@ def moe_route(router_logits: torch.Tensor, k: int, bias: torch.Tensor, n_group: 
     return ids, weights
 
 
-def make_optimizer(model, lr: float, weight_decay: float):
-    """The RL optimizer. Stand-in until glm_kernels.optim.MuonSplit lands: AdamW."""
-    warn_once("optim", "glm_kernels.optim.MuonSplit not available in this checkout: "
-                       "using torch.optim.AdamW for every parameter")
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+def make_optimizer(model, cfg, adamw_lr: float):
+    """``glm_kernels.optim.MuonSplit``: Muon per head for the MLA up-projections and per
+    expert for the MoE weights, Muon for the other hidden matrices, AdamW (``adamw_lr``) for
+    embeddings, the lm_head, norms and biases (``muon_param_groups``' routing)."""
+    from .model import head_splits     # model.py imports this module (routing, top-k)
+    groups = muon_param_groups(model, head_splits=head_splits(model))
+    return MuonSplit(groups, lr=cfg.muon_lr, adamw_lr=adamw_lr,
+                     weight_decay=cfg.weight_decay)
 
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,11 @@ class MoE(nn.Module):
         # the optimizer; ``update_balance_bias`` nudges it towards equal expert load.
         self.register_buffer("route_bias", torch.zeros(n_experts))
         self.register_buffer("load", torch.zeros(n_experts), persistent=False)
-        self.up = nn.Parameter(torch.randn(n_experts, d, 2 * d) * d ** -0.5)
-        self.down = nn.Parameter(torch.randn(n_experts, 2 * d, d) * (2 * d) ** -0.5)
+        # Expert weights stacked expert-major as 2-D matrices (the grouped-GEMM layout):
+        # up [E * d, 2d], down [E * 2d, d]. Muon Split orthogonalizes each expert's block.
+        self.n_experts = n_experts
+        self.up = nn.Parameter(torch.randn(n_experts * d, 2 * d) * d ** -0.5)
+        self.down = nn.Parameter(torch.randn(n_experts * 2 * d, d) * (2 * d) ** -0.5)
 
     def forward(self, x):
         b, t, d = x.shape
@@ -46,8 +49,10 @@ class MoE(nn.Module):
                                    self.topk_group)                       # [N, k] each
         if self.training:
             self.load += torch.bincount(ids.flatten(), minlength=self.load.numel()).float()
-        h = torch.einsum("nd,edf->nef", flat, self.up).relu()
-        y = torch.einsum("nef,efd->ned", h, self.down)                     # all experts (tiny)
+        up = self.up.view(self.n_experts, d, 2 * d)
+        down = self.down.view(self.n_experts, 2 * d, d)
+        h = torch.einsum("nd,edf->nef", flat, up).relu()
+        y = torch.einsum("nef,efd->ned", h, down)                          # all experts (tiny)
         picked = y.gather(1, ids[..., None].expand(*ids.shape, d))        # [N, k, d]
         return (picked * w[..., None].to(picked.dtype)).sum(1).view(b, t, d)
 
@@ -68,7 +73,7 @@ class TinyLM(nn.Module):
                            MoE(d, cfg.n_experts, cfg.top_k, cfg.n_expert_groups,
                                cfg.topk_groups)])
             for _ in range(cfg.n_layers))
-        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def hidden(self, tokens):
         """Last hidden states after the final norm, [B, T, d] (the lm_head's input)."""
@@ -79,7 +84,7 @@ class TinyLM(nn.Module):
         return self.norm(x)
 
     def forward(self, tokens):
-        return self.head(self.hidden(tokens))
+        return self.lm_head(self.hidden(tokens))
 
     def update_balance_bias(self, rate: float) -> None:
         for *_, moe in self.blocks:
@@ -87,10 +92,13 @@ class TinyLM(nn.Module):
 
 
 def head_splits(model: TinyLM) -> dict:
-    """Per-head row blocks of the MLA up-projections, for Muon Split: parameter name ->
-    (num_heads, block_rows). q_b: one [dh] block per head; kv_b: [dh (k), dh (v)] per head."""
+    """Row blocks for Muon Split, parameter name -> (blocks, block_rows): the MLA
+    up-projections per head (q_b: one [dh] block per head; kv_b: [dh (k), dh (v)] per head,
+    like GLM-5's kv_b 64 x [192, 256]) and the MoE weights per expert."""
     out = {}
-    for i, (_, attn, _, _) in enumerate(model.blocks):
+    for i, (_, attn, _, moe) in enumerate(model.blocks):
         out[f"blocks.{i}.1.q_b.weight"] = (attn.h, [attn.dh])
         out[f"blocks.{i}.1.kv_b.weight"] = (attn.h, [attn.dh, attn.dh])
+        out[f"blocks.{i}.3.up"] = (moe.n_experts, [moe.up.shape[0] // moe.n_experts])
+        out[f"blocks.{i}.3.down"] = (moe.n_experts, [moe.down.shape[0] // moe.n_experts])
     return out

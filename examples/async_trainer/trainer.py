@@ -229,7 +229,7 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
     cfg, stage = run.cfg, f"rl:{task_name}"
     start, model_state, opt_state = _resume_state(run, stage)
     model = new_model(cfg, model_state if model_state is not None else sft_state)
-    opt = kernels.make_optimizer(model, cfg.rl_lr, cfg.weight_decay)
+    opt = kernels.make_optimizer(model, cfg, cfg.rl_lr)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
 
@@ -252,7 +252,7 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
     cfg, stage = run.cfg, "opd"
     start, model_state, opt_state = _resume_state(run, stage)
     model = new_model(cfg, model_state if model_state is not None else sft_state)
-    opt = kernels.make_optimizer(model, cfg.opd_lr, cfg.weight_decay)
+    opt = kernels.make_optimizer(model, cfg, cfg.opd_lr)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     for t in teachers.values():

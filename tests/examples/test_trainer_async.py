@@ -134,6 +134,29 @@ def test_observation_tokens_get_no_loss_and_no_gradient():
     assert float(grad[obs].abs().sum()) == 0.0 and float(grad[~obs & (batch.loss_mask > 0)].abs().sum()) > 0
 
 
+def test_optimizer_is_muon_split_per_head_and_per_expert():
+    from glm_kernels.optim import MuonSplit
+    from examples.async_trainer.kernels import make_optimizer
+    cfg = TrainerConfig().validate()
+    model = TinyLM(cfg, task.vocab_size(cfg))
+    opt = make_optimizer(model, cfg, adamw_lr=1e-3)
+    assert isinstance(opt, MuonSplit)
+    split_of = {n: (g["use_muon"], g.get("head_split")) for g in opt.param_groups
+                for n in g["param_names"]}
+    dh = cfg.d_model // cfg.n_heads
+    assert split_of["blocks.0.1.q_b.weight"][1].block_rows == (dh,)
+    assert split_of["blocks.0.1.kv_b.weight"][1].block_rows == (dh, dh)
+    assert split_of["blocks.1.3.up"][1].num_heads == cfg.n_experts
+    assert split_of["blocks.0.1.o.weight"] == (True, None)             # plain Muon
+    for name in ("lm_head.weight", "emb.weight", "pos.weight", "norm.weight"):
+        assert split_of[name][0] is False, name                         # AdamW
+    loss = model(torch.randint(0, 10, (2, 7))).logsumexp(-1).mean()
+    loss.backward()
+    before = model.blocks[0][1].q_b.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.blocks[0][1].q_b.weight)
+
+
 def _check_accounting(out, cfg, stage, steps, per_step):
     ids = out["trained_ids"][stage]
     assert len(ids) == len(set(ids)) == steps * per_step, stage          # none trained twice
