@@ -112,14 +112,15 @@ def _sym_product_kernel(
     if tile_i != tile_j:
         tl.store(out_base + mirror, c, mask=in_tile)
     if HAS_OUT2:
-        # the identity covers the block's true rows only: padding stays exactly zero
-        m_true = tl.load(dims_ptr + blk * 3 + 2)
-        diagonal = (rows_i[:, None] == rows_j[None, :]) & (rows_i < m_true)[:, None]
-        c2 = c + tl.where(diagonal, shift, 0.0)
         out2_base = tl.multiple_of(out2_ptr + dst, 16)
-        tl.store(out2_base + tile, c2, mask=in_tile)
-        if tile_i != tile_j:
-            tl.store(out2_base + mirror, c2, mask=in_tile)
+        if tile_i == tile_j:
+            # the identity covers the block's true rows only: padding stays exactly zero
+            m_true = tl.load(dims_ptr + blk * 3 + 2)
+            diagonal = (rows_i[:, None] == rows_j[None, :]) & (rows_i < m_true)[:, None]
+            tl.store(out2_base + tile, c + tl.where(diagonal, shift, 0.0), mask=in_tile)
+        else:
+            tl.store(out2_base + tile, c, mask=in_tile)
+            tl.store(out2_base + mirror, c, mask=in_tile)
 
 
 @triton.jit

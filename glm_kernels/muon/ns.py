@@ -42,14 +42,17 @@ class NSConfig:
         ``standard``, fp16 for ``gram``. fp32 runs exact fp32 products (slow; for tests).
     restart_every: ``gram`` re-anchors on X before steps restart_every, 2*restart_every, ...
         (3: one restart in a 5-step schedule). 0 disables restarts.
-    block: row tile of the symmetric and left-multiply kernels (64 or 128 on GPU).
-    block_n, block_k: column and reduction tiles. fused_max_m: ``gram`` blocks with at most
-        this many rows run the one-program-per-block kernel (0 disables it).
-    num_warps, num_stages: launch options.
+    block: tile of the symmetric (triangle-only) products; smaller tiles skip more of the
+        upper triangle (m = 256: 10/16 tiles at 64, 3/4 at 128).
+    block_m, block_n, block_k: row, column and reduction tiles of the left multiplications.
+    fused_max_m: ``gram`` blocks with at most this many rows (<= 64) run the
+        one-program-per-block kernel (0 disables it).
+    num_warps, num_stages: launch options (0: 4 warps per 64-row tile, 8 per 128; 3 stages).
     """
     operand_dtype: Optional[torch.dtype] = None
     restart_every: int = 3
     block: int = 0
+    block_m: int = 0
     block_n: int = 0
     block_k: int = 0
     fused_max_m: int = 64
@@ -60,12 +63,12 @@ class NSConfig:
         if self.operand_dtype is not None and self.operand_dtype not in _OPERAND_DTYPES:
             raise ValueError(f"NSConfig.operand_dtype must be one of {_OPERAND_DTYPES} or None, "
                              f"got {self.operand_dtype}")
-        for name in ("restart_every", "block", "block_n", "block_k", "fused_max_m",
+        for name in ("restart_every", "block", "block_m", "block_n", "block_k", "fused_max_m",
                      "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"NSConfig.{name} must be an int >= 0, got {value!r}")
-        for name in ("block", "block_n", "block_k"):
+        for name in ("block", "block_m", "block_n", "block_k"):
             value = getattr(self, name)
             if value and (value < 16 or value & (value - 1)):
                 raise ValueError(f"NSConfig.{name} must be 0 or a power of two >= 16, "
@@ -78,10 +81,12 @@ class _Launch:
     operand_dtype: torch.dtype
     restarts: Tuple[int, ...]
     block: int
+    block_m: int
     block_n: int
     block_k: int
     fused_max_m: int
-    num_warps: int
+    sym_warps: int
+    left_warps: int
     num_stages: int
 
 
@@ -91,20 +96,25 @@ def _resolve(config: NSConfig, method: str, steps: int, ms: Sequence[int],
     if interpret:
         # The interpreter runs every program in numpy (a fixed cost per operation): few,
         # mid-sized tiles keep tests fast; blocks past 32 rows still span several tiles.
-        block, block_n, block_k, warps = 32, 64, 32, 4
+        block, block_m, block_n, block_k = 32, 32, 64, 32
     else:
+        # Triangle products: 64-row tiles skip more of the upper triangle for per-head
+        # blocks (m <= 512); left products: 128-row tiles once every block has 128 rows.
         padded = [_ceil(m, _PAD) for m in ms] or [128]
-        block = 128 if min(padded) >= 128 and all(m % 128 == 0 or m >= 512 for m in padded) \
-            else 64
-        block_n, block_k, warps = 128, 64, (8 if block == 128 else 4)
-    fused = config.fused_max_m if method == "gram" else 0
+        block = 128 if max(padded) > 512 else 64
+        block_m = 128 if min(padded) >= 128 else 64
+        block_n, block_k = 128, 64
+    block, block_m = config.block or block, config.block_m or block_m
+    warps = lambda tile: config.num_warps or (8 if tile >= 128 else 4)   # noqa: E731
     return _Launch(
         operand_dtype=operand,
         restarts=_reference.gram_restarts(steps, config.restart_every) if method == "gram"
         else (),
-        block=config.block or block, block_n=config.block_n or block_n,
-        block_k=config.block_k or block_k, fused_max_m=min(fused, 64),
-        num_warps=config.num_warps or warps, num_stages=config.num_stages or 3)
+        block=block, block_m=block_m, block_n=config.block_n or block_n,
+        block_k=config.block_k or block_k,
+        fused_max_m=min(config.fused_max_m, 64) if method == "gram" else 0,
+        sym_warps=warps(block), left_warps=warps(block_m),
+        num_stages=config.num_stages or 3)
 
 
 def _ceil(x: int, multiple: int) -> int:
@@ -123,16 +133,17 @@ class _Plan:
     fused_sources: Tuple[bool, ...]   # per source: handled by the fused kernel
 
 
-def _tables(blocks, block, block_n, device):
+def _tables(blocks, block, block_m, block_n, device):
     """Tile tables for blocks = [(m_pad, n_pad, m_true, x_off, a_off)], heaviest first."""
     order = sorted(range(len(blocks)), key=lambda b: -blocks[b][0] * blocks[b][1])
     sym, left, left_sq = [], [], []
     for b in order:
         m_pad, n_pad = blocks[b][0], blocks[b][1]
-        tiles_m = -(-m_pad // block)
-        sym += [(b, i, j) for i in range(tiles_m) for j in range(i + 1)]
-        left += [(b, i, j) for i in range(tiles_m) for j in range(-(-n_pad // block_n))]
-        left_sq += [(b, i, j) for i in range(tiles_m) for j in range(tiles_m)]
+        tiles = -(-m_pad // block)
+        rows = -(-m_pad // block_m)
+        sym += [(b, i, j) for i in range(tiles) for j in range(i + 1)]
+        left += [(b, i, j) for i in range(rows) for j in range(-(-n_pad // block_n))]
+        left_sq += [(b, i, j) for i in range(rows) for j in range(rows)]
     i32 = dict(dtype=torch.int32, device=device)
     i64 = dict(dtype=torch.int64, device=device)
     return {
@@ -148,13 +159,16 @@ def _tables(blocks, block, block_n, device):
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(shapes: Tuple[Tuple[int, int, int], ...], block: int, block_n: int,
+def _plan(shapes: Tuple[Tuple[int, int, int], ...], block: int, block_m: int, block_n: int,
           fused_max_m: int, device: torch.device) -> _Plan:
     """shapes: (count, m, n) per source with m <= n."""
     x_off = a_off = 0
     tiled, fused, source_x, fused_sources = [], [], [], []
     for count, m, n in shapes:
         m_pad, n_pad = _ceil(m, _PAD), _ceil(n, _PAD)
+        if m_pad * n_pad >= 2 ** 31:
+            raise ValueError(f"newton_schulz: a {m} x {n} block has more than 2^31 elements "
+                             "(the kernels index within a block in int32)")
         in_fused = 0 < m <= fused_max_m
         fused_sources.append(in_fused)
         source_x.append(x_off)
@@ -164,8 +178,8 @@ def _plan(shapes: Tuple[Tuple[int, int, int], ...], block: int, block_n: int,
             if not in_fused:
                 a_off += m_pad * m_pad
     return _Plan(x_off, a_off, source_x,
-                 _tables(tiled, block, block_n, device) if tiled else None,
-                 _tables(fused, block, block_n, device) if fused else None,
+                 _tables(tiled, block, block_m, block_n, device) if tiled else None,
+                 _tables(fused, block, block_m, block_n, device) if fused else None,
                  tuple(fused_sources))
 
 
@@ -231,7 +245,8 @@ def _orthogonalize_triton(sources, schedule, method, eps, config, interpret):
 
     shapes = tuple((s.shape[0], min(s.shape[-2:]), max(s.shape[-2:])) for s in sources)
     run = _resolve(config, method, len(schedule), [m for _, m, _ in shapes], interpret)
-    plan = _plan(shapes, run.block, run.block_n, run.fused_max_m, sources[0].device)
+    plan = _plan(shapes, run.block, run.block_m, run.block_n, run.fused_max_m,
+                 sources[0].device)
     storage = run.operand_dtype
     packed = _pack(sources, plan, shapes, eps, storage)
     if not schedule:
@@ -241,17 +256,15 @@ def _orthogonalize_triton(sources, schedule, method, eps, config, interpret):
                  torch.float32: tl.float32}[storage]
     opts = dict(dot_dtype=dot_dtype, upcast=interpret and storage == torch.bfloat16,
                 input_precision="ieee" if storage == torch.float32 else "tf32",
-                num_warps=run.num_warps, num_stages=run.num_stages)
+                num_stages=run.num_stages)
     if plan.fused is not None:
         # In place on the packed workspace; the tiled launches never touch these blocks.
         fused_m = max(m for (_, m, _), f in zip(shapes, plan.fused_sources) if f)
         block_m = max(16, 1 << (fused_m - 1).bit_length()) if interpret else 64
+        coefs, flags = _fused_schedule(tuple(schedule), run.restarts, packed.device)
         _kernels.gram_fused(plan.fused["block_ids"], plan.fused["dims_x"],
-                            plan.fused["x_off"], packed,
-                            torch.tensor(schedule, dtype=torch.float32, device=packed.device),
-                            torch.tensor(_fused_flags(len(schedule), run.restarts),
-                                         dtype=torch.int32, device=packed.device),
-                            block_m=block_m, block_k=run.block_k, **opts)
+                            plan.fused["x_off"], packed, coefs, flags,
+                            block_m=block_m, block_k=run.block_k, num_warps=4, **opts)
     final = packed
     if plan.tiled is not None:
         final = _run_tiled(_kernels, plan, packed, schedule, method, run, opts)
@@ -260,18 +273,25 @@ def _orthogonalize_triton(sources, schedule, method, eps, config, interpret):
         plan.fused_sources)]
 
 
-def _fused_flags(steps: int, restarts: Sequence[int]) -> List[int]:
-    """Per step: bit 0 restart before it, bit 1 Q starts afresh, bit 2 update R after it."""
-    return [(1 if (s in restarts and s > 0) else 0)
-            | (2 if (s == 0 or s in restarts) else 0)
-            | (4 if (s + 1 < steps and (s + 1) not in restarts) else 0) for s in range(steps)]
+@functools.lru_cache(maxsize=64)
+def _fused_schedule(schedule: Tuple[Tuple[float, float, float], ...], restarts: Tuple[int, ...],
+                    device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Device copies (made once) of the coefficients [steps, 3] and the per-step flags:
+    bit 0 restart before the step, bit 1 Q starts afresh, bit 2 update R after it."""
+    steps = len(schedule)
+    flags = [(1 if (s in restarts and s > 0) else 0)
+             | (2 if (s == 0 or s in restarts) else 0)
+             | (4 if (s + 1 < steps and (s + 1) not in restarts) else 0) for s in range(steps)]
+    return (torch.tensor(schedule, dtype=torch.float32, device=device),
+            torch.tensor(flags, dtype=torch.int32, device=device))
 
 
 def _run_tiled(_kernels, plan, x, schedule, method, run, opts):
     """Every step as a few launches over all tiled blocks; returns the buffer holding X_T."""
     t = plan.tiled
-    sym_opts = dict(opts, block=run.block, block_k=run.block_k)
-    left_opts = dict(opts, block_m=run.block, block_n=run.block_n, block_k=run.block_k)
+    sym_opts = dict(opts, block=run.block, block_k=run.block_k, num_warps=run.sym_warps)
+    left_opts = dict(opts, block_m=run.block_m, block_n=run.block_n, block_k=run.block_k,
+                     num_warps=run.left_warps)
 
     def sym(s1, s2, out, *, square, d=None, out2=None, alpha=1.0, beta=0.0, shift=0.0):
         """out = alpha s1 s2^T + beta d (+ out2 = out + shift I); s = X (m x n) or m x m."""
@@ -288,7 +308,7 @@ def _run_tiled(_kernels, plan, x, schedule, method, run, opts):
         """xout = lhs xin + beta xin (xin: m x m fp32)."""
         _kernels.left_multiply(t["left_sq_tiles"], t["dims_a"], t["a_off"], t["a_off"], lhs,
                                xin, xout, alpha=1.0, beta=beta,
-                               **dict(left_opts, block_n=run.block))
+                               **dict(left_opts, block_n=run.block_m))
 
     x_next = _workspace(x.shape, x.dtype, x.device)
     mats = _workspace((5 if method == "gram" else 2, plan.a_numel), torch.float32, x.device)
@@ -352,7 +372,7 @@ def _orthogonalize_split(G, num_heads, block_rows, schedule, method, eps, config
 
 def _config_args(config: NSConfig):
     return (config.restart_every, config.operand_dtype,
-            [config.block, config.block_n, config.block_k, config.fused_max_m,
+            [config.block, config.block_m, config.block_n, config.block_k, config.fused_max_m,
              config.num_warps, config.num_stages])
 
 

@@ -251,3 +251,11 @@ def test_torch_compile_fullgraph():
     with glm_kernels.force_backend("torch"):
         assert_close(compiled(G), newton_schulz(G, coefficients="polar_express"), tol=1e-6,
                      name="compiled")
+
+
+def test_custom_op_registration():
+    G = _randn((3, 12, 10), 15)                   # batch of 3, 2 heads x [4, 2] rows
+    torch.library.opcheck(ns._orthogonalize_op,
+                          (G, 2, [4, 2], [3.4445, -4.775, 2.0315] * 2, "standard", 1e-7, 3, None,
+                           [0] * 7),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -92,3 +92,18 @@ def test_split_kernel_mixed_fused_and_tiled_gram(kernel_backend):
     split = HeadSplit(2, [72, 40])
     out = muon_split_orthogonalize(G, split, method="gram", config=FP32)
     assert_close(out, _loop_reference(G, split, method="gram"), tol=5e-5, name="mixed gram")
+
+
+def test_docstring_and_doc_examples():
+    import doctest
+    import os
+    import sys
+    import glm_kernels
+    for name in ("glm_kernels.muon.ns", "glm_kernels.muon.split", "glm_kernels.muon.optimizer"):
+        with glm_kernels.force_backend("torch"):
+            failed, attempted = doctest.testmod(sys.modules[name], verbose=False)
+        assert attempted > 0 and failed == 0, f"{name}: {failed} of {attempted}"
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "muon.md")
+    with glm_kernels.force_backend("torch"):
+        failed, attempted = doctest.testfile(doc, module_relative=False, verbose=False)
+    assert attempted > 0 and failed == 0, f"docs/muon.md: {failed} of {attempted}"
