@@ -11,7 +11,8 @@ Bytes per changed element = serialized packet bytes (72-byte header included) / 
 glm_kernels int32 / gap16 / zstd (level 3, base-relative) and two baselines: slime-style XOR
 + zstd-1 (the whole XOR'd tensor at level 1) and int32 + zstd-1 (int32 positions and raw
 values at level 1).
-Throughput: encode, and apply (verified, in place), per encoding, on this machine's backend;
+Throughput: encode (cold; and chained: ``old_checksum`` given, as a sender streaming versions
+does), and apply (verified, in place), per encoding, on this machine's backend;
 peer: a torch ne/nonzero/gather pipeline (int32 positions + values, no checksum) and its
 index_copy apply. Floors over the copy bandwidth measured in the same run: encode reads new
 and old and writes the payload; apply reads the target once (the verification every apply
@@ -35,7 +36,7 @@ import _common  # noqa: E402
 
 import glm_kernels  # noqa: E402
 from glm_kernels import _dispatch  # noqa: E402
-from glm_kernels.delta import ENCODINGS, DeltaPacket, apply_, encode  # noqa: E402
+from glm_kernels.delta import ENCODINGS, DeltaPacket, apply_, checksum, encode  # noqa: E402
 from glm_kernels.delta import _host_codec  # noqa: E402
 from glm_kernels.delta import _reference as ref  # noqa: E402
 
@@ -140,6 +141,7 @@ def measure_input(name, new, old, device, bandwidth, zstandard, repeats):
         xor_b, int32_b = baseline_bytes(new, old, zstandard)
         row["xor_zstd1_B/chg"] = xor_b / max(count, 1)
         row["int32_zstd1_B/chg"] = int32_b / max(count, 1)
+    old_ck = checksum(old)
     for enc, pkt in pkts.items():
         back = encode(old, new, encoding=enc)        # apply forward then back: always valid
         target = old.clone()
@@ -151,12 +153,15 @@ def measure_input(name, new, old, device, bandwidth, zstandard, repeats):
         timer = (lambda f: _wall(f, repeats)) if host_bound else \
             (lambda f: _time(f, device, repeats))
         enc_s = timer(lambda: encode(new, old, encoding=enc))
+        chained_s = timer(lambda: encode(new, old, encoding=enc, old_checksum=old_ck))
         app_s = timer(there_and_back) / 2
         payload = pkt.payload_nbytes()
         enc_floor = (2 * n * size + payload) / bandwidth
         app_floor = (n * size + payload + count * size) / bandwidth
         row[f"{enc}_enc_ms"] = enc_s * 1e3
         row[f"{enc}_enc/floor"] = enc_s / enc_floor
+        row[f"{enc}_chained_ms"] = chained_s * 1e3
+        row[f"{enc}_chained/floor"] = chained_s / enc_floor
         row[f"{enc}_app_ms"] = app_s * 1e3
         row[f"{enc}_app/floor"] = app_s / app_floor
     peer_enc, peer_apply = torch_peer(new, old)
@@ -185,14 +190,15 @@ def cpu_goal(n: int, repeats: int) -> dict:
             target[:] = ob
             _host_codec._ext.apply(target, spec.positions == "gap16", spec.diff, spec.planar,
                                    streams.positions, streams.escapes, streams.values,
-                                   streams.count, result_ck, base_ck, 2)
+                                   streams.count, result_ck, base_ck, threads=2)
 
         def apply_np():
             target[:] = ob
             ref.apply_streams(target, streams, spec, result_ck, base_ck)
         reset_s = _wall(lambda: target.__setitem__(slice(None), ob), repeats)
         cpp_enc = _wall(lambda: _host_codec._ext.encode(nb, ob, spec.positions == "gap16",
-                                                          spec.diff, spec.planar, 2), repeats)
+                                                          spec.diff, spec.planar, hash=True,
+                                                          threads=2), repeats)
         np_enc = _wall(lambda: ref.encode_streams(nb, ob, spec), max(2, repeats // 2))
         cpp_app = _wall(apply_cpp, repeats) - reset_s
         np_app = _wall(apply_np, max(2, repeats // 2)) - reset_s
@@ -241,8 +247,8 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
     _common.print_table(f"delta codec: bytes per changed element, {n} bf16 elements on "
                         f"{device} (packets include the 72-byte header)", rows, size_cols)
     time_cols = ["input"] + [f"{e}_{k}" for e in ENCODINGS for k in
-                             ("enc_ms", "enc/floor", "app_ms", "app/floor")] + \
-        ["torch_peer_enc_ms", "torch_peer_app_ms"]
+                             ("enc_ms", "enc/floor", "chained_ms", "chained/floor", "app_ms",
+                              "app/floor")] + ["torch_peer_enc_ms", "torch_peer_app_ms"]
     _common.print_table(f"delta codec throughput on {device} (backend {backend}; copy "
                         f"bandwidth {bandwidth / 1e9:.1f} GB/s measured)", rows, time_cols)
     result = {"benchmark": "delta", "device": device, "backend": backend, "elements": n,

@@ -79,6 +79,11 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
         ``count`` changed elements, checksums of the result (and base), the payload: host
         bytes, or a uint8 tensor on the GPU for int32/gap16 from CUDA tensors.
 
+    Notes
+    -----
+    On the Triton path, a transient int16 scratch of ``numel`` elements (2 bytes per element)
+    holds the compacted change offsets between the two passes.
+
     Example
     -------
     >>> import torch

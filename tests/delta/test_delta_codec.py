@@ -32,7 +32,8 @@ def _roundtrip(new, old, enc, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("density", DENSITIES)
 def test_roundtrip_random(enc, dtype, density):
-    new, old = random_pair(30011, density, dtype, seed=ENCODINGS.index(enc) * 10 + DTYPES.index(dtype))
+    seed = ENCODINGS.index(enc) * 10 + DTYPES.index(dtype)
+    new, old = random_pair(30011, density, dtype, seed=seed)
     pkt = _roundtrip(new, old, enc)
     assert pkt.count == changed_count(new, old)
     assert pkt.result_checksum == checksum(new)

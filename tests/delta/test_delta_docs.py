@@ -19,6 +19,7 @@ def test_docs_page_example():
     with open(os.path.join(ROOT, "docs", "delta.md")) as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
     assert blocks
+    namespace = {}                      # the page's blocks run in order, like one session
     with glm_kernels.force_backend("torch"):
         for block in blocks:
-            exec(compile(block, "docs/delta.md", "exec"), {})
+            exec(compile(block, "docs/delta.md", "exec"), namespace)

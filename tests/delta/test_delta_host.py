@@ -92,7 +92,8 @@ def test_cpp_and_numpy_refuse_the_same_corruptions(spec):
     broken = []
     vals = streams.values.copy().view(np.uint8)
     vals[-1] ^= 0x20
-    broken.append(ref.Streams(c, streams.positions, streams.escapes, vals.view(streams.values.dtype)))
+    broken.append(ref.Streams(c, streams.positions, streams.escapes,
+                              vals.view(streams.values.dtype)))
     pos = streams.positions.copy()
     if spec.positions == "int32":
         pos[1] = pos[0]                                   # not strictly increasing
