@@ -15,6 +15,13 @@ from tests.delta._cases import DENSITIES, DTYPES, bits, changed_count, random_pa
 SMALL = DeltaKernelConfig(block=1024, apply_block=1024)
 
 
+def _long_tensor_config(block):
+    """Large programs keep the interpreter fast on long tensors; compiled kernels use the
+    GPU tile (a 64K-element program would not fit in registers)."""
+    return DeltaKernelConfig(block=block if KERNEL_BACKEND == "interpret" else 4096,
+                             apply_block=32)
+
+
 def _host_packet(new, old, enc):
     with glm_kernels.force_backend("torch"):
         return encode(new.cpu(), old.cpu(), encoding=enc)
@@ -65,7 +72,7 @@ def test_large_gaps(kernel_backend, enc, gap):
     old = torch.zeros(gap + 5, dtype=torch.bfloat16)
     new = old.clone()
     new[0], new[gap + 1], new[gap + 3] = 1.0, 2.0, 3.0
-    pkt = _kernel_roundtrip(new, old, enc, DeltaKernelConfig(block=65536, apply_block=32))
+    pkt = _kernel_roundtrip(new, old, enc, _long_tensor_config(65536))
     assert pkt.n_escapes == (1 if gap >= 65535 else 0)
 
 
@@ -77,7 +84,7 @@ def test_escapes_across_many_programs(kernel_backend):
     at = torch.tensor([0, 1, 16383, 16384, 70000, 70001, 140000, 140001 + 65535, n - 1])
     new[at] = torch.arange(1, at.numel() + 1, dtype=torch.float16)
     for enc in ("gap16", "zstd"):
-        pkt = _kernel_roundtrip(new, old, enc, DeltaKernelConfig(block=16384, apply_block=32))
+        pkt = _kernel_roundtrip(new, old, enc, _long_tensor_config(16384))
         assert pkt.n_escapes == 3                              # gaps 69998, 65535, 94465
 
 
