@@ -48,6 +48,26 @@ def _operand(x, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(tiles_ptr, dims_ptr, off_a_ptr, off_b_ptr):
+    """This program's (block, tile row, tile col), the block's padded dims and its offsets.
+
+    Blocks are zero-padded to multiples of 16 in both dims, block offsets are multiples of 16
+    elements and the workspaces 16-byte aligned: with these hints every mask is constant over
+    16 elements and every row starts aligned, so loads vectorize and the K loop pipelines
+    (cp.async).
+    """
+    pid = tl.program_id(0)
+    blk = tl.load(tiles_ptr + pid * 3)
+    tile_r = tl.load(tiles_ptr + pid * 3 + 1)
+    tile_c = tl.load(tiles_ptr + pid * 3 + 2)
+    rows = tl.multiple_of(tl.load(dims_ptr + blk * 3), 16)
+    cols = tl.multiple_of(tl.load(dims_ptr + blk * 3 + 1), 16)
+    off_a = tl.multiple_of(tl.load(off_a_ptr + blk), 16)
+    off_b = tl.multiple_of(tl.load(off_b_ptr + blk), 16)
+    return blk, tile_r, tile_c, rows, cols, off_a, off_b
+
+
+@triton.jit
 def _sym_product_kernel(
     # ragged schedule: tiles [programs, 3] = (block, tile row, tile col <= tile row);
     # dims [blocks, 3] = (padded m, padded k, true m); element offsets [blocks] of each
@@ -66,18 +86,8 @@ def _sym_product_kernel(
     Valid for outputs symmetric in exact arithmetic; S2 must be stored exactly symmetric when
     it stands for S2^T (every output of this kernel is).
     """
-    pid = tl.program_id(0)
-    blk = tl.load(tiles_ptr + pid * 3)
-    tile_i = tl.load(tiles_ptr + pid * 3 + 1)
-    tile_j = tl.load(tiles_ptr + pid * 3 + 2)
-    # Blocks are zero-padded to multiples of 16 in both dims, block offsets are multiples of
-    # 16 elements and the workspaces 16-byte aligned: with these hints every mask is constant
-    # over 16 elements and every row starts aligned, so loads vectorize and the K loop
-    # pipelines (cp.async).
-    m = tl.multiple_of(tl.load(dims_ptr + blk * 3), 16)
-    k = tl.multiple_of(tl.load(dims_ptr + blk * 3 + 1), 16)
-    src = tl.multiple_of(tl.load(src_off_ptr + blk), 16)
-    dst = tl.multiple_of(tl.load(out_off_ptr + blk), 16)
+    blk, tile_i, tile_j, m, k, src, dst = _program_tile(tiles_ptr, dims_ptr, src_off_ptr,
+                                                        out_off_ptr)
 
     rows_i = tile_i * BLOCK + tl.arange(0, BLOCK)
     rows_j = tile_j * BLOCK + tl.arange(0, BLOCK)
@@ -135,14 +145,8 @@ def _left_multiply_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Tile of Y = alpha * L X + beta * X, stored in Y's dtype."""
-    pid = tl.program_id(0)
-    blk = tl.load(tiles_ptr + pid * 3)
-    tile_m = tl.load(tiles_ptr + pid * 3 + 1)
-    tile_n = tl.load(tiles_ptr + pid * 3 + 2)
-    m = tl.multiple_of(tl.load(dims_ptr + blk * 3), 16)
-    n = tl.multiple_of(tl.load(dims_ptr + blk * 3 + 1), 16)
-    x_off = tl.multiple_of(tl.load(x_off_ptr + blk), 16)
-    l_off = tl.multiple_of(tl.load(l_off_ptr + blk), 16)
+    blk, tile_m, tile_n, m, n, x_off, l_off = _program_tile(tiles_ptr, dims_ptr, x_off_ptr,
+                                                           l_off_ptr)
 
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -31,6 +31,7 @@ from .coefficients import Coefficients, resolve_coefficients
 
 METHODS = ("standard", "gram")
 _PAD = 16                      # block dims and offsets are multiples of this (kernel hints)
+_LARGE_M = 512                 # blocks with more rows (after transposing) use 128-row tiles
 _OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -101,7 +102,7 @@ def _resolve(config: NSConfig, method: str, steps: int, ms: Sequence[int],
         # Triangle products: 64-row tiles skip more of the upper triangle for per-head
         # blocks (m <= 512); left products: 128-row tiles once every block has 128 rows.
         padded = [_ceil(m, _PAD) for m in ms] or [128]
-        block = 128 if max(padded) > 512 else 64
+        block = 128 if max(padded) > _LARGE_M else 64
         block_m = 128 if min(padded) >= 128 else 64
         block_n, block_k = 128, 64
     block, block_m = config.block or block, config.block_m or block_m
@@ -209,8 +210,18 @@ def orthogonalize(sources: Sequence[torch.Tensor], schedule: Sequence[Tuple[floa
                 X = _reference.gram_iterations(X, schedule, restarts)
             out.append(X.mT if transposed else X)
         return out
-    return _orthogonalize_triton(sources, schedule, method, eps, config,
-                                 interpret=backend == "interpret")
+    # Per-head blocks and whole matrices want different tiles (64-row triangles for short
+    # reductions, 128-row tiles for big ones): one batched call per size class.
+    classes: Dict[bool, List[int]] = {}
+    for i, src in enumerate(sources):
+        classes.setdefault(min(src.shape[-2:]) > _LARGE_M, []).append(i)
+    results: List[Optional[torch.Tensor]] = [None] * len(sources)
+    for members in classes.values():
+        outs = _orthogonalize_triton([sources[i] for i in members], schedule, method, eps,
+                                     config, interpret=backend == "interpret")
+        for i, out in zip(members, outs):
+            results[i] = out
+    return results
 
 
 def _pack(sources, plan, shapes, eps, storage):

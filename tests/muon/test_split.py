@@ -85,6 +85,17 @@ def test_split_kernel_unequal_blocks(kernel_backend, method):
         assert_close(out, ref, tol=1e-2, name="split bf16")
 
 
+def test_split_kernel_size_classes(kernel_backend, monkeypatch):
+    """Blocks on both sides of the small / large size-class limit go to separate batched
+    calls (with their own tiles) and come back in order."""
+    from glm_kernels.muon import ns
+    monkeypatch.setattr(ns, "_LARGE_M", 16)
+    G = torch.randn(2 * 52, 20, generator=torch.Generator().manual_seed(3))
+    split = HeadSplit(2, [12, 40])               # m = 12 (small class) and 20 (large class)
+    out = muon_split_orthogonalize(G, split, config=FP32)
+    assert_close(out, _loop_reference(G, split), tol=5e-5, name="size classes")
+
+
 def test_split_kernel_mixed_fused_and_tiled_gram(kernel_backend):
     """Gram with blocks on both sides of the one-program limit: 40 rows (one program per block)
     and 72 rows (tiled launches), nope/rope-like."""
