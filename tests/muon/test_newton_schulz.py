@@ -10,6 +10,7 @@ from glm_kernels.muon import (NSConfig, POLAR_EXPRESS, newton_schulz, resolve_co
                               singular_value_band)
 from glm_kernels.muon import _reference, ns
 from tests._compare import assert_close, rel_error
+from tests.conftest import DEVICE
 
 SCHEDULES = ["jordan", "polar_express"]
 FP32 = NSConfig(operand_dtype=torch.float32)
@@ -29,6 +30,11 @@ def _with_spectrum(m, n, lowest, seed):
     v, _ = torch.linalg.qr(torch.randn(n, m, generator=gen, dtype=torch.float64))
     s = torch.logspace(math.log10(lowest), 0, m, dtype=torch.float64)
     return (u * s) @ v.T
+
+
+def _ns(G, *args, **kwargs):
+    """newton_schulz on the test device (the GPU when there is one), result on the CPU."""
+    return newton_schulz(G.to(DEVICE), *args, **kwargs).cpu()
 
 
 def _reference_for(G, coefficients, method, steps=5, operand_dtype=None, restart_every=3):
@@ -105,7 +111,7 @@ def test_kernel_fp32_matches_reference(kernel_backend, shape, method, coefficien
     """fp32 products: the same arithmetic as the fp32 reference up to summation order; five
     quintic steps amplify those 1e-7 differences (slope up to ~8 per step), hence 5e-5."""
     G = _randn(shape, 10 + len(shape))
-    out = newton_schulz(G, coefficients=coefficients, method=method, config=FP32)
+    out = _ns(G, coefficients=coefficients, method=method, config=FP32)
     assert_close(out, _reference_for(G, coefficients, method), tol=5e-5, name=method)
 
 
@@ -113,7 +119,7 @@ def test_kernel_fp32_matches_reference(kernel_backend, shape, method, coefficien
 @pytest.mark.parametrize("coefficients", SCHEDULES)
 def test_kernel_standard_bf16_matches_emulated_reference(kernel_backend, shape, coefficients):
     G = _randn(shape, 20 + shape[-1])
-    out = newton_schulz(G, coefficients=coefficients)
+    out = _ns(G, coefficients=coefficients)
     ref = _reference_for(G, coefficients, "standard", operand_dtype=torch.bfloat16)
     assert_close(out, ref, tol=1e-2, name="bf16 standard")
 
@@ -125,7 +131,7 @@ def test_kernel_gram_fp16_accuracy(kernel_backend, shape, coefficients):
     more accurate than bf16 standard, against the exact iteration."""
     G = _randn(shape, 30 + shape[-1])
     exact = _reference_for(G.double(), coefficients, "standard")
-    out = newton_schulz(G, coefficients=coefficients, method="gram")
+    out = _ns(G, coefficients=coefficients, method="gram")
     emulated = _reference_for(G, coefficients, "gram", operand_dtype=torch.float16)
     standard = _reference_for(G, coefficients, "standard", operand_dtype=torch.bfloat16)
     assert rel_error(out, exact) <= 1.5 * rel_error(emulated, exact) + 1e-4
@@ -140,7 +146,7 @@ def test_kernel_writes_every_element(kernel_backend, method, monkeypatch):
     monkeypatch.setattr(ns, "_workspace", poisoned)
     G = torch.cat([_randn((1, 33, 47), 5), _randn((1, 33, 47), 6).mT.mT])
     for config in (FP32, NSConfig(operand_dtype=torch.float32, fused_max_m=0)):
-        out = newton_schulz(G, coefficients="polar_express", method=method, config=config)
+        out = _ns(G, coefficients="polar_express", method=method, config=config)
         assert torch.isfinite(out).all()
         assert_close(out, _reference_for(G, "polar_express", method), tol=5e-5, name=method)
 
@@ -155,7 +161,7 @@ def test_kernel_singular_values_in_band(kernel_backend, coefficients, method):
     lo, hi = singular_value_band(coefficients, 5, (s_in.min() / s_in.norm()).item(),
                                  (s_in.max() / s_in.norm()).item())
     for config, slack in ((FP32, 1e-4), (NSConfig(), 2e-2 if method == "standard" else 5e-3)):
-        s = torch.linalg.svdvals(newton_schulz(G, coefficients=coefficients, method=method,
+        s = torch.linalg.svdvals(_ns(G, coefficients=coefficients, method=method,
                                                config=config).double())
         assert lo - slack <= s.min() and s.max() <= hi + slack, (config, lo, hi, s.min(), s.max())
 
@@ -163,23 +169,23 @@ def test_kernel_singular_values_in_band(kernel_backend, coefficients, method):
 def test_kernel_edge_cases(kernel_backend):
     for shape in [(0, 5), (5, 0), (0, 3, 4), (1, 1), (2, 1, 7)]:
         G = _randn(shape, 8)
-        out = newton_schulz(G, config=FP32)
+        out = _ns(G, config=FP32)
         assert out.shape == G.shape and out.dtype == G.dtype
         assert_close(out, _reference_for(G, "jordan", "standard"), tol=5e-5, name=str(shape))
     G = torch.zeros(2, 3, 4)
-    assert torch.equal(newton_schulz(G), G)                  # 0 / (0 + eps) stays 0
+    assert torch.equal(_ns(G), G)                  # 0 / (0 + eps) stays 0
     G = _randn((2, 6, 9), 9)
     G[1, 2, 3] = float("nan")
-    out = newton_schulz(G, config=FP32)
+    out = _ns(G, config=FP32)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
-    out0 = newton_schulz(G[:1], steps=0, config=FP32)        # steps=0: the normalized input
+    out0 = _ns(G[:1], steps=0, config=FP32)        # steps=0: the normalized input
     assert_close(out0, G[:1] / (G[:1].norm() + 1e-7), tol=1e-6, name="steps=0")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_low_precision_input(kernel_backend, dtype):
     G = _randn((2, 24, 40), 12).to(dtype)
-    out = newton_schulz(G, coefficients="polar_express", config=FP32)
+    out = _ns(G, coefficients="polar_express", config=FP32)
     assert out.dtype == dtype
     assert_close(out.float(), _reference_for(G.float(), "polar_express", "standard"),
                  tol=1e-2, name=str(dtype))
@@ -188,7 +194,7 @@ def test_kernel_low_precision_input(kernel_backend, dtype):
 def test_custom_coefficient_list(any_backend):
     G = _randn((2, 10, 30), 13)
     schedule = [(2.0, -1.5, 0.5), (1.875, -1.25, 0.375)]     # 7 steps: the last one repeats
-    out = newton_schulz(G, 7, coefficients=schedule, config=FP32)
+    out = _ns(G, 7, coefficients=schedule, config=FP32)
     ref = _reference.newton_schulz_reference(G, schedule + [schedule[-1]] * 5)
     assert_close(out, ref, tol=5e-5, name="list")
 

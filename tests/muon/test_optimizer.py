@@ -13,6 +13,7 @@ import glm_kernels
 from glm_kernels.muon import HeadSplit, _reference, resolve_coefficients
 from glm_kernels.optim import MuonSplit, muon_param_groups
 from tests._compare import assert_close
+from tests.conftest import DEVICE
 from tests.muon._tiny_model import TinyMLAModel, loss_fn
 
 HEAD_SPLITS = {"q_b_proj": HeadSplit(2, [6, 2]), "kv_b_proj": HeadSplit(2, [6, 4])}
@@ -181,10 +182,12 @@ def test_kernel_backend_step_matches_reference(kernel_backend, monkeypatch):
     model_k.load_state_dict(model_t.state_dict())
     start = {n: p.detach().clone() for n, p in model_t.named_parameters()}
     opt_t = MuonSplit(muon_param_groups(model_t), lr=0.02)
+    loss_fn(model_k).backward()
+    model_k.to(DEVICE)                       # the kernel path runs on the GPU when there is one
     opt_k = MuonSplit(muon_param_groups(model_k), lr=0.02)
     with glm_kernels.force_backend(kernel_backend):
-        loss_fn(model_k).backward()
         opt_k.step()
+    model_k.cpu()
     bf16_iterations = _reference.standard_iterations
     monkeypatch.setattr(_reference, "standard_iterations",
                         lambda X, schedule: bf16_iterations(X, schedule, torch.bfloat16))

@@ -10,6 +10,7 @@ from glm_kernels.muon import (DEEPSEEK_V3_HEAD_SPLITS, GLM5_HEAD_SPLITS, HeadSpl
                               newton_schulz, resolve_coefficients)
 from glm_kernels.muon import _reference
 from tests._compare import assert_close
+from tests.conftest import DEVICE
 
 FP32 = NSConfig(operand_dtype=torch.float32)
 
@@ -75,12 +76,12 @@ def test_split_kernel_unequal_blocks(kernel_backend, method):
     a 3-head batch, in the same launches."""
     G = torch.randn(2, 3 * 52, 20, generator=torch.Generator().manual_seed(1))
     split = HeadSplit(3, [12, 40])
-    out = muon_split_orthogonalize(G, split, coefficients="polar_express", method=method,
-                                   config=FP32)
+    out = muon_split_orthogonalize(G.to(DEVICE), split, coefficients="polar_express",
+                                   method=method, config=FP32).cpu()
     assert_close(out, _loop_reference(G, split, "polar_express", method), tol=5e-5,
                  name=f"split {method}")
     if method == "standard":
-        out = muon_split_orthogonalize(G, split, coefficients="polar_express")
+        out = muon_split_orthogonalize(G.to(DEVICE), split, coefficients="polar_express").cpu()
         ref = _loop_reference(G, split, "polar_express", operand_dtype=torch.bfloat16)
         assert_close(out, ref, tol=1e-2, name="split bf16")
 
@@ -92,7 +93,7 @@ def test_split_kernel_size_classes(kernel_backend, monkeypatch):
     monkeypatch.setattr(ns, "_LARGE_M", 16)
     G = torch.randn(2 * 52, 20, generator=torch.Generator().manual_seed(3))
     split = HeadSplit(2, [12, 40])               # m = 12 (small class) and 20 (large class)
-    out = muon_split_orthogonalize(G, split, config=FP32)
+    out = muon_split_orthogonalize(G.to(DEVICE), split, config=FP32).cpu()
     assert_close(out, _loop_reference(G, split), tol=5e-5, name="size classes")
 
 
@@ -101,7 +102,7 @@ def test_split_kernel_mixed_fused_and_tiled_gram(kernel_backend):
     and 72 rows (tiled launches), nope/rope-like."""
     G = torch.randn(2 * 112, 150, generator=torch.Generator().manual_seed(2))
     split = HeadSplit(2, [72, 40])
-    out = muon_split_orthogonalize(G, split, method="gram", config=FP32)
+    out = muon_split_orthogonalize(G.to(DEVICE), split, method="gram", config=FP32).cpu()
     assert_close(out, _loop_reference(G, split, method="gram"), tol=5e-5, name="mixed gram")
 
 
