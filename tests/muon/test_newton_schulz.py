@@ -178,6 +178,9 @@ def test_kernel_edge_cases(kernel_backend):
     G[1, 2, 3] = float("nan")
     out = _ns(G, config=FP32)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+    strided = _randn((40, 30), 16).T                         # non-contiguous input
+    assert_close(_ns(strided, config=FP32), _reference_for(strided, "jordan", "standard"),
+                 tol=5e-5, name="non-contiguous")
     out0 = _ns(G[:1], steps=0, config=FP32)        # steps=0: the normalized input
     assert_close(out0, G[:1] / (G[:1].norm() + 1e-7), tol=1e-6, name="steps=0")
 
