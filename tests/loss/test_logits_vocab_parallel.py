@@ -174,6 +174,7 @@ def _worker(rank, world, port, out_dir):
                             world_size=world, timeout=timedelta(seconds=120))
     try:
         verdicts = _run_cases(rank, world)
+        dist.barrier()   # no rank tears gloo down while a peer is still in a collective
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

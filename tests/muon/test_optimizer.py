@@ -250,6 +250,9 @@ def _tp_worker(rank, world, init_file, out_dir):
             dist.all_gather(gathered, local)
             if rank == 0:
                 torch.save(torch.cat(gathered), os.path.join(out_dir, "sharded.pt"))
+            # Without it one rank may tear gloo down while the other is still in all_gather;
+            # seen once in a loaded full-suite run as SIGABRT ("terminate called ...").
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
