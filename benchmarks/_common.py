@@ -7,6 +7,7 @@ bf16 matmul rate, so every table can report time / floor.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -107,3 +108,14 @@ def write_json(path: Optional[str], payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=1, default=str)
+
+
+def bench_args(doc: str, parser_hook: Optional[Callable] = None) -> argparse.Namespace:
+    """The command line every bench_*.py shares: --quick, --cpu, --json PATH (plus hook's)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--json")
+    if parser_hook is not None:
+        parser_hook(parser)
+    return parser.parse_args()

@@ -23,7 +23,6 @@ CPU goal: the C++ host codec at 2 threads vs the numpy implementation of the sam
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -273,11 +272,7 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = _common.bench_args(__doc__)
     _common.write_json(args.json, run(quick=args.quick, cpu=args.cpu))
 
 

@@ -9,7 +9,6 @@ bandwidth measured in the same run.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -149,11 +148,7 @@ def interpreter_check(n_tokens: int = 50_000) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = _common.bench_args(__doc__)
     _common.write_json(args.json, run(quick=args.quick, cpu=args.cpu))
 
 

@@ -21,7 +21,6 @@ log-probs as its old log-probs, beta = 0 and a token-mean ("dapo") reduction.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -359,11 +358,7 @@ def interpreter_check(n_tokens=64, vocab=700) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = _common.bench_args(__doc__)
     _common.write_json(args.json, run(quick=args.quick, cpu=args.cpu))
 
 

@@ -20,7 +20,6 @@ check of the Triton kernels against the reference.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -298,13 +297,9 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--json")
-    parser.add_argument("--accuracy", action="store_true",
-                        help="only the gram-vs-standard precision study (CPU, ~2 minutes)")
-    args = parser.parse_args()
+    args = _common.bench_args(__doc__, lambda parser: parser.add_argument(
+        "--accuracy", action="store_true",
+        help="only the gram-vs-standard precision study (CPU, ~2 minutes)"))
     if args.accuracy:
         _common.write_json(args.json, {"accuracy": accuracy_study()})
         return

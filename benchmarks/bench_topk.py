@@ -18,7 +18,6 @@ run. Timings: triton.testing.do_bench medians (L2 flushed) on GPU, perf_counter 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -220,11 +219,7 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cpu", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
+    args = _common.bench_args(__doc__)
     _common.write_json(args.json, run(quick=args.quick, cpu=args.cpu))
 
 
