@@ -1,0 +1,235 @@
+"""slime delta weight sync with the device diff (glm_kernels.integrations.slime_delta).
+
+slime is not installed here, so a stand-in of the one class the plug-in subclasses is put in
+``sys.modules``: it has the attributes slime's ``UpdateWeightFromDiskDelta`` has at THUDM/slime
+624b824 and, as ``_encode_delta``, a plain numpy diff that writes the two documented formats
+(xor: zstd(new ^ old); overwrite: zstd(u32 count, u32 byte positions, new bytes)). The plug-in
+must produce the same deltas, checksums and counts, and an engine-side apply of its files must
+rebuild the new weights.
+"""
+import sys
+import types
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+zstandard = pytest.importorskip("zstandard")
+
+from glm_kernels.integrations import slime_delta  # noqa: E402
+
+from tests.conftest import DEVICE  # noqa: E402
+
+MODULE = "slime.backends.megatron_utils.update_weight.update_weight_from_disk_delta"
+
+
+def adler32_checksum(algorithm, buf):
+    assert algorithm == "adler32"
+    return f"{zlib.adler32(memoryview(np.ascontiguousarray(buf))):08x}"
+
+
+class StandInUpdater:
+    """The attributes and the numpy diff of slime's delta updater, nothing else."""
+
+    def __init__(self, baseline, encoding, tmp_path):
+        self.delta_dir = str(tmp_path)
+        self.delta_encoding = encoding
+        self.checksum_algorithm = "adler32"
+        # slime seeds read-only views of the checkpoint file's bytes
+        self._snapshot = {k: np.frombuffer(v.contiguous().view(torch.uint8).numpy().tobytes(),
+                                           np.uint8) for k, v in baseline.items()}
+        self._is_pp_src_rank = True
+        self.weight_version = 0
+        self.tensors = {}
+
+    def _iter_hf_tensors(self):
+        yield from self.tensors.items()
+
+    def _encode_delta(self):
+        self._delta, self._checksums = {}, {}
+        self.changed_bytes = self.total_bytes = 0
+        for name, tensor in self._iter_hf_tensors():
+            new = tensor.detach().contiguous().view(torch.uint8).reshape(-1).cpu().numpy().copy()
+            old = self._snapshot[name]
+            changed = new != old
+            self.total_bytes += new.size
+            if changed.any():
+                if self.delta_encoding == "xor":
+                    raw = new ^ old
+                else:
+                    pos = np.flatnonzero(changed).astype("<u4")
+                    raw = np.concatenate([np.array([pos.size], "<u4").view(np.uint8),
+                                          pos.view(np.uint8), new[changed]])
+                self._delta[name] = np.frombuffer(
+                    zstandard.ZstdCompressor(level=1).compress(raw), np.uint8)
+                self._checksums[name] = adler32_checksum("adler32", new)
+                self.changed_bytes += int(changed.sum())
+            self._snapshot[name] = new
+
+
+@pytest.fixture
+def fake_slime(monkeypatch):
+    names = ["slime", "slime.backends", "slime.backends.megatron_utils",
+             "slime.backends.megatron_utils.update_weight", MODULE, "slime.utils",
+             "slime.utils.disk_delta"]
+    mods = {n: types.ModuleType(n) for n in names}
+    mods[MODULE].UpdateWeightFromDiskDelta = StandInUpdater
+    mods["slime.utils.disk_delta"].checksum = adler32_checksum
+    mods["slime.utils.disk_delta"].NUM_WORKERS = 2
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+    return mods[MODULE]
+
+
+def engine_apply(base: np.ndarray, blob: np.ndarray, encoding: str) -> np.ndarray:
+    """What a rollout host does with one tensor's delta (independent of the plug-in)."""
+    raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob.tobytes()), np.uint8)
+    out = base.copy()
+    if encoding == "xor":
+        out ^= raw
+    else:
+        count = int(raw[:4].view("<u4")[0])
+        out[raw[4:4 + 4 * count].view("<u4")] = raw[4 + 4 * count:]
+    return out
+
+
+def model_weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(37, 19, generator=g).bfloat16(),      # odd sizes
+        "layers.0.q_b.weight": torch.randn(4099, generator=g).bfloat16(),
+        "layers.0.norm.weight": torch.randn(33, generator=g),              # fp32
+        "layers.0.scale": torch.randint(-128, 127, (70,), generator=g, dtype=torch.int8),
+        "lm_head.weight": torch.randn(1, generator=g).bfloat16(),
+        "frozen.weight": torch.randn(50, generator=g).bfloat16(),          # never changes
+    }
+
+
+def optimizer_step(weights, seed, fraction=0.05):
+    """Sparse one-ulp-ish moves on the trainable tensors, as a small-lr step makes."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in weights.items():
+        w = w.clone()
+        if name != "frozen.weight":
+            bits = w.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[w.element_size()])
+            hit = torch.rand(bits.shape, generator=g) < fraction
+            bits[hit] += torch.randint(1, 3, (int(hit.sum()),), generator=g).to(bits.dtype)
+        out[name] = w
+    return out
+
+
+@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+@pytest.mark.parametrize("device_snapshot", [False, True])
+def test_matches_slime_format_over_a_chain_of_syncs(fake_slime, tmp_path, encoding,
+                                                    device_snapshot, kernel_backend,
+                                                    monkeypatch):
+    # device snapshots live on DEVICE (CPU tensors under the interpreter here); 0 bytes of
+    # budget forces the host diff after a full copy
+    monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, str(1 << 30) if device_snapshot else "0")
+    patched_cls = slime_delta.install(types.SimpleNamespace(update_weight_mode="delta"))
+    assert fake_slime.UpdateWeightFromDiskDelta is patched_cls
+    assert slime_delta.install() is patched_cls                     # idempotent
+    weights = model_weights(0)
+    ours = patched_cls(weights, encoding, tmp_path / "ours")
+    theirs = StandInUpdater(weights, encoding, tmp_path / "theirs")
+    engine = {k: v.contiguous().view(torch.uint8).reshape(-1).numpy().copy()
+              for k, v in weights.items()}
+    for step in range(1, 4):
+        weights = optimizer_step(weights, step)
+        ours.tensors = {k: v.to(DEVICE) for k, v in weights.items()}
+        theirs.tensors = dict(weights)
+        ours.weight_version = theirs.weight_version = step
+        ours._encode_delta()
+        theirs._encode_delta()
+        assert (ours.changed_bytes, ours.total_bytes) == (theirs.changed_bytes,
+                                                          theirs.total_bytes)
+        assert ours.changed_bytes > 0 and "frozen.weight" not in ours._delta
+        assert sorted(ours._delta) == sorted(theirs._delta)
+        assert ours._checksums == theirs._checksums
+        for name, blob in ours._delta.items():
+            dec = zstandard.ZstdDecompressor()
+            assert dec.decompress(blob.tobytes()) == dec.decompress(theirs._delta[name].tobytes())
+            engine[name] = engine_apply(engine[name], blob, encoding)
+        for name, w in weights.items():
+            new_bytes = w.contiguous().view(torch.uint8).reshape(-1).numpy()
+            np.testing.assert_array_equal(engine[name], new_bytes, err_msg=name)
+            np.testing.assert_array_equal(ours._snapshot[name], new_bytes, err_msg=name)
+        if device_snapshot:       # int32 position + value per changed element only
+            assert 0 < ours.copied_out_bytes < ours.total_bytes
+        else:
+            assert ours.copied_out_bytes == ours.total_bytes
+
+
+def test_broken_diff_rolls_back_every_snapshot(fake_slime, tmp_path, monkeypatch,
+                                               kernel_backend):
+    """A diff that misses a change is caught by the checksum; the snapshots patched earlier in
+    the same sync are restored, so the next sync still diffs against what the engines hold."""
+    monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, str(1 << 30))
+    cls = slime_delta.install()
+    weights = model_weights(1)
+    ours = cls(weights, "xor", tmp_path)
+    before = {k: v.copy() for k, v in ours._snapshot.items()}
+    ours.tensors = optimizer_step(weights, 7, fraction=0.2)
+    real = slime_delta._element_changes
+    calls = []
+
+    def drop_last_change(new, base):
+        positions, values, sums = real(new, base)
+        calls.append(positions.size)
+        if len(calls) == 3:                   # the third tensor loses one change
+            return positions[:-1], values[:-1], sums
+        return positions, values, sums
+    monkeypatch.setattr(slime_delta, "_element_changes", drop_last_change)
+    with pytest.raises(RuntimeError, match="does not match the device tensor's checksum"):
+        ours._encode_delta()
+    assert len(calls) == 3
+    for name, snap in before.items():
+        np.testing.assert_array_equal(ours._snapshot[name], snap, err_msg=name)
+    assert not ours._glm_kernels_diff.device             # re-uploaded from host next time
+    monkeypatch.setattr(slime_delta, "_element_changes", real)
+    ours._encode_delta()                                  # the retry publishes the whole step
+    theirs = StandInUpdater(weights, "xor", tmp_path / "theirs")
+    theirs.tensors = ours.tensors
+    theirs._encode_delta()
+    assert ours._checksums == theirs._checksums and ours.changed_bytes == theirs.changed_bytes
+
+
+def test_refusals(fake_slime, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--update-weight-mode delta"):
+        slime_delta.install(types.SimpleNamespace(update_weight_mode="full"))
+    cls = slime_delta.install()
+    weights = model_weights(2)
+    ours = cls(weights, "xor", tmp_path)
+    ours.tensors = {"not.in.baseline": torch.zeros(4)}
+    with pytest.raises(KeyError, match="no baseline snapshot"):
+        ours._encode_delta()
+    ours.tensors = {"embed.weight": torch.zeros(5).bfloat16()}
+    with pytest.raises(ValueError, match="has 10 bytes but its snapshot has"):
+        ours._encode_delta()
+    ours.delta_encoding = "rle"
+    ours.tensors = {}
+    with pytest.raises(ValueError, match="'xor' or 'overwrite'"):
+        ours._encode_delta()
+    monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, "lots")
+    state = slime_delta.DeviceSnapshotDiff({"w": np.zeros(4, np.uint8)})
+    with pytest.raises(ValueError, match=slime_delta.ENV_DEVICE_BYTES):
+        state.diff("w", torch.ones(4, dtype=torch.int8))
+    big = slime_delta.ByteChanges(np.zeros(0, np.int64), np.zeros(0, np.uint8),
+                                  np.zeros(0, np.uint8), (1 << 32) + 1)
+    with pytest.raises(ValueError, match="needs xor"):
+        slime_delta.overwrite_payload(big)
+
+
+def test_byte_granularity_keeps_unchanged_bytes_out():
+    """A bf16 element whose low byte moved contributes one byte, as slime's byte diff."""
+    old = torch.tensor([1.0, 2.0, 3.0]).bfloat16()
+    new = old.clone()
+    new.view(torch.int16)[1] += 1
+    state = slime_delta.DeviceSnapshotDiff({"w": old.view(torch.uint8).numpy().copy()},
+                                           device_bytes=0)
+    changes = state.diff("w", new)
+    assert changes.positions.tolist() == [2] and changes.nbytes == 6
+    assert changes.new.tolist() == [new.view(torch.uint8)[2].item()]
+    assert slime_delta.xor_payload(changes).nonzero()[0].tolist() == [2]
