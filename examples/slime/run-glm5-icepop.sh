@@ -6,6 +6,8 @@
 #   MODE=loss  bash run-glm5-icepop.sh   # GRPO + IcePop as slime's custom loss (default)
 #   MODE=tis   bash run-glm5-icepop.sh   # slime's PPO loss + glm_kernels' IcePop TIS weight
 #   MODE=opd   bash run-glm5-icepop.sh   # on-policy distillation, A = log pi_T - log pi_S
+#   SYNC=delta MODE=... bash run-glm5-icepop.sh   # separate rollout nodes, weights synced as
+#                                                 # byte deltas diffed on the GPU by glm_kernels
 #
 # Needs: a slime checkout at $SLIME_DIR (tested against THUDM/slime @ 624b824 for flag names;
 # not run here: no GPU was available to this project), Megatron-LM on PYTHONPATH, a running
@@ -110,9 +112,28 @@ MISC_ARGS=(
   --attention-dropout 0.0 --hidden-dropout 0.0
   --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
   --moe-enable-deepep --moe-token-dispatcher-type flex
-  --colocate                                      # training and rollout share the GPUs
   --update-weight-buffer-size $((2 * 1024 * 1024 * 1024))
 )
+
+case "${SYNC:-colocate}" in
+  colocate)
+    SYNC_ARGS=(--colocate)                        # training and rollout share the GPUs
+    ;;
+  delta)
+    # Rollout on its own ROLLOUT_NODES; each sync is published as zstd byte deltas on a shared
+    # filesystem and patched into every rollout host's local checkpoint by slime's SGLang
+    # /pull_weights. install() makes the trainer diff on the GPU (only changed bytes leave it).
+    SYNC_ARGS=(
+      --rollout-num-gpus $(( ${ROLLOUT_NODES:-8} * GPUS_PER_NODE ))
+      --update-weight-mode delta --update-weight-transport disk
+      --update-weight-disk-dir "${DELTA_DIR:-/shared/glm5-delta}"
+      --update-weight-local-checkpoint-dir "${LOCAL_CKPT_DIR:-/local/nvme/glm5}"
+      --update-weight-delta-encoding xor --update-weight-delta-checksum xxh3-128
+      --custom-megatron-init-path glm_kernels.integrations.slime_delta.install
+    )
+    ;;
+  *) echo "SYNC must be colocate or delta (got ${SYNC})" >&2; exit 2 ;;
+esac
 
 RUNTIME_ENV_JSON="{\"env_vars\": {\"PYTHONPATH\": \"/root/Megatron-LM/\",
   \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\", \"NVSHMEM_DISABLE_NCCL\": \"1\"}}"
@@ -122,4 +143,5 @@ ray job submit --address="http://127.0.0.1:8265" --runtime-env-json="${RUNTIME_E
   -- python3 train.py \
   --actor-num-nodes "${NUM_NODES}" --actor-num-gpus-per-node "${GPUS_PER_NODE}" \
   "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
-  "${OPTIMIZER_ARGS[@]}" "${ICEPOP_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}"
+  "${OPTIMIZER_ARGS[@]}" "${ICEPOP_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" \
+  "${SYNC_ARGS[@]}"

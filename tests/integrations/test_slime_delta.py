@@ -162,11 +162,13 @@ def test_matches_slime_format_over_a_chain_of_syncs(fake_slime, tmp_path, encodi
             assert ours.copied_out_bytes == ours.total_bytes
 
 
+@pytest.mark.parametrize("device_snapshot", [False, True])
 def test_broken_diff_rolls_back_every_snapshot(fake_slime, tmp_path, monkeypatch,
-                                               kernel_backend):
-    """A diff that misses a change is caught by the checksum; the snapshots patched earlier in
+                                               kernel_backend, device_snapshot):
+    """A diff that misses a change is caught (device: the kernel's hash of the new tensor vs
+    the snapshot's advanced checksum; host: a byte compare); the snapshots patched earlier in
     the same sync are restored, so the next sync still diffs against what the engines hold."""
-    monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, str(1 << 30))
+    monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, str(1 << 30) if device_snapshot else "0")
     cls = slime_delta.install()
     weights = model_weights(1)
     ours = cls(weights, "xor", tmp_path)
@@ -175,19 +177,20 @@ def test_broken_diff_rolls_back_every_snapshot(fake_slime, tmp_path, monkeypatch
     real = slime_delta._element_changes
     calls = []
 
-    def drop_last_change(new, base):
-        positions, values, sums = real(new, base)
+    def drop_last_change(new, base, base_sums):
+        positions, values, sums = real(new, base, base_sums)
         calls.append(positions.size)
         if len(calls) == 3:                   # the third tensor loses one change
             return positions[:-1], values[:-1], sums
         return positions, values, sums
     monkeypatch.setattr(slime_delta, "_element_changes", drop_last_change)
-    with pytest.raises(RuntimeError, match="does not match the device tensor's checksum"):
+    with pytest.raises(RuntimeError, match="does not match the new tensor"):
         ours._encode_delta()
     assert len(calls) == 3
     for name, snap in before.items():
         np.testing.assert_array_equal(ours._snapshot[name], snap, err_msg=name)
     assert not ours._glm_kernels_diff.device             # re-uploaded from host next time
+    assert not ours._glm_kernels_diff.sums
     monkeypatch.setattr(slime_delta, "_element_changes", real)
     ours._encode_delta()                                  # the retry publishes the whole step
     theirs = StandInUpdater(weights, "xor", tmp_path / "theirs")
