@@ -2,6 +2,8 @@
 
 * ``glm_kernels.integrations.slime``  -- loss / TIS / OPD-advantage plug-ins for slime's
   ``--custom-*-path`` flags.
+* ``glm_kernels.integrations.slime_delta`` -- ``install`` for ``--custom-megatron-init-path``:
+  slime's ``--update-weight-mode delta`` diffs on the GPU (only changed bytes leave it).
 * ``glm_kernels.integrations.sglang`` -- an SGLang custom weight loader that applies delta
   packets in place on the engine's parameters.
 
