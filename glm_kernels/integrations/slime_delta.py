@@ -63,17 +63,24 @@ _ZSTD_LEVEL = 1          # what slime writes and documents (not a knob there eit
 
 @dataclass
 class ByteChanges:
-    """One tensor's change set at byte granularity: ``positions`` int64 [k] (sorted byte
-    offsets into the tensor's bytes), ``new`` / ``old`` uint8 [k] (the bytes there after /
-    before the step). ``nbytes`` is the tensor's size in bytes."""
-    positions: np.ndarray
-    new: np.ndarray
-    old: np.ndarray
+    """One tensor's change set at byte granularity, over its ``nbytes`` bytes.
+
+    Sparse (device diff): ``positions`` int64 [count] sorted byte offsets, ``new`` / ``old``
+    uint8 [count] the bytes there after / before the step. Dense (host diff): ``dense_xor``
+    uint8 [nbytes] = new ^ old and ``new_full`` uint8 [nbytes] the new bytes."""
     nbytes: int
+    count: int
+    positions: Optional[np.ndarray] = None
+    new: Optional[np.ndarray] = None
+    old: Optional[np.ndarray] = None
+    dense_xor: Optional[np.ndarray] = None
+    new_full: Optional[np.ndarray] = None
 
 
 def xor_payload(changes: ByteChanges) -> np.ndarray:
     """slime's ``xor`` delta before compression: ``new ^ old`` over all ``nbytes`` bytes."""
+    if changes.dense_xor is not None:
+        return changes.dense_xor
     dense = np.zeros(changes.nbytes, dtype=np.uint8)
     dense[changes.positions] = changes.new ^ changes.old
     return dense
@@ -85,8 +92,12 @@ def overwrite_payload(changes: ByteChanges) -> np.ndarray:
     if changes.nbytes > 1 << 32:
         raise ValueError(f"--update-weight-delta-encoding overwrite addresses bytes with uint32; "
                          f"a tensor of {changes.nbytes} bytes needs xor")
-    count = np.array([changes.positions.size], dtype="<u4").view(np.uint8)
-    return np.concatenate([count, changes.positions.astype("<u4").view(np.uint8), changes.new])
+    positions, new = changes.positions, changes.new
+    if positions is None:
+        positions = np.flatnonzero(changes.dense_xor)
+        new = changes.new_full[positions]
+    count = np.array([positions.size], dtype="<u4").view(np.uint8)
+    return np.concatenate([count, positions.astype("<u4").view(np.uint8), new])
 
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:
@@ -98,19 +109,15 @@ def _slices(numel: int):
                                                                      _SLICE_ELEMENTS)]
 
 
-def _element_changes(new: torch.Tensor, base: torch.Tensor, base_sums: Optional[List[int]]
+def _element_changes(new: torch.Tensor, base: torch.Tensor
                      ) -> Tuple[np.ndarray, np.ndarray, List[int]]:
     """Changed element positions (int64), their new bit patterns (unsigned numpy) and the
-    checksum word sum S of each slice of ``new``, for flat int views on one device.
-
-    ``base_sums`` None: the kernel hashes ``new`` in its read pass (an S independent of the
-    reported changes, which is what makes the caller's check meaningful). Given: S(new) is
-    derived from S(base) and the changes, and nothing is hashed."""
+    checksum word sum S of each slice of ``new``, hashed by the kernel in its read pass
+    (independent of the changes it reports: what makes the caller's check meaningful)."""
     positions, values, sums = [], [], []
     words = ref.words_per_element(new.element_size())
-    for i, (lo, hi) in enumerate(_slices(new.numel())):
-        known = None if base_sums is None else ref.finalize(base_sums[i], (hi - lo) * words)
-        packet = delta.encode(new[lo:hi], base[lo:hi], encoding="int32", old_checksum=known)
+    for lo, hi in _slices(new.numel()):
+        packet = delta.encode(new[lo:hi], base[lo:hi], encoding="int32")
         streams = parse_payload(packet)
         positions.append(streams.positions.astype(np.int64) + lo)
         values.append(np.array(streams.values, copy=True))
@@ -157,10 +164,14 @@ class DeviceSnapshotDiff:
 
     ``host`` is slime's snapshot dict (name -> uint8 numpy array of the bytes the engines
     hold). Device copies are made on first use, up to ``device_bytes`` in total; a tensor
-    beyond the budget is diffed on the host. ``diff(name, tensor)`` returns the tensor's
-    :class:`ByteChanges` and advances both snapshots; ``rollback()`` undoes every ``diff``
-    since the last ``commit()``.
+    beyond the budget is copied out whole and diffed on the host as slime does (numpy xor:
+    memory-bound, the best a host can do). ``stage(name, tensor)`` does the part that must
+    run in order (the device diff, or the copy out) and returns ``(nbytes, work)``, where
+    ``work()`` (thread-safe across tensors) finishes the tensor's :class:`ByteChanges` and
+    advances its host snapshot. ``rollback()`` undoes everything since ``commit()``.
     """
+
+    _STAGING_BYTES = 256 << 20          # pinned bounce buffer for full copies (reused)
 
     def __init__(self, host: Dict[str, np.ndarray], device_bytes: Optional[int] = None):
         self.host = host
@@ -169,7 +180,8 @@ class DeviceSnapshotDiff:
         self.used_bytes = 0
         self.copied_out_bytes = 0           # device -> host bytes of the last sync
         self.sums: Dict[str, List[int]] = {}    # glm_kernels checksum word sums of ``host``
-        self._undo: List[Tuple[str, np.ndarray, np.ndarray]] = []
+        self._undo: list = []               # ("patch", name, pos, old) | ("swap", name, array)
+        self._staging: Optional[torch.Tensor] = None
 
     def _budget(self, device: torch.device) -> int:
         if self.device_bytes is None:
@@ -194,54 +206,87 @@ class DeviceSnapshotDiff:
         if snap.nbytes != nbytes:
             raise ValueError(f"tensor {name!r} has {nbytes} bytes but its snapshot has "
                              f"{snap.nbytes}: a delta needs the same layout every sync")
-        if not snap.flags.writeable:        # slime's baseline is a view of the file's bytes
-            snap = self.host[name] = snap.copy()
         return snap
 
-    def diff(self, name: str, tensor: torch.Tensor) -> ByteChanges:
+    def stage(self, name: str, tensor: torch.Tensor) -> Tuple[int, Callable[[], ByteChanges]]:
         new = _int_view(tensor.detach())
+        nbytes = new.numel() * new.element_size()
+        self._host_snapshot(name, nbytes)
+        if name not in self.device and self.used_bytes + nbytes <= self._budget(new.device):
+            if not self.host[name].flags.writeable:     # slime's baseline: the file's bytes
+                self.host[name] = self.host[name].copy()
+            upload = torch.from_numpy(self.host[name]).view(new.dtype)
+            self.device[name] = torch.empty_like(new).copy_(upload)
+            self.used_bytes += nbytes
+        if name in self.device:
+            changes = self._device_diff(name, new)
+            return nbytes, lambda: changes
+        new_full = self._copy_out(new.view(torch.uint8))
+        self.copied_out_bytes += nbytes
+        return nbytes, lambda: self._host_diff(name, new_full)
+
+    def diff(self, name: str, tensor: torch.Tensor) -> ByteChanges:
+        """``stage`` and its work in one call."""
+        return self.stage(name, tensor)[1]()
+
+    def _copy_out(self, flat: torch.Tensor) -> np.ndarray:
+        out = np.empty(flat.numel(), dtype=np.uint8)
+        if flat.device.type != "cuda":
+            np.copyto(out, flat.numpy())
+            return out
+        if self._staging is None:
+            self._staging = torch.empty(self._STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+        for lo in range(0, flat.numel(), self._STAGING_BYTES):
+            piece = flat[lo:lo + self._STAGING_BYTES]
+            bounce = self._staging[:piece.numel()]
+            bounce.copy_(piece, non_blocking=True)
+            torch.cuda.current_stream(flat.device).synchronize()
+            np.copyto(out[lo:lo + piece.numel()], bounce.numpy())
+        return out
+
+    def _host_diff(self, name: str, new_full: np.ndarray) -> ByteChanges:
+        old = self.host[name]
+        dense_xor = np.bitwise_xor(new_full, old)
+        count = int(np.count_nonzero(dense_xor))
+        self._undo.append(("swap", name, old))      # list.append is atomic across threads
+        self.host[name] = new_full                  # becomes the next sync's base
+        return ByteChanges(new_full.nbytes, count, dense_xor=dense_xor, new_full=new_full)
+
+    def _device_diff(self, name: str, new: torch.Tensor) -> ByteChanges:
         size, nbytes = new.element_size(), new.numel() * new.element_size()
-        snap = self._host_snapshot(name, nbytes)
+        snap = self.host[name]                  # made writable when uploaded
         if name not in self.sums:
             self.sums[name] = _host_sums(snap, new.dtype)
-        base = self.device.get(name)
-        if base is None and self.used_bytes + nbytes <= self._budget(new.device):
-            base = torch.empty_like(new).copy_(torch.from_numpy(snap).view(new.dtype))
-            self.device[name] = base
-            self.used_bytes += nbytes
-        on_device = base is not None
-        if not on_device:                   # host diff after a full copy, as slime does
-            new = new.cpu()
-            base = torch.from_numpy(snap).view(new.dtype)
-            self.copied_out_bytes += nbytes
-        positions, values, new_sums = _element_changes(
-            new, base, None if on_device else self.sums[name])
+        positions, values, new_sums = _element_changes(new, self.device[name])
+        self.copied_out_bytes += positions.size * (4 + size)
         old_values = snap.view(ref.NP_UINT[size])[positions]
         byte_pos, new_bytes, old_bytes = _to_bytes(positions, values, snap, size)
-        self._undo.append((name, byte_pos, old_bytes))
+        self._undo.append(("patch", name, byte_pos, old_bytes))
         snap[byte_pos] = new_bytes
-        if on_device:
-            self.copied_out_bytes += positions.size * (4 + size)
-            self.device[name].copy_(new)
-            # the kernel hashed the whole new tensor; the snapshot's S moved by the changes'
-            # terms only: equal iff no change was missed or misreported
-            good = _advance_sums(self.sums[name], positions, values, old_values) == new_sums
-        else:
-            good = np.array_equal(snap, new.view(torch.uint8).numpy())
+        self.device[name].copy_(new)
+        # The kernel hashed the whole new tensor; the snapshot's sum moved by the changes'
+        # terms only: they agree iff no change was missed or misreported.
+        advanced = _advance_sums(self.sums[name], positions, values, old_values)
         self.sums[name] = new_sums
-        if not good:
+        if advanced != new_sums:
             raise RuntimeError(f"delta of {name!r}: the patched host snapshot does not match "
                                f"the new tensor (diff kernel wrong or memory corrupted); "
                                f"nothing of this sync is published")
-        return ByteChanges(byte_pos, new_bytes, old_bytes, nbytes)
+        return ByteChanges(nbytes, int(byte_pos.size), byte_pos, new_bytes, old_bytes)
 
     def commit(self) -> None:
         self._undo.clear()
 
     def rollback(self) -> None:
-        """Restore the host snapshot bytes changed since ``commit`` and drop device copies."""
-        for name, byte_pos, old_bytes in reversed(self._undo):
-            self.host[name][byte_pos] = old_bytes
+        """Restore the host snapshots changed since ``commit`` and drop the device copies
+        (re-uploaded from the host snapshots when next used)."""
+        for entry in reversed(self._undo):
+            if entry[0] == "patch":
+                _, name, byte_pos, old_bytes = entry
+                self.host[name][byte_pos] = old_bytes
+            else:
+                _, name, old = entry
+                self.host[name] = old
         self._undo.clear()
         self.device.clear()
         self.sums.clear()
@@ -252,8 +297,8 @@ def encode_sync(state: DeviceSnapshotDiff, tensors: Iterable[Tuple[str, torch.Te
                 encoding: str, digest: Callable[[np.ndarray], str], threads: int
                 ) -> Tuple[Dict[str, np.ndarray], Dict[str, str], int, int]:
     """One sync: ``(compressed deltas, checksums, changed bytes, total bytes)`` for every
-    tensor that changed, in slime's format. Compression and hashing of one tensor overlap the
-    device diff of the next (a thread pool of ``threads``). All-or-nothing on errors."""
+    tensor that changed, in slime's format. A pool of ``threads`` finishes, compresses and
+    digests each tensor while the next one is diffed / copied out. All or nothing on errors."""
     import zstandard
 
     if encoding not in ("xor", "overwrite"):
@@ -261,19 +306,20 @@ def encode_sync(state: DeviceSnapshotDiff, tensors: Iterable[Tuple[str, torch.Te
                          f"{encoding!r}")
     build = xor_payload if encoding == "xor" else overwrite_payload
 
-    def finish(name: str, changes: ByteChanges):
-        if changes.positions.size == 0:
+    def finish(name: str, work: Callable[[], ByteChanges]):
+        changes = work()
+        if changes.count == 0:
             return name, None, None, 0
         blob = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(build(changes))
-        return (name, np.frombuffer(blob, dtype=np.uint8), digest(state.host[name]),
-                int(changes.positions.size))
+        return name, np.frombuffer(blob, dtype=np.uint8), digest(state.host[name]), changes.count
 
     compressed: Dict[str, np.ndarray] = {}
     checksums: Dict[str, str] = {}
     changed = total = 0
     state.copied_out_bytes = 0
     inflight: deque = deque()
-    pool = ThreadPoolExecutor(max_workers=max(1, threads))
+    workers = max(1, threads)
+    pool = ThreadPoolExecutor(max_workers=workers)
     try:
         def collect(future):
             nonlocal changed
@@ -282,17 +328,17 @@ def encode_sync(state: DeviceSnapshotDiff, tensors: Iterable[Tuple[str, torch.Te
                 compressed[name], checksums[name] = blob, digest_hex
                 changed += count
         for name, tensor in tensors:
-            changes = state.diff(name, tensor)
-            total += changes.nbytes
-            inflight.append(pool.submit(finish, name, changes))
-            if len(inflight) >= 2 * max(1, threads):
+            nbytes, work = state.stage(name, tensor)
+            total += nbytes
+            inflight.append(pool.submit(finish, name, work))
+            if len(inflight) >= 2 * workers:    # bounds the host copies held in flight
                 collect(inflight.popleft())
         while inflight:
             collect(inflight.popleft())
     except BaseException:
-        for future in inflight:             # let running workers finish before undoing
+        for future in inflight:
             future.cancel()
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=True)            # running workers finish before the undo
         state.rollback()
         raise
     pool.shutdown(wait=True)

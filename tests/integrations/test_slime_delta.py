@@ -163,36 +163,49 @@ def test_matches_slime_format_over_a_chain_of_syncs(fake_slime, tmp_path, encodi
 
 
 @pytest.mark.parametrize("device_snapshot", [False, True])
-def test_broken_diff_rolls_back_every_snapshot(fake_slime, tmp_path, monkeypatch,
+def test_failed_sync_rolls_back_every_snapshot(fake_slime, tmp_path, monkeypatch,
                                                kernel_backend, device_snapshot):
-    """A diff that misses a change is caught (device: the kernel's hash of the new tensor vs
-    the snapshot's advanced checksum; host: a byte compare); the snapshots patched earlier in
-    the same sync are restored, so the next sync still diffs against what the engines hold."""
+    """A sync that fails on its third tensor (device: a diff that misses a change, caught by
+    the kernel's hash of the new tensor vs the snapshot's advanced checksum; host: the digest
+    raising) restores the snapshots of the tensors before it, so the retry diffs against
+    what the engines hold and publishes the whole step."""
     monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, str(1 << 30) if device_snapshot else "0")
     cls = slime_delta.install()
     weights = model_weights(1)
     ours = cls(weights, "xor", tmp_path)
     before = {k: v.copy() for k, v in ours._snapshot.items()}
     ours.tensors = optimizer_step(weights, 7, fraction=0.2)
-    real = slime_delta._element_changes
     calls = []
+    if device_snapshot:
+        real = slime_delta._element_changes
 
-    def drop_last_change(new, base, base_sums):
-        positions, values, sums = real(new, base, base_sums)
-        calls.append(positions.size)
-        if len(calls) == 3:                   # the third tensor loses one change
-            return positions[:-1], values[:-1], sums
-        return positions, values, sums
-    monkeypatch.setattr(slime_delta, "_element_changes", drop_last_change)
-    with pytest.raises(RuntimeError, match="does not match the new tensor"):
+        def drop_last_change(new, base):
+            positions, values, sums = real(new, base)
+            calls.append(positions.size)
+            if len(calls) == 3:
+                return positions[:-1], values[:-1], sums
+            return positions, values, sums
+        monkeypatch.setattr(slime_delta, "_element_changes", drop_last_change)
+        error, match = RuntimeError, "does not match the new tensor"
+        heal = lambda: monkeypatch.setattr(slime_delta, "_element_changes", real)  # noqa: E731
+    else:
+        def failing_checksum(algorithm, buf):
+            calls.append(1)
+            if len(calls) == 3:
+                raise OSError("digest failed")
+            return adler32_checksum(algorithm, buf)
+        disk_delta = sys.modules["slime.utils.disk_delta"]
+        monkeypatch.setattr(disk_delta, "checksum", failing_checksum)
+        error, match = OSError, "digest failed"
+        heal = lambda: monkeypatch.setattr(disk_delta, "checksum", adler32_checksum)  # noqa
+    with pytest.raises(error, match=match):
         ours._encode_delta()
-    assert len(calls) == 3
+    assert len(calls) >= 3
     for name, snap in before.items():
         np.testing.assert_array_equal(ours._snapshot[name], snap, err_msg=name)
-    assert not ours._glm_kernels_diff.device             # re-uploaded from host next time
-    assert not ours._glm_kernels_diff.sums
-    monkeypatch.setattr(slime_delta, "_element_changes", real)
-    ours._encode_delta()                                  # the retry publishes the whole step
+    assert not ours._glm_kernels_diff.device and not ours._glm_kernels_diff.sums
+    heal()
+    ours._encode_delta()
     theirs = StandInUpdater(weights, "xor", tmp_path / "theirs")
     theirs.tensors = ours.tensors
     theirs._encode_delta()
@@ -219,20 +232,25 @@ def test_refusals(fake_slime, tmp_path, monkeypatch):
     state = slime_delta.DeviceSnapshotDiff({"w": np.zeros(4, np.uint8)})
     with pytest.raises(ValueError, match=slime_delta.ENV_DEVICE_BYTES):
         state.diff("w", torch.ones(4, dtype=torch.int8))
-    big = slime_delta.ByteChanges(np.zeros(0, np.int64), np.zeros(0, np.uint8),
-                                  np.zeros(0, np.uint8), (1 << 32) + 1)
+    big = slime_delta.ByteChanges((1 << 32) + 1, 0, np.zeros(0, np.int64),
+                                  np.zeros(0, np.uint8), np.zeros(0, np.uint8))
     with pytest.raises(ValueError, match="needs xor"):
         slime_delta.overwrite_payload(big)
 
 
-def test_byte_granularity_keeps_unchanged_bytes_out():
-    """A bf16 element whose low byte moved contributes one byte, as slime's byte diff."""
+def test_byte_granularity_keeps_unchanged_bytes_out(kernel_backend):
+    """A bf16 element whose low byte moved contributes one byte, as slime's byte diff, on
+    the device path (sparse) and the host path (dense) alike."""
     old = torch.tensor([1.0, 2.0, 3.0]).bfloat16()
     new = old.clone()
     new.view(torch.int16)[1] += 1
-    state = slime_delta.DeviceSnapshotDiff({"w": old.view(torch.uint8).numpy().copy()},
-                                           device_bytes=0)
-    changes = state.diff("w", new)
-    assert changes.positions.tolist() == [2] and changes.nbytes == 6
-    assert changes.new.tolist() == [new.view(torch.uint8)[2].item()]
-    assert slime_delta.xor_payload(changes).nonzero()[0].tolist() == [2]
+    moved = new.view(torch.uint8)[2].item()
+    for budget in (1 << 20, 0):
+        state = slime_delta.DeviceSnapshotDiff({"w": old.view(torch.uint8).numpy().copy()},
+                                               device_bytes=budget)
+        changes = state.diff("w", new)
+        assert changes.count == 1 and changes.nbytes == 6
+        assert slime_delta.xor_payload(changes).nonzero()[0].tolist() == [2]
+        raw = slime_delta.overwrite_payload(changes)
+        assert raw.tolist() == [1, 0, 0, 0, 2, 0, 0, 0, moved]
+        assert state.host["w"].tolist() == new.view(torch.uint8).tolist()
