@@ -174,7 +174,7 @@ def test_failed_sync_rolls_back_every_snapshot(fake_slime, tmp_path, monkeypatch
     weights = model_weights(1)
     ours = cls(weights, "xor", tmp_path)
     before = {k: v.copy() for k, v in ours._snapshot.items()}
-    ours.tensors = optimizer_step(weights, 7, fraction=0.2)
+    ours.tensors = {k: v.to(DEVICE) for k, v in optimizer_step(weights, 7, 0.2).items()}
     calls = []
     if device_snapshot:
         real = slime_delta._element_changes
@@ -207,7 +207,7 @@ def test_failed_sync_rolls_back_every_snapshot(fake_slime, tmp_path, monkeypatch
     heal()
     ours._encode_delta()
     theirs = StandInUpdater(weights, "xor", tmp_path / "theirs")
-    theirs.tensors = ours.tensors
+    theirs.tensors = {k: v.cpu() for k, v in ours.tensors.items()}
     theirs._encode_delta()
     assert ours._checksums == theirs._checksums and ours.changed_bytes == theirs.changed_bytes
 
@@ -248,7 +248,7 @@ def test_byte_granularity_keeps_unchanged_bytes_out(kernel_backend):
     for budget in (1 << 20, 0):
         state = slime_delta.DeviceSnapshotDiff({"w": old.view(torch.uint8).numpy().copy()},
                                                device_bytes=budget)
-        changes = state.diff("w", new)
+        changes = state.diff("w", new.to(DEVICE))
         assert changes.count == 1 and changes.nbytes == 6
         assert slime_delta.xor_payload(changes).nonzero()[0].tolist() == [2]
         raw = slime_delta.overwrite_payload(changes)
