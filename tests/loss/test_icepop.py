@@ -8,12 +8,15 @@ import torch
 import glm_kernels
 from glm_kernels.loss import _reference
 from tests._compare import assert_close
+from tests.conftest import DEVICE
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
 
 
 def _inputs(shape, *, seed, dtype=torch.float32, per_seq_adv=False, with_old=False,
             spread=0.8):
+    """Drawn on the CPU (same values on every machine), returned on the test device: the
+    kernel backend is the interpreter on CPU tensors, compiled Triton on CUDA tensors."""
     gen = torch.Generator().manual_seed(seed)
     lp = -torch.rand(shape, generator=gen) * 3
     # Ratios e^N(0, spread): a real share of tokens falls outside [1/2, 2] and gets popped.
@@ -22,13 +25,14 @@ def _inputs(shape, *, seed, dtype=torch.float32, per_seq_adv=False, with_old=Fal
     adv_shape = shape[:1] if per_seq_adv else shape
     adv = torch.randn(adv_shape, generator=gen)
     mask = torch.rand(shape, generator=gen) > 0.25
-    return lp.to(dtype), rollout, adv, mask, old
+    return tuple(None if t is None else t.to(DEVICE)
+                 for t in (lp.to(dtype), rollout, adv, mask, old))
 
 
 def _run(fn, lp, *args, **kwargs):
     lp = lp.detach().clone().requires_grad_(True)
     loss, metrics = fn(lp, *args, return_metrics=True, **kwargs)
-    weights = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+    weights = torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).reshape(loss.shape)
     (loss * weights).sum().backward()
     return loss.detach(), lp.grad.detach(), metrics
 
@@ -93,9 +97,10 @@ class TestHandComputed:
     """Values worked out by hand from the formulas in DESIGN 3.1."""
 
     def _one(self, lp, rollout, adv, **kw):
-        lp_t = torch.tensor([lp], requires_grad=True)
-        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([rollout]), torch.tensor([adv]),
-                                       reduction="sum", **kw)
+        lp_t = torch.tensor([lp], device=DEVICE, requires_grad=True)
+        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([rollout], device=DEVICE),
+                                       torch.tensor([adv], device=DEVICE), reduction="sum",
+                                       **kw)
         loss.backward()
         return loss.item(), lp_t.grad.item()
 
@@ -149,28 +154,33 @@ class TestHandComputed:
     def test_decoupled_weight(self, any_backend):
         # k = e^0.2 (gate ok), r = e^0.1 inside the band: l = -k*r*A
         k, r = math.exp(0.2), math.exp(0.1)
-        lp_t = torch.tensor([-1.0], requires_grad=True)
-        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([-1.3]), torch.tensor([1.5]),
-                                       old_logprobs=torch.tensor([-1.1]), reduction="sum")
+        lp_t = torch.tensor([-1.0], device=DEVICE, requires_grad=True)
+        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([-1.3], device=DEVICE),
+                                       torch.tensor([1.5], device=DEVICE),
+                                       old_logprobs=torch.tensor([-1.1], device=DEVICE),
+                                       reduction="sum")
         loss.backward()
         assert loss.item() == pytest.approx(-k * r * 1.5, rel=1e-6)
         assert lp_t.grad.item() == pytest.approx(-k * r * 1.5, rel=1e-6)
 
     def test_decoupled_popped_by_old_vs_rollout(self, any_backend):
         # k = e^1 > 2 even though r = 1: popped
-        lp_t = torch.tensor([-1.0], requires_grad=True)
-        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([-2.0]), torch.tensor([1.0]),
-                                       old_logprobs=torch.tensor([-1.0]), reduction="sum")
+        lp_t = torch.tensor([-1.0], device=DEVICE, requires_grad=True)
+        loss = glm_kernels.icepop_loss(lp_t, torch.tensor([-2.0], device=DEVICE),
+                                       torch.tensor([1.0], device=DEVICE),
+                                       old_logprobs=torch.tensor([-1.0], device=DEVICE),
+                                       reduction="sum")
         loss.backward()
         assert loss.item() == 0.0 and lp_t.grad.item() == 0.0
 
 
 @pytest.mark.parametrize("with_old", [False, True])
 def test_popped_nonfinite_inputs_give_exact_zero(any_backend, with_old):
-    lp = torch.tensor([float("nan"), float("inf"), -1.0, -1.0, -1.0, -1.0])
-    rollout = torch.tensor([-1.0, -1.0, float("-inf"), float("nan"), -1.0, -1.05])
-    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, float("nan"), 2.0])
-    mask = torch.tensor([True, True, True, True, False, True])
+    lp = torch.tensor([float("nan"), float("inf"), -1.0, -1.0, -1.0, -1.0], device=DEVICE)
+    rollout = torch.tensor([-1.0, -1.0, float("-inf"), float("nan"), -1.0, -1.05],
+                           device=DEVICE)
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, float("nan"), 2.0], device=DEVICE)
+    mask = torch.tensor([True, True, True, True, False, True], device=DEVICE)
     old = lp.clone() if with_old else None
     if with_old:
         old[4:] = -1.0
@@ -184,20 +194,23 @@ def test_popped_nonfinite_inputs_give_exact_zero(any_backend, with_old):
 
 
 def test_empty_mask_and_empty_input(any_backend):
-    lp = torch.zeros(5, requires_grad=True)
-    loss, metrics = glm_kernels.icepop_loss(lp, torch.zeros(5), torch.ones(5),
-                                            torch.zeros(5, dtype=torch.bool),
+    lp = torch.zeros(5, device=DEVICE, requires_grad=True)
+    loss, metrics = glm_kernels.icepop_loss(lp, torch.zeros(5, device=DEVICE),
+                                            torch.ones(5, device=DEVICE),
+                                            torch.zeros(5, dtype=torch.bool, device=DEVICE),
                                             return_metrics=True)
     loss.backward()
     assert loss.item() == 0.0 and torch.all(lp.grad == 0)
     assert metrics["pop_frac"].item() == 0.0 and math.isnan(metrics["ratio_mean"].item())
-    empty = torch.zeros(0, requires_grad=True)
-    loss = glm_kernels.icepop_loss(empty, torch.zeros(0), torch.zeros(0))
+    empty = torch.zeros(0, device=DEVICE, requires_grad=True)
+    loss = glm_kernels.icepop_loss(empty, torch.zeros(0, device=DEVICE),
+                                   torch.zeros(0, device=DEVICE))
     loss.backward()
     assert loss.item() == 0.0 and empty.grad.shape == (0,)
-    rows = torch.zeros(2, 3, requires_grad=True)
-    mask = torch.tensor([[True, False, False], [False, False, False]])
-    loss = glm_kernels.icepop_loss(rows, torch.zeros(2, 3), torch.ones(2), mask,
+    rows = torch.zeros(2, 3, device=DEVICE, requires_grad=True)
+    mask = torch.tensor([[True, False, False], [False, False, False]], device=DEVICE)
+    loss = glm_kernels.icepop_loss(rows, torch.zeros(2, 3, device=DEVICE),
+                                   torch.ones(2, device=DEVICE), mask,
                                    reduction="seq_mean_token_mean")
     loss.backward()
     assert loss.item() == pytest.approx(-1.0)   # only row 0 counts: -rho*A = -1
@@ -205,10 +218,10 @@ def test_empty_mask_and_empty_input(any_backend):
 
 
 def test_reductions_by_hand(any_backend):
-    lp = torch.zeros(2, 2, requires_grad=True)   # rho = 1 everywhere: l = -A
-    adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    mask = torch.tensor([[True, True], [True, False]])
-    args = (lp, torch.zeros(2, 2), adv, mask)
+    lp = torch.zeros(2, 2, device=DEVICE, requires_grad=True)   # rho = 1 everywhere: l = -A
+    adv = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=DEVICE)
+    mask = torch.tensor([[True, True], [True, False]], device=DEVICE)
+    args = (lp, torch.zeros(2, 2, device=DEVICE), adv, mask)
     assert glm_kernels.icepop_loss(*args, reduction="sum").item() == pytest.approx(-6.0)
     assert glm_kernels.icepop_loss(*args, reduction="token_mean").item() == pytest.approx(-2.0)
     seq = glm_kernels.icepop_loss(*args, reduction="seq_mean_token_mean").item()
@@ -241,10 +254,10 @@ def test_kernel_writes_every_gradient_element(kernel_backend):
     from glm_kernels.loss import icepop
     lp, rollout, adv, mask, _ = _inputs((3001,), seed=9)
     n = lp.numel()
-    loss_out = torch.full((n,), float("nan"))
-    grad_out = torch.full((n,), float("nan"))
+    loss_out = torch.full((n,), float("nan"), device=DEVICE)
+    grad_out = torch.full((n,), float("nan"), device=DEVICE)
     programs = -(-n // icepop._BLOCK_INTERPRET)
-    stats = torch.full((programs, 8), float("nan"))
+    stats = torch.full((programs, 8), float("nan"), device=DEVICE)
     from glm_kernels.loss import _kernels
     _kernels.icepop_fwd(lp, rollout, None, adv, mask.view(torch.uint8), loss_out, grad_out,
                         stats, seq_len=1, gate_low=0.5, gate_high=2.0, clip_low=0.8,
