@@ -8,6 +8,7 @@ bf16 matmul rate, so every table can report time / floor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -102,6 +103,28 @@ def print_table(title: str, rows: List[dict], columns: List[str]) -> None:
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def loss_grad_check(label: str, kernel_loss: Callable, reference_loss: Callable,
+                    leaf: torch.Tensor) -> dict:
+    """Loss and gradient of ``kernel_loss`` (run by the Triton interpreter) against
+    ``reference_loss`` on the same input: both map a fresh leaf copy of ``leaf`` to a scalar
+    loss. Returns and prints the relative errors ||kernel - ref|| / ||ref||."""
+    from glm_kernels import _dispatch
+    from glm_kernels.testing import rel_error
+    out = {}
+    for name, loss_fn in (("kernel", kernel_loss), ("reference", reference_loss)):
+        x = leaf.detach().clone().requires_grad_(True)
+        with (_dispatch.force_backend("interpret") if name == "kernel"
+              else contextlib.nullcontext()):
+            loss = loss_fn(x)
+        loss.backward()
+        out[name] = (loss.detach(), x.grad)
+    errors = {"loss_rel_err": rel_error(out["kernel"][0], out["reference"][0]),
+              "grad_rel_err": rel_error(out["kernel"][1], out["reference"][1])}
+    print(f"\ninterpreter check, {label}: Triton kernel vs reference: loss rel err "
+          f"{errors['loss_rel_err']:.2e}, grad rel err {errors['grad_rel_err']:.2e}")
+    return errors
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

@@ -128,23 +128,11 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
 
 def interpreter_check(n_tokens: int = 50_000) -> dict:
     """The Triton kernel (run by the interpreter) against the reference on fresh inputs."""
-    from glm_kernels.testing import rel_error
     lp, rollout, adv, mask = make_inputs(n_tokens, "cpu", seed=1)
-    out = {}
-    for name, backend in (("kernel", "interpret"), ("reference", None)):
-        x = lp.clone().requires_grad_(True)
-        if backend:
-            with glm_kernels.force_backend(backend):
-                loss = glm_kernels.icepop_loss(x, rollout, adv, mask)
-        else:
-            loss = _reference.icepop_loss_reference(x, rollout, adv, mask)
-        loss.backward()
-        out[name] = (loss.detach(), x.grad)
-    errors = {"loss_rel_err": rel_error(out["kernel"][0], out["reference"][0]),
-              "grad_rel_err": rel_error(out["kernel"][1], out["reference"][1])}
-    print(f"\ninterpreter check, {n_tokens} tokens: Triton kernel vs reference: "
-          f"loss rel err {errors['loss_rel_err']:.2e}, grad rel err {errors['grad_rel_err']:.2e}")
-    return errors
+    return _common.loss_grad_check(
+        f"{n_tokens} tokens",
+        lambda x: glm_kernels.icepop_loss(x, rollout, adv, mask),
+        lambda x: _reference.icepop_loss_reference(x, rollout, adv, mask), lp)
 
 
 def main():

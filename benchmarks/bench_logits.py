@@ -334,27 +334,14 @@ def _tuning_sweeps(n_tokens, vocabs, hidden, bandwidth, rate) -> dict:
 
 
 def interpreter_check(n_tokens=64, vocab=700) -> dict:
-    """The Triton kernels (run by the interpreter) against the reference on fresh inputs."""
-    from glm_kernels.testing import rel_error
+    """The fused from-logits kernel (run by the interpreter) against the reference on fresh
+    inputs."""
     inp = make_inputs(n_tokens, vocab, "cpu", seed=1)
-    logits = inp["logits"].float()
-    out = {}
-    for name in ("kernel", "reference"):
-        x = logits.clone().requires_grad_(True)
-        if name == "kernel":
-            with _dispatch.force_backend("interpret"):
-                loss = icepop_loss_from_logits(x, inp["ids"], inp["rollout"], inp["adv"],
-                                               inp["mask"])
-        else:
-            loss = ref.icepop_loss_from_logits_reference(x, inp["ids"], inp["rollout"],
-                                                         inp["adv"], inp["mask"])
-        loss.backward()
-        out[name] = (loss.detach(), x.grad)
-    errors = {"loss_rel_err": rel_error(out["kernel"][0], out["reference"][0]),
-              "grad_rel_err": rel_error(out["kernel"][1], out["reference"][1])}
-    print(f"interpreter check, {n_tokens} x {vocab}: fused kernel vs reference: loss rel err "
-          f"{errors['loss_rel_err']:.2e}, grad rel err {errors['grad_rel_err']:.2e}")
-    return errors
+    args = (inp["ids"], inp["rollout"], inp["adv"], inp["mask"])
+    return _common.loss_grad_check(
+        f"{n_tokens} x {vocab} logits",
+        lambda x: icepop_loss_from_logits(x, *args),
+        lambda x: ref.icepop_loss_from_logits_reference(x, *args), inp["logits"].float())
 
 
 def main():
