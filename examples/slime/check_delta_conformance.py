@@ -1,13 +1,11 @@
 """Check that glm_kernels' delta encoder writes the same files as *your* slime.
 
 Runs slime's own ``UpdateWeightFromDiskDelta._publish`` (its ``_encode_delta`` and
-``_write_delta_files``, loaded from a slime checkout or the installed package) and the same
+``_write_delta_files``, loaded from a slime checkout) and the same
 class after ``glm_kernels.integrations.slime_delta.install`` on identical weight steps, and
 compares the version directories: every safetensors header (tensor names, shapes, offsets, the
-per-tensor checksums), every data byte, and the index. Only what a
-single process cannot provide is stood in: Ray, Megatron's ``mpu``, slime's accelerator
-shim, its gloo-group helper and the NCCL base class (whose constructor only stores
-attributes). torch.distributed runs for real as a one-rank gloo group.
+per-tensor checksums), every data byte, and the index. What a single process cannot provide is
+stood in (``_slime_harness.py``); torch.distributed runs for real as a one-rank gloo group.
 
     python examples/slime/check_delta_conformance.py --slime-src /path/to/slime [--steps 3]
 
@@ -16,74 +14,16 @@ Exit status 0 when every version directory matches, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import tempfile
-import types
-from contextlib import contextmanager
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-UPDATE_WEIGHT = "slime.backends.megatron_utils.update_weight"
-
-
-def _module(name, **attrs):
-    mod = types.ModuleType(name)
-    mod.__path__ = []                       # importable as a package
-    mod.__dict__.update(attrs)
-    sys.modules[name] = mod
-    return mod
-
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def load_slime_delta_class(slime_src: str):
-    """slime's real ``UpdateWeightFromDiskDelta`` and ``disk_delta`` from ``slime_src``."""
-    root = os.path.join(slime_src, "slime")
-    if not os.path.isfile(os.path.join(root, "utils", "disk_delta.py")):
-        raise SystemExit(f"--slime-src {slime_src!r}: no slime/utils/disk_delta.py there (slime "
-                         f"with --update-weight-mode delta, e.g. THUDM/slime 624b824 or later)")
-
-    class _Stream:
-        def synchronize(self):
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
-
-    for name in ("slime", "slime.backends", "slime.backends.megatron_utils", UPDATE_WEIGHT,
-                 "slime.utils", "megatron", "megatron.core"):
-        _module(name)
-    _module("ray", get=lambda refs: refs, ObjectRef=object)
-    _module("ray.actor", ActorHandle=object)
-    sys.modules["megatron.core"].mpu = _module(
-        "megatron.core.mpu", get_data_parallel_rank=lambda **_: 0,
-        get_tensor_model_parallel_rank=lambda: 0)
-    _module("slime.utils.accelerator", current_stream=_Stream,
-            current_device=lambda: "cuda" if torch.cuda.is_available() else "cpu")
-    _module("slime.utils.distributed_utils", get_gloo_group=lambda: None)
-
-    class UpdateWeightFromDistributed:      # the NCCL base: its constructor stores attributes
-        def __init__(self, args, model, weights_getter, *, model_name, quantization_config):
-            self.args, self.model, self.model_name = args, model, model_name
-            self.quantization_config = quantization_config
-            self.weight_version = 0
-            self.update_weight_metrics = {}
-    _module(f"{UPDATE_WEIGHT}.update_weight_from_distributed",
-            UpdateWeightFromDistributed=UpdateWeightFromDistributed)
-    disk_delta = _load("slime.utils.disk_delta", os.path.join(root, "utils", "disk_delta.py"))
-    updater = _load(f"{UPDATE_WEIGHT}.update_weight_from_disk_delta",
-                    os.path.join(root, "backends", "megatron_utils", "update_weight",
-                                 "update_weight_from_disk_delta.py"))
-    return updater, disk_delta
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _slime_harness import load_delta_updater, one_rank_gloo  # noqa: E402
 
 
 def make_updater(cls, delta_dir, encoding, checksum, baseline):
@@ -120,20 +60,6 @@ def step(weights, seed, density=0.02):
         bits += hit.to(torch.int16)
 
 
-@contextmanager
-def one_rank_gloo():
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:        # gloo's file store removes its file
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def files_of(version_dir):
     """Each file of a version directory, parsed: safetensors as (header dict, data bytes),
     JSON as a dict. (safetensors writes its ``__metadata__`` map in hash order, which differs
@@ -159,7 +85,7 @@ def main():
                         help="GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES for the glm_kernels side")
     args = parser.parse_args()
     os.environ["GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES"] = args.device_bytes
-    updater_mod, _ = load_slime_delta_class(args.slime_src)
+    updater_mod = load_delta_updater(args.slime_src)
     theirs_cls = updater_mod.UpdateWeightFromDiskDelta
     from glm_kernels.integrations import slime_delta
     ours_cls = slime_delta.install(argparse.Namespace(update_weight_mode="delta"))

@@ -1,8 +1,9 @@
-"""Against slime's own code: set SLIME_SRC to a slime checkout (one that has
-slime/utils/disk_delta.py) to run examples/slime/check_delta_conformance.py, which publishes the
-same steps with slime's real UpdateWeightFromDiskDelta and with glm_kernels' install() and
-compares the version directories. Skipped when SLIME_SRC is not set (slime is not a
-dependency and cannot be fetched in CI)."""
+"""Against slime's own code: set SLIME_SRC to a slime checkout (THUDM/slime 624b824 or later)
+to run the two checks in examples/slime/: check_delta_conformance.py (slime's real
+UpdateWeightFromDiskDelta vs glm_kernels' install(), version directories compared) and
+check_loss_conformance.py (slime's real policy_loss_function with its own IcePop TIS vs
+glm_kernels' TIS hook and custom loss, loss and logits gradient compared). Skipped when
+SLIME_SRC is not set (slime is not a dependency and cannot be fetched in CI)."""
 import os
 import subprocess
 import sys
@@ -18,11 +19,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_files_match_slime_own_encoder(device_bytes):
     pytest.importorskip("zstandard")
     pytest.importorskip("safetensors")
+    out = run_check("check_delta_conformance.py", "--steps", "2", "--device-bytes", device_bytes)
+    assert out.count("identical") == 4
+
+
+@pytest.mark.skipif(not SLIME_SRC, reason="set SLIME_SRC to a slime checkout")
+def test_loss_matches_slime_own_icepop():
+    out = run_check("check_loss_conformance.py", "--seeds", "1")
+    assert out.count("MISMATCH") == 0 and out.count("seed=0") == 4
+
+
+def run_check(script, *flags):
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "slime", "check_delta_conformance.py"),
-         "--slime-src", SLIME_SRC, "--steps", "2", "--device-bytes", device_bytes],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [sys.executable, os.path.join(ROOT, "examples", "slime", script), "--slime-src",
+         SLIME_SRC, *flags], capture_output=True, text=True, timeout=300, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0 and "conformance: PASS" in proc.stdout, \
         proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("identical") == 4
+    return proc.stdout

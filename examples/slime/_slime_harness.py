@@ -1,0 +1,123 @@
+"""Run pieces of slime's own code in one process, without Ray, Megatron or a GPU cluster.
+
+Used by the conformance checks in this folder. Only what a single process cannot provide is
+stood in: Ray, Megatron's ``mpu`` (one rank: tensor / context parallel size 1, groups = the
+one-rank gloo WORLD), slime's accelerator shim, its import-by-path helper and the NCCL
+weight-update base class (whose constructor only stores attributes). The slime files under
+test are loaded from a checkout by path, so the check runs against the user's slime version.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import tempfile
+import types
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+MEGATRON_UTILS = "slime.backends.megatron_utils"
+UPDATE_WEIGHT = f"{MEGATRON_UTILS}.update_weight"
+
+
+def stand_in(name, **attrs):
+    mod = types.ModuleType(name)
+    mod.__path__ = []                       # importable as a package
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+def load_file(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def slime_root(slime_src: str, needs: str) -> str:
+    root = os.path.join(slime_src, "slime")
+    if not os.path.isfile(os.path.join(root, needs)):
+        raise SystemExit(f"--slime-src {slime_src!r}: no slime/{needs} there (a THUDM/slime "
+                         f"checkout, 624b824 or later)")
+    return root
+
+
+def _load_function(path):
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def stand_in_runtime():
+    """Packages and the one-process pieces every check needs."""
+    class Stream:
+        def synchronize(self):
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+
+    for name in ("slime", "slime.backends", MEGATRON_UTILS, UPDATE_WEIGHT, "slime.utils",
+                 "megatron", "megatron.core"):
+        stand_in(name)
+    stand_in("ray", get=lambda refs: refs, ObjectRef=object)
+    stand_in("ray.actor", ActorHandle=object)
+    world = lambda: dist.group.WORLD  # noqa: E731
+    sys.modules["megatron.core"].mpu = stand_in(
+        "megatron.core.mpu", get_data_parallel_rank=lambda **_: 0,
+        get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_world_size=lambda: 1,
+        get_tensor_model_parallel_group=world, get_context_parallel_world_size=lambda: 1,
+        get_context_parallel_rank=lambda: 0, get_context_parallel_group=world)
+    stand_in("slime.utils.accelerator", current_stream=Stream,
+             current_device=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    stand_in("slime.utils.misc", load_function=_load_function)
+    stand_in("slime.utils.types", RolloutBatch=dict)
+
+
+def load_delta_updater(slime_src: str):
+    """slime's real ``update_weight_from_disk_delta`` module (and ``disk_delta``)."""
+    root = slime_root(slime_src, "utils/disk_delta.py")
+    stand_in_runtime()
+    stand_in("slime.utils.distributed_utils", get_gloo_group=lambda: None)
+
+    class UpdateWeightFromDistributed:      # the NCCL base: its constructor stores attributes
+        def __init__(self, args, model, weights_getter, *, model_name, quantization_config):
+            self.args, self.model, self.model_name = args, model, model_name
+            self.quantization_config = quantization_config
+            self.weight_version = 0
+            self.update_weight_metrics = {}
+    stand_in(f"{UPDATE_WEIGHT}.update_weight_from_distributed",
+             UpdateWeightFromDistributed=UpdateWeightFromDistributed)
+    load_file("slime.utils.disk_delta", os.path.join(root, "utils", "disk_delta.py"))
+    return load_file(f"{UPDATE_WEIGHT}.update_weight_from_disk_delta",
+                     os.path.join(root, "backends", "megatron_utils", "update_weight",
+                                  "update_weight_from_disk_delta.py"))
+
+
+def load_loss(slime_src: str):
+    """slime's real ``megatron_utils.loss`` (with its real ``ppo_utils`` and ``cp_utils``)."""
+    root = slime_root(slime_src, "backends/megatron_utils/loss.py")
+    stand_in_runtime()
+    load_file("slime.utils.distributed_utils", os.path.join(root, "utils",
+                                                            "distributed_utils.py"))
+    load_file("slime.utils.ppo_utils", os.path.join(root, "utils", "ppo_utils.py"))
+    load_file(f"{MEGATRON_UTILS}.cp_utils", os.path.join(root, "backends", "megatron_utils",
+                                                         "cp_utils.py"))
+    return load_file(f"{MEGATRON_UTILS}.loss", os.path.join(root, "backends", "megatron_utils",
+                                                            "loss.py"))
+
+
+@contextmanager
+def one_rank_gloo():
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:        # gloo's file store removes its file
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
