@@ -268,11 +268,14 @@ inline void decode_gap16(const unsigned char* gaps, bool planar, int64_t count,
 }
 
 // ------------------------------------------------------------------------------- apply
+// Verify the streams against target (positions, base checksum, result checksum); then, only
+// if write is true, scatter the new values. write=false is delta.verify: the same checks,
+// target only read.
 template <typename U>
 void apply_t(U* target, int64_t numel, bool gap16, bool diff, bool planar,
              const unsigned char* positions, const unsigned char* esc, int64_t n_esc,
              const unsigned char* values, int64_t count, const std::string& result_ck,
-             const std::string& base_ck, int threads) {
+             const std::string& base_ck, int threads, bool write = true) {
   const int64_t size = sizeof(U);
   std::vector<int64_t> pos(static_cast<size_t>(count));
   if (gap16)
@@ -313,6 +316,7 @@ void apply_t(U* target, int64_t numel, bool gap16, bool diff, bool planar,
     throw std::invalid_argument(
         "delta result checksum mismatch: the target differs from the packet's base at "
         "unchanged elements, or the packet is corrupt");
+  if (!write) return;
   parallel_for(chunks, threads, [&](int64_t t) {  // positions are distinct: no write races
     for (int64_t k = t * CHUNK, b = std::min(count, k + CHUNK); k < b; ++k) {
       const int64_t p = pos[static_cast<size_t>(k)];

@@ -8,7 +8,8 @@
 //                  or byte planes), plus S of new (and of old for base-relative values)
 //   apply          decode and validate positions, verify the base and result checksums from
 //                  the target's S and the changed elements only, then scatter in place into
-//                  any writable buffer (a CPU tensor, a memory-mapped safetensors file)
+//                  any writable buffer (a CPU tensor, a memory-mapped safetensors file);
+//                  write=False runs the same checks and writes nothing (delta.verify)
 //   gap16_pack / gap16_unpack / byte_group / byte_ungroup: the stream pieces on their own
 // Errors raise ValueError (std::invalid_argument) before anything is written.
 
@@ -187,13 +188,14 @@ py::dict py_encode(const py::array& new_bits, const py::array& old_bits, bool ga
 
 void py_apply(py::array target, bool gap16, bool diff, bool planar, const py::array& positions,
               const py::array& escapes, const py::array& values, int64_t count,
-              const py::bytes& result_ck, const py::bytes& base_ck, int threads) {
-  if (!(target.flags() & py::array::c_style) || !target.writeable())
-    throw std::invalid_argument("target must be a writable C-contiguous buffer");
+              const py::bytes& result_ck, const py::bytes& base_ck, int threads, bool write) {
+  if (!(target.flags() & py::array::c_style) || (write && !target.writeable()))
+    throw std::invalid_argument(write ? "target must be a writable C-contiguous buffer"
+                                      : "target must be a C-contiguous buffer");
   const std::string result = result_ck, base = base_ck;
   if (result.size() != 8 || !(base.empty() || base.size() == 8))
     throw std::invalid_argument("checksums must be 8 bytes (base: 8 or empty)");
-  py::buffer_info t = target.request(true);
+  py::buffer_info t = target.request(write);
   const int64_t size = t.itemsize, numel = static_cast<int64_t>(t.size);
   const py::buffer_info pi = contiguous(positions, "positions");
   const py::buffer_info ei = contiguous(escapes, "escapes");
@@ -208,7 +210,7 @@ void py_apply(py::array target, bool gap16, bool diff, bool planar, const py::ar
     using U = decltype(tag);
     py::gil_scoped_release nogil;
     apply_t<U>(static_cast<U*>(t.ptr), numel, gap16, diff, planar, p, e, n_esc, v, count, result,
-               base, resolve_threads(threads));
+               base, resolve_threads(threads), write);
   });
 }
 
@@ -295,8 +297,9 @@ PYBIND11_MODULE(_host, m) {
   m.def("apply", &py_apply, py::arg("target"), py::arg("gap16"), py::arg("diff"),
         py::arg("planar"), py::arg("positions"), py::arg("escapes"), py::arg("values"),
         py::arg("count"), py::arg("result_checksum"), py::arg("base_checksum"),
-        py::arg("threads") = 0,
-        "Verify then apply streams to a writable buffer in place; ValueError before any write.");
+        py::arg("threads") = 0, py::arg("write") = true,
+        "Verify then apply streams to a writable buffer in place; ValueError before any write. "
+        "write=False: verify only (the buffer is only read).");
   m.def("gap16_pack", &py_gap16_pack, py::arg("positions"));
   m.def("gap16_unpack", &py_gap16_unpack, py::arg("gaps"), py::arg("escapes"), py::arg("numel"),
         py::arg("threads") = 0);

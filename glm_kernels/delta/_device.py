@@ -214,8 +214,9 @@ def device_streams(packet, host_streams, device):
 
 
 def apply(tb: torch.Tensor, packet, spec: ref.StreamSpec, host_streams,
-          cfg: DeltaKernelConfig) -> None:
-    """Verify, then apply ``packet`` to the flat signed-int view ``tb`` in place."""
+          cfg: DeltaKernelConfig, write: bool = True) -> None:
+    """Verify, then (``write``) apply ``packet`` to the flat signed-int view ``tb`` in place.
+    ``write=False`` runs every check and only reads ``tb`` (delta.verify)."""
     numel, c = tb.numel(), packet.count
     positions, escapes, values = device_streams(packet, host_streams, tb.device)
     if spec.positions == "int32":
@@ -238,4 +239,5 @@ def apply(tb: torch.Tensor, packet, spec: ref.StreamSpec, host_streams,
     if ref.finalize(s_target + delta, n_words) != packet.result_checksum:
         raise ValueError("delta result checksum mismatch: the target differs from the packet's "
                          "base at unchanged elements, or the packet is corrupt")
-    _kernels.scatter(pos, tb, values, c, block=cfg.apply_block, **kwargs)
+    if write:
+        _kernels.scatter(pos, tb, values, c, block=cfg.apply_block, **kwargs)

@@ -58,12 +58,17 @@ def encode_streams(nb: np.ndarray, ob: np.ndarray, spec: ref.StreamSpec, threads
 
 
 def apply_streams(bits: np.ndarray, streams: ref.Streams, spec: ref.StreamSpec,
-                  result_checksum: bytes, base_checksum: bytes = b"", threads: int = -1) -> None:
-    """Verify, then write into the writable unsigned array ``bits`` (see _reference)."""
+                  result_checksum: bytes, base_checksum: bytes = b"", threads: int = -1,
+                  write: bool = True) -> None:
+    """Verify, then (``write``) write into the unsigned array ``bits``, which must then be
+    writable (see _reference). ``write=False`` runs every check and writes nothing."""
     ext = extension()
     if ext is None:
-        ref.apply_streams(bits, streams, spec, result_checksum, base_checksum)
+        if write:
+            ref.apply_streams(bits, streams, spec, result_checksum, base_checksum)
+        else:
+            ref.verify_streams(bits, streams, spec, result_checksum, base_checksum)
         return
     ext.apply(bits, spec.positions == "gap16", spec.diff, spec.planar, streams.positions,
               streams.escapes, streams.values, streams.count, result_checksum, base_checksum,
-              resolve_threads(threads))
+              resolve_threads(threads), write)

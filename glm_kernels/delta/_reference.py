@@ -278,13 +278,14 @@ def decode_values(streams: Streams, spec: StreamSpec, old: np.ndarray) -> np.nda
     return unzigzag_add(vals, old) if spec.diff else vals
 
 
-def apply_streams(bits: np.ndarray, streams: Streams, spec: StreamSpec, result_checksum: bytes,
-                  base_checksum: bytes = b"") -> None:
-    """Verify everything, then write the changed elements into ``bits`` in place.
+def verify_streams(bits: np.ndarray, streams: Streams, spec: StreamSpec, result_checksum: bytes,
+                   base_checksum: bytes = b""):
+    """Every check of :func:`apply_streams`, reading ``bits`` only; returns the validated
+    (positions, new bit patterns there) that the apply writes.
 
-    Before the first write: positions valid, the base checksum (base-relative packets) and
-    the checksum of the result, computed from the target's sum plus the changed elements'
-    terms. Any failure raises ValueError and leaves ``bits`` untouched.
+    Positions valid, the base checksum (base-relative packets) and the checksum of the
+    result, computed from the target's sum plus the changed elements' terms. Any failure
+    raises ValueError.
     """
     n_words = bits.size * words_per_element(bits.dtype.itemsize)
     pos = decode_positions(streams, spec, bits.size)
@@ -299,4 +300,12 @@ def apply_streams(bits: np.ndarray, streams: Streams, spec: StreamSpec, result_c
     if finalize(s_target + delta, n_words) != result_checksum:
         raise ValueError("delta result checksum mismatch: the target differs from the packet's "
                          "base at unchanged elements, or the packet is corrupt")
+    return pos, new
+
+
+def apply_streams(bits: np.ndarray, streams: Streams, spec: StreamSpec, result_checksum: bytes,
+                  base_checksum: bytes = b"") -> None:
+    """Verify everything (:func:`verify_streams`), then write the changed elements into
+    ``bits`` in place. Any failure raises ValueError and leaves ``bits`` untouched."""
+    pos, new = verify_streams(bits, streams, spec, result_checksum, base_checksum)
     bits[pos] = new

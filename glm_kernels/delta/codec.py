@@ -163,7 +163,8 @@ def apply_(target: torch.Tensor, packet: DeltaPacket, *, threads: int = -1,
     checksum of base-relative packets, and the checksum of the result -- computed from the
     target's checksum sum plus the changed elements' terms, so no copy of the target is made.
     Any failure raises ValueError/TypeError and leaves ``target`` bit-identical to before.
-    Scratch memory: O(count) (decoded positions), never O(numel).
+    Scratch memory: O(count) (decoded positions), never O(numel). :func:`verify` runs the
+    same checks without the write.
 
     Parameters
     ----------
@@ -185,25 +186,67 @@ def apply_(target: torch.Tensor, packet: DeltaPacket, *, threads: int = -1,
     >>> apply_(target, encode(new, old, encoding="int32"))
     tensor([0., -0., 0., nan, 2.])
     """
+    _verify_then_write(target, packet, threads, config, write=True)
+    if packet.count and hasattr(torch.autograd.graph, "increment_version"):
+        torch.autograd.graph.increment_version(target)   # written behind autograd's back
+    return target
+
+
+def verify(target: torch.Tensor, packet: DeltaPacket, *, threads: int = -1,
+           config: Optional[DeltaKernelConfig] = None) -> None:
+    """Run every check :func:`apply_` makes, without writing: returns None if
+    ``apply_(target, packet)`` would succeed, otherwise raises the error it would raise.
+
+    The checks are apply_'s own (one shared code path on every backend): dtype, numel,
+    contiguity, payload structure, base checksum, result checksum. ``target`` is only read
+    (one pass, for its checksum); scratch memory is O(count), never O(numel). On the host
+    backend a CUDA target is copied to the host first, as in :func:`apply_`. A caller that
+    must apply several packets all-or-nothing verifies them all first, then applies them
+    (``glm_kernels.sync.Receiver`` does); ``apply_`` checks again before its first write.
+
+    Parameters
+    ----------
+    target : Tensor, contiguous, the packet's dtype and numel (any shape), CPU or CUDA.
+    packet : DeltaPacket.
+    threads : int, default -1 (every core); host path only.
+    config : DeltaKernelConfig, optional (Triton path).
+
+    Example
+    -------
+    >>> import torch
+    >>> from glm_kernels.delta import encode, verify
+    >>> old = torch.zeros(5); new = torch.tensor([0.0, 1.0, 0.0, 0.0, 2.0])
+    >>> packet = encode(new, old)
+    >>> verify(old, packet)                       # would apply: returns None
+    >>> try:
+    ...     verify(torch.ones(5), packet)         # not the packet's base
+    ... except ValueError as exc:
+    ...     print(str(exc)[:31])
+    delta result checksum mismatch:
+    """
+    _verify_then_write(target, packet, threads, config, write=False)
+
+
+def _verify_then_write(target, packet, threads, config, write: bool) -> None:
+    """The one verification path of apply_ (write=True: then scatter) and verify."""
     _check_target(target, packet)
     if packet.encoding == "zstd":
         require_zstd()
     spec = stream_spec(packet.encoding, packet.relative)
-    backend = _dispatch.select_backend("delta.apply_", target)
+    backend = _dispatch.select_backend("delta.apply_" if write else "delta.verify", target)
     with torch.no_grad():
         if backend == "torch":
             host = target if target.device.type == "cpu" else target.cpu()
             _host_codec.apply_streams(ref.np_bits(host), parse_payload(packet, threads), spec,
-                                      packet.result_checksum, packet.base_checksum, threads)
-            if host is not target:
+                                      packet.result_checksum, packet.base_checksum, threads,
+                                      write=write)
+            if write and host is not target:
                 target.copy_(host)
         else:
             host_streams = parse_payload(packet, threads) if packet.encoding == "zstd" else None
             _device.apply(ref.int_view(target), packet, spec, host_streams,
-                          config or default_config(target.device, target.element_size()))
-    if packet.count and hasattr(torch.autograd.graph, "increment_version"):
-        torch.autograd.graph.increment_version(target)   # written behind autograd's back
-    return target
+                          config or default_config(target.device, target.element_size()),
+                          write=write)
 
 
 def checksum(t: torch.Tensor, *, threads: int = -1,
