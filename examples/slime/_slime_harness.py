@@ -69,7 +69,8 @@ def stand_in_runtime():
         "megatron.core.mpu", get_data_parallel_rank=lambda **_: 0,
         get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_world_size=lambda: 1,
         get_tensor_model_parallel_group=world, get_context_parallel_world_size=lambda: 1,
-        get_context_parallel_rank=lambda: 0, get_context_parallel_group=world)
+        get_context_parallel_rank=lambda: 0, get_context_parallel_group=world,
+        is_pipeline_last_stage=lambda **_: True)
     stand_in("slime.utils.accelerator", current_stream=Stream,
              current_device=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     stand_in("slime.utils.misc", load_function=_load_function)

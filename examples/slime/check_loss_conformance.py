@@ -12,7 +12,11 @@ hook) from a checkout, builds micro-batches the way slime's ``get_batch`` does (
      glm_kernels.integrations.slime.icepop_loss_function``
 
 loss and d loss / d logits, decoupled IcePop (recomputed ``log_probs`` given), at
-temperature 1 and 0.7, with and without --calculate-per-token-loss. What a single process
+temperature 1 and 0.7, with and without --calculate-per-token-loss. Then the OPD advantage:
+slime's ``compute_advantages_and_returns`` with ``--custom-advantage-function-path
+glm_kernels.integrations.slime.opd_log_ratio_advantages --use-opd --opd-kl-coef 0`` against
+slime's own OPD penalty on a zero outcome reward (``--opd-kl-coef 1``): both are
+A_t = log pi_teacher - log pi_student. What a single process
 cannot provide is stood in (``_slime_harness.py``); TP = CP = 1.
 
     python examples/slime/check_loss_conformance.py --slime-src /path/to/slime
@@ -83,6 +87,31 @@ def run_side(loss_mod, args, batch, logits, use_custom_loss):
     return loss.detach(), logits.grad, metrics
 
 
+def check_opd_advantage(loss_mod) -> int:
+    failures = 0
+    for use_rollout in (False, True):
+        batch, _ = micro_batch(7)
+        g = torch.Generator().manual_seed(11)
+        data = {k: batch[k] for k in ("rollout_log_probs", "log_probs", "loss_masks",
+                                      "response_lengths", "total_lengths")}
+        data["teacher_log_probs"] = [lp + 0.3 * torch.randn(lp.shape, generator=g)
+                                     for lp in batch["log_probs"]]
+        data["rewards"] = [0.0] * len(batch["response_lengths"])
+        common = dict(use_rollout_logprobs=use_rollout, kl_coef=0.0, use_opd=True,
+                      opd_type="sglang", normalize_advantages=False, kl_loss_type="k1")
+        ours, theirs = dict(data), dict(data)
+        loss_mod.compute_advantages_and_returns(slime_args(
+            custom_advantage_function_path="glm_kernels.integrations.slime."
+            "opd_log_ratio_advantages", opd_kl_coef=0.0, **common), ours)
+        loss_mod.compute_advantages_and_returns(slime_args(
+            custom_advantage_function_path=None, opd_kl_coef=1.0, **common), theirs)
+        err = rel(torch.cat(ours["advantages"]), torch.cat(theirs["advantages"]))
+        failures += not err <= 1e-6
+        print(f"OPD advantage (use_rollout_logprobs={use_rollout}): rel err {err:.1e}"
+              + ("" if err <= 1e-6 else "  MISMATCH"))
+    return failures
+
+
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -114,6 +143,7 @@ def main():
                           f"{float(a[0]):+.6f} pop_frac(sum over samples) {popped:.3f} "
                           + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
                           + (f"  MISMATCH {sorted(bad)}" if bad else ""))
+        failures += check_opd_advantage(loss_mod)
     print("conformance:", "PASS" if not failures else f"FAIL ({failures} cases)")
     return 1 if failures else 0
 
