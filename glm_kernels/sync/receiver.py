@@ -6,7 +6,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch
 
 from .. import _dispatch
-from ..delta import DeltaPacket, apply_
+from ..delta import DeltaPacket, apply_, verify
 from .protocol import (SyncError, Transport, Update, VersionError, byte_view, digest,
                        dtype_name)
 
@@ -26,13 +26,16 @@ class Receiver:
 
     Every update is checked as a whole before anything is written: the version (a delta
     must be based on exactly ``self.version``; a full snapshot must be newer), every tensor's
-    name, dtype and shape, every checksum, and every delta packet applied to a scratch copy
-    whose result checksum must match. Only then are all tensors written. Any failure raises
-    :class:`SyncError` (or its subclass :class:`VersionError`), leaves every tensor
-    unchanged, and asks the sender for a full snapshot.
+    name, dtype and shape, every checksum, and every delta packet verified against the
+    tensor it applies to (``glm_kernels.delta.verify``: base and result checksums). Only then
+    are all tensors written, in place. Any failure raises :class:`SyncError` (or its
+    subclass :class:`VersionError`), leaves every tensor unchanged, and asks the sender for
+    a full snapshot. (If the machine fails in the middle of the writes -- a device out of
+    memory -- the receiver drops to version 0, which only a full snapshot leaves.)
 
-    Memory: until the commit the receiver holds the whole update (frame data) and, for each
-    delta entry, one scratch copy of that tensor.
+    Memory: the receiver holds the update (frame data and parsed packets) until it is
+    written; delta packets are applied in place with O(changes) scratch, never a copy of a
+    tensor. Names that alias one tensor (tied weights) must carry identical contents.
 
     Example
     -------
@@ -115,18 +118,49 @@ class Receiver:
         return self.version
 
     def apply_update(self, update: Update) -> int:
-        """Check ``update`` completely, then write it; returns the new version."""
+        """Check ``update`` completely, then write it in place; returns the new version.
+
+        Phase 1 only reads the held tensors: every entry's name, dtype, shape and payload
+        checksum, and every delta packet verified against the tensor it applies to
+        (``glm_kernels.delta.verify``: base and result checksums, O(changes) scratch). Any
+        failure raises SyncError with every tensor unchanged. Phase 2 writes: full entries
+        are copied in, delta packets applied in place -- no tensor-sized scratch copy.
+        """
         self._check_version(update)
         seen = set()
-        staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        checked: List[Tuple[str, torch.Tensor, object]] = []
         for entry in update.entries:
+            # The protocol carries one entry per name (assemble refuses a name that comes
+            # back); checked here for every transport, because a second delta for the same
+            # tensor would have been verified against bytes the first one changes.
             if entry.name in seen:
                 raise SyncError(f"update v{update.version} names tensor {entry.name!r} twice")
             seen.add(entry.name)
-            staged.append(self._stage(update.version, entry))
-        with torch.no_grad():   # nothing can fail from here on: every check has passed
-            for param, data in staged:
-                byte_view(param).copy_(data.to(param.device, non_blocking=False))
+            checked.append(self._check_entry(update.version, entry))
+        writes = _without_shared_duplicates(update.version, checked)
+        # Phase 2. Every write below was verified against the bytes it writes onto, so none
+        # can fail on the data (apply_ re-checks before its first write all the same: one
+        # extra read of each delta tensor, against a tensor changed behind our back).
+        # What can still fail is the machine: a device out of memory (the host -> device
+        # copy of a full payload, apply_'s O(changes) positions), a CUDA error, an interrupt.
+        # Then the tensors written before the failure hold the new version and the others
+        # the old one: the receiver drops to version 0, where only a full snapshot applies,
+        # and the SyncError asks the sender for one (poll() keeps draining and applies it).
+        try:
+            with torch.no_grad():
+                for _, param, data in writes:
+                    if isinstance(data, DeltaPacket):
+                        apply_(param, data)
+                    else:
+                        byte_view(param).copy_(data.to(param.device, non_blocking=False))
+        except BaseException as exc:
+            held, self.version = self.version, 0
+            if not isinstance(exc, Exception):      # KeyboardInterrupt & co: let it through
+                raise
+            raise SyncError(f"update v{update.version} failed while writing after every check "
+                            f"had passed ({type(exc).__name__}: {exc}); tensors are part "
+                            f"v{held}, part v{update.version}: version reset to 0, a full "
+                            f"snapshot is needed") from exc
         self.version = update.version
         return self.version
 
@@ -142,8 +176,8 @@ class Receiver:
             raise VersionError(f"update v{update.version} has base v{update.base}: versions "
                                "must increase")
 
-    def _stage(self, version: int, entry) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(target tensor, result bytes) for one entry, after all its checks."""
+    def _check_entry(self, version: int, entry) -> Tuple[str, torch.Tensor, object]:
+        """(name, target tensor, full payload bytes or verified DeltaPacket); reads only."""
         name = entry.name
         where = f"update v{version}, tensor {name!r}"
         param = self.params.get(name)
@@ -163,11 +197,50 @@ class Receiver:
             want = param.numel() * param.element_size()
             if entry.payload.numel() != want:
                 raise SyncError(f"{where}: {entry.payload.numel()} bytes, expected {want}")
-            return param, entry.payload
+            return name, param, entry.payload
         try:
             packet = DeltaPacket.from_bytes(entry.payload.cpu().numpy().tobytes())
-            scratch = param.detach().clone()
-            apply_(scratch, packet)
+            verify(param.detach(), packet)
         except (ValueError, TypeError) as exc:   # codec refusals: corrupt, wrong base, ...
             raise SyncError(f"{where}: delta refused: {exc}") from exc
-        return param, byte_view(scratch)
+        return name, param, packet
+
+
+def _span(t: torch.Tensor) -> Tuple[str, int, int]:
+    return str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _same_contents(a, b) -> bool:
+    if isinstance(a, DeltaPacket) != isinstance(b, DeltaPacket):
+        return False
+    if isinstance(a, DeltaPacket):
+        return a.to_bytes() == b.to_bytes()
+    return a.numel() == b.numel() and torch.equal(a, b.to(a.device))
+
+
+def _without_shared_duplicates(version: int, checked):
+    """``checked`` minus repeats of tied tensors, after refusing unsafe memory sharing.
+
+    Deltas were verified against the bytes held before the update, so a delta must not land
+    on memory another entry of the same update writes first. Names that alias one tensor
+    (tied weights: same memory, same size) with identical contents are written once;
+    any other overlap that involves a delta entry is refused. Overlapping full entries are
+    written in order, as they come.
+    """
+    spans = sorted((_span(p), i) for i, (_, p, _) in enumerate(checked) if p.numel())
+    skip = set()
+    reach = None          # (device, end, index) of the span reaching furthest so far
+    for (device, begin, end), i in spans:
+        if reach is not None and reach[0] == device and begin < reach[1]:
+            j = reach[2]
+            (name_j, p_j, data_j), (name_i, p_i, data_i) = checked[j], checked[i]
+            if _span(p_j) == (device, begin, end) and _same_contents(data_j, data_i):
+                skip.add(i)
+                continue
+            if isinstance(data_i, DeltaPacket) or isinstance(data_j, DeltaPacket):
+                raise SyncError(f"update v{version}: tensors {name_j!r} and {name_i!r} share "
+                                f"memory on this receiver, and the update gives them "
+                                f"different contents (one is a delta)")
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, i)
+    return [c for i, c in enumerate(checked) if i not in skip]
