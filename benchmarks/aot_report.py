@@ -1,8 +1,10 @@
 """Compile every registered Triton kernel configuration for sm_90 with no GPU and report it.
 
 For each ``AotSpec`` in ``glm_kernels/*/_kernels.py:AOT_SPECS``: registers per thread,
-spilled bytes (local memory), static shared memory, and whether the SASS issues HGMMA
-(Hopper's warpgroup MMA). With ``--check`` the script exits non-zero on any spill, on a
+spilled bytes (local memory), static shared memory, whether the SASS issues HGMMA
+(Hopper's warpgroup MMA), and how many global loads/stores are 128-bit (vectorized).
+Pointer arguments carry Triton's 16-byte divisibility hint, as they do at runtime for the
+aligned buffers torch allocates, so the report shows the variant a launch compiles. With ``--check`` the script exits non-zero on any spill, on a
 matrix kernel without HGMMA, or on a configuration that fails to compile.
 
     python benchmarks/aot_report.py [--check] [--json out.json] [--only NAME_SUBSTRING]
@@ -48,6 +50,35 @@ def discover_specs():
     return specs
 
 
+def divisibility_attrs(spec) -> dict:
+    """``ASTSource`` attrs marking every pointer argument 16-byte aligned.
+
+    At launch, Triton's JIT specializes a pointer whose address is a multiple of 16 (and an
+    integer divisible by 16) with ``tt.divisibility = 16``, which lets it emit 64/128-bit
+    loads; without the hint an AOT compile reports the scalar-load variant instead. Keys are
+    argument paths: ``(index in the kernel's argument list,)``. Integer arguments are left
+    unhinted: ``AotSpec`` does not say which ones a launch passes as multiples of 16.
+    """
+    names = spec.kernel.arg_names
+    return {(names.index(arg),): [["tt.divisibility", 16]]
+            for arg, ty in spec.signature.items() if ty.startswith("*")}
+
+
+_ACCESS_BITS = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
+
+
+def _memory_widths(sass: str, opcode: str) -> dict:
+    """Count of ``opcode`` (LDG/STG) instructions by access width in bits. 128 is a vector
+    access for any element type; 64 is one for 4-byte or narrower elements but a plain
+    access for 8-byte ones, so the table counts 128-bit accesses and the JSON keeps all."""
+    widths: dict = {}
+    for mods in re.findall(rf"\b{opcode}((?:\.\w+)*)", sass):
+        found = re.search(r"\.(128|64|U16|S16|U8|S8)\b", mods)
+        bits = _ACCESS_BITS[found.group(1)] if found else 32
+        widths[bits] = widths.get(bits, 0) + 1
+    return widths
+
+
 def _resource_usage(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -57,15 +88,17 @@ def _resource_usage(cubin: bytes) -> dict:
         sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name],
                               capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(\w+):(\d+)", usage.split("Function", 1)[-1]))
+    ldg, stg = _memory_widths(sass, "LDG"), _memory_widths(sass, "STG")
     return {"registers": int(fields.get("REG", -1)), "local_bytes": int(fields.get("LOCAL", 0)),
             "stack_bytes": int(fields.get("STACK", 0)),
             "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
+            "ldg_bits": ldg, "stg_bits": stg,
             "sass_lines": sass.count("\n")}
 
 
 def compile_spec(spec) -> dict:
     start = time.time()
-    source = ASTSource(spec.kernel, spec.signature, spec.constexprs)
+    source = ASTSource(spec.kernel, spec.signature, spec.constexprs, divisibility_attrs(spec))
     kernel = triton.compile(source, target=TARGET,
                             options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     row = {"name": spec.name, "num_warps": spec.num_warps, "num_stages": spec.num_stages,
@@ -91,7 +124,7 @@ def main(argv=None) -> int:
     specs = [s for s in discover_specs() if not args.only or args.only in s.name]
     rows, failures = [], []
     header = f"{'kernel configuration':58s} {'warps':>5s} {'regs':>5s} {'spill':>6s} " \
-             f"{'smem':>7s} {'HGMMA':>6s}"
+             f"{'smem':>7s} {'HGMMA':>6s} {'LDG.128':>8s} {'STG.128':>8s}"
     print(f"sm_90 ahead-of-time report, triton {triton.__version__}, {len(specs)} configurations")
     print(header)
     print("-" * len(header))
@@ -104,8 +137,11 @@ def main(argv=None) -> int:
             print(f"{spec.name:58s} COMPILE FAILED: {row['problems'][0]}")
         else:
             hgmma = str(row["hgmma"]) if row["expects_hgmma"] or row["hgmma"] else "-"
+            ldg, stg = (f"{row[k].get(128, 0)}/{sum(row[k].values())}"
+                        for k in ("ldg_bits", "stg_bits"))
             print(f"{row['name']:58s} {row['num_warps']:5d} {row['registers']:5d} "
-                  f"{row['local_bytes']:6d} {row['shared_bytes']:7d} {hgmma:>6s}"
+                  f"{row['local_bytes']:6d} {row['shared_bytes']:7d} {hgmma:>6s} "
+                  f"{ldg:>8s} {stg:>8s}"
                   + (f"   <- {'; '.join(row['problems'])}" if row["problems"] else ""))
         rows.append(row)
         if row["problems"]:
