@@ -1,8 +1,8 @@
 """slime plug-ins: IcePop through glm_kernels, loaded by slime's custom-path flags.
 
 Nothing here imports slime or Megatron at module import; the functions only read the
-``args`` namespace and the batch dicts slime hands them (the CP > 1 path imports slime's own
-response slicer lazily). Signatures follow THUDM/slime at commit 624b824 (2026-08-21):
+``args`` namespace and the batch dicts slime hands them (TP > 1 imports Megatron's ``mpu`` for
+the TP group, CP > 1 imports slime's own CP slicers lazily, so the CP layout is slime's). Signatures follow THUDM/slime at commit 624b824 (2026-08-21):
 
 * :func:`icepop_loss_function` -- ``--loss-type custom_loss
   --custom-loss-function-path glm_kernels.integrations.slime.icepop_loss_function``.
@@ -65,10 +65,17 @@ def icepop_gate_weights(gate_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     return -per_token
 
 
+def _context_parallel(args) -> bool:
+    return int(getattr(args, "context_parallel_size", 1)) > 1 or bool(getattr(args, "allgather_cp",
+                                                                             False))
+
+
 def _response_logprobs(args, batch, logits: torch.Tensor
                        ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """log pi_theta and the entropy of every response position, one fp32 tensor [R_i] each
-    per sample, in slime's layout (the order and CP slicing ``sum_of_sample_mean`` expects)."""
+    """log pi_theta and the entropy of every response position, one fp32 tensor per sample, in
+    slime's layout: [R_i] at CP = 1; under CP this rank's zigzag part of the response (chunks r
+    and 2cp-1-r, the order of slime's ``slice_log_prob_with_cp`` and CP ``sum_of_sample_mean``).
+    """
     if logits.dim() != 3 or logits.shape[0] != 1:
         raise ValueError(f"logits must be slime's packed [1, T, V] tensor, got shape "
                          f"{tuple(logits.shape)}")
@@ -80,29 +87,59 @@ def _response_logprobs(args, batch, logits: torch.Tensor
     kwargs = {"temperature": temperature, "return_entropy": True}
     if tp_group is not None:
         kwargs["tp_group"] = tp_group   # logits are this rank's vocab shard
-    if int(getattr(args, "context_parallel_size", 1)) > 1 or getattr(args, "allgather_cp", False):
-        # CP splits every sequence in two chunks per rank; slime's own slicer knows the layout.
+    if _context_parallel(args):
+        # The CP layout is slime's own: its slicer yields this rank's response rows per sample
+        # (zigzag chunks; with --allgather-cp a contiguous slice of the global stream).
         from slime.backends.megatron_utils.loss import get_responses
-        pairs = [selective_logprobs(chunk, tokens, **kwargs) for chunk, tokens in get_responses(
+        chunks = list(get_responses(
             logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
             total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
-            apply_temperature=False)]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
-    flat = logits[0]
-    rows, targets, sizes, end = [], [], [], 0
-    for tokens, total, resp in zip(batch["unconcat_tokens"], batch["total_lengths"],
-                                   batch["response_lengths"]):
-        end += int(total)
-        # Position t predicts token t + 1: the response [end - R, end) comes from rows
-        # [end - R - 1, end - 1) of the packed stream.
-        rows.append(torch.arange(end - resp - 1, end - 1, device=flat.device))
-        targets.append(tokens[-resp:] if resp else tokens[:0])
-        sizes.append(int(resp))
-    if end > flat.shape[0]:
-        raise ValueError(f"total_lengths sum to {end} but logits hold {flat.shape[0]} positions")
-    picked = flat.index_select(0, torch.cat(rows)) if rows else flat[:0]
-    lp, entropy = selective_logprobs(picked, torch.cat(targets).to(flat.device).long(), **kwargs)
-    return list(lp.split(sizes)), list(entropy.split(sizes))
+            apply_temperature=False))
+        picked = torch.cat([c for c, _ in chunks]) if chunks else logits[0, :0]
+        targets = torch.cat([t.to(logits.device).long() for _, t in chunks]) if chunks else \
+            torch.zeros(0, dtype=torch.long, device=logits.device)
+        sizes = [int(c.shape[0]) for c, _ in chunks]
+    else:
+        flat = logits[0]
+        rows, target_list, sizes, end = [], [], [], 0
+        for tokens, total, resp in zip(batch["unconcat_tokens"], batch["total_lengths"],
+                                       batch["response_lengths"]):
+            end += int(total)
+            # Position t predicts token t + 1: the response [end - R, end) comes from rows
+            # [end - R - 1, end - 1) of the packed stream.
+            rows.append(torch.arange(end - resp - 1, end - 1, device=flat.device))
+            target_list.append(tokens[-resp:] if resp else tokens[:0])
+            sizes.append(int(resp))
+        if end > flat.shape[0]:
+            raise ValueError(f"total_lengths sum to {end} but logits hold {flat.shape[0]} "
+                             f"positions")
+        picked = flat.index_select(0, torch.cat(rows)) if rows else flat[:0]
+        targets = torch.cat(target_list).to(flat.device).long() if target_list else \
+            torch.zeros(0, dtype=torch.long, device=flat.device)
+    # One fused call (one set of TP all-reduces) for every response row of the micro-batch.
+    lp, entropy = selective_logprobs(picked, targets, **kwargs)
+    lp_list, entropy_list = list(lp.split(sizes)), list(entropy.split(sizes))
+    if getattr(args, "allgather_cp", False):
+        # slime's loss inputs (rollout log-probs, advantages) and its CP reducer are in the
+        # zigzag layout; it moves the contiguous allgather-CP slices there with a differentiable
+        # all-reduce over the CP group, as its own get_log_probs_and_entropy does.
+        from slime.backends.megatron_utils.loss import _allgather_cp_redistribute
+        res = {"log_probs": lp_list, "entropy": entropy_list}
+        _allgather_cp_redistribute(res, logits_local_len=logits.shape[1],
+                                   total_lengths=batch["total_lengths"],
+                                   response_lengths=batch["response_lengths"])
+        lp_list, entropy_list = res["log_probs"], res["entropy"]
+    return lp_list, entropy_list
+
+
+def _local_loss_masks(args, batch) -> List[torch.Tensor]:
+    """``batch["loss_masks"]`` stay full [R_i] under CP (slime's reducer slices them itself);
+    the per-token inputs are this rank's zigzag part, so slice the masks the same way."""
+    if not _context_parallel(args):
+        return batch["loss_masks"]
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    return [slice_log_prob_with_cp(m, int(total), int(resp)) for m, total, resp in zip(
+        batch["loss_masks"], batch["total_lengths"], batch["response_lengths"])]
 
 
 def _cat(xs, device) -> torch.Tensor:
@@ -125,7 +162,10 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
         ``advantages`` [R_i] fp32, ``rollout_log_probs`` [R_i] fp32, optionally ``log_probs``
         [R_i] (recomputed old policy; switches to decoupled IcePop unless
         ``use_rollout_logprobs``) and ``teacher_log_probs`` [R_i] (logged as OPD reverse KL).
-    logits : [1, T, V] fp32, or [1, T, V / tp] under tensor parallelism.
+    logits : [1, T, V] fp32, or [1, T, V / tp] under tensor parallelism. Under context
+        parallelism this rank's part of the stream, and ``rollout_log_probs``, ``advantages``,
+        ``log_probs``, ``teacher_log_probs`` this rank's part of each response (slime's
+        zigzag ``slice_log_prob_with_cp``) while ``loss_masks`` stay whole, as slime passes them.
     sum_of_sample_mean : slime's reducer: per-token [sum R_i] -> sum over samples of the
         masked sample mean (or the per-token sum when ``--calculate-per-token-loss``).
 
@@ -151,7 +191,7 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     logprobs, entropy = torch.cat(lp_list), torch.cat(entropy_list)
     rollout = _cat(batch["rollout_log_probs"], device)
     advantages = _cat(batch["advantages"], device)
-    mask = _cat(batch["loss_masks"], device)
+    mask = _cat(_local_loss_masks(args, batch), device)
     if not (logprobs.shape == rollout.shape == advantages.shape == mask.shape):
         raise ValueError(f"per-token lengths disagree: log-probs {tuple(logprobs.shape)}, "
                          f"rollout_log_probs {tuple(rollout.shape)}, advantages "
@@ -173,16 +213,22 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     weights = icepop_gate_weights(old if old is not None else logprobs, rollout, mask,
                                   gate_low, gate_high)
     popped = ((weights == 0) & (mask != 0)).float()
-    # clip_frac is a micro-batch fraction from the kernel: weight it like slime's reducer
-    # weights a per-sample mean (samples, or tokens with --calculate-per-token-loss).
-    weight = float(mask.sum()) if getattr(args, "calculate_per_token_loss", False) \
-        else float(len(batch["response_lengths"]))
+    # clip_frac is the kernel's fraction over this rank's masked tokens. slime sums every
+    # metric over the micro-batches and the DP x CP ranks, then divides by the step's samples
+    # (or tokens): report the clipped count (per-token loss), or the micro-batch fraction times
+    # its sample count, split over the CP ranks in proportion to their clipped tokens.
+    clipped = m["clip_frac"] * (mask != 0).sum().clamp(min=1)
+    if getattr(args, "calculate_per_token_loss", False):
+        clip_metric = clipped
+    else:
+        full_masked = (_cat(batch["loss_masks"], device) != 0).sum().clamp(min=1)
+        clip_metric = clipped * len(batch["response_lengths"]) / full_masked
     metrics = {
         "loss": loss.detach().clone(),
         "pg_loss": pg_loss.detach().clone(),
         "entropy_loss": entropy_loss.detach().clone(),
         "pop_frac": sum_of_sample_mean(popped).detach(),
-        "clip_frac": (m["clip_frac"] * weight).detach(),
+        "clip_frac": clip_metric.detach(),
         "train_rollout_logprob_abs_diff":
             sum_of_sample_mean((logprobs.detach() - rollout).abs()).detach(),
     }
@@ -213,11 +259,12 @@ def icepop_tis_function(args, *, pg_loss: torch.Tensor, train_log_probs: List[to
     device = pg_loss.device
     old = _cat(train_log_probs, device)
     rollout = _cat(rollout_log_probs, device)
-    mask = _cat(loss_masks, device)
-    if not (old.shape == rollout.shape == mask.shape == pg_loss.shape):
+    # Under CP slime passes the full [R_i] loss_masks with this rank's part of everything else.
+    mask_shape = old.shape if _context_parallel(args) else _cat(loss_masks, device).shape
+    if not (old.shape == rollout.shape == mask_shape == pg_loss.shape):
         raise ValueError(f"per-token lengths disagree: pg_loss {tuple(pg_loss.shape)}, "
                          f"train_log_probs {tuple(old.shape)}, rollout_log_probs "
-                         f"{tuple(rollout.shape)}, loss_masks {tuple(mask.shape)}")
+                         f"{tuple(rollout.shape)}, loss_masks {tuple(mask_shape)}")
     gate_low, gate_high = _gate_bounds(args)
     w = icepop_gate_weights(old, rollout, None, gate_low, gate_high)
     kept = w != 0
