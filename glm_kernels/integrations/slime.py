@@ -2,7 +2,8 @@
 
 Nothing here imports slime or Megatron at module import; the functions only read the
 ``args`` namespace and the batch dicts slime hands them (TP > 1 imports Megatron's ``mpu`` for
-the TP group, CP > 1 imports slime's own CP slicers lazily, so the CP layout is slime's). Signatures follow THUDM/slime at commit 624b824 (2026-08-21):
+the TP group, CP > 1 imports slime's own CP slicers lazily, so the CP layout is slime's).
+Signatures follow THUDM/slime at commit 624b824 (2026-08-21):
 
 * :func:`icepop_loss_function` -- ``--loss-type custom_loss
   --custom-loss-function-path glm_kernels.integrations.slime.icepop_loss_function``.
