@@ -99,8 +99,10 @@ def _resource_usage(cubin: bytes) -> dict:
 def compile_spec(spec) -> dict:
     start = time.time()
     source = ASTSource(spec.kernel, spec.signature, spec.constexprs, divisibility_attrs(spec))
-    kernel = triton.compile(source, target=TARGET,
-                            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    if spec.maxnreg is not None:
+        options["maxnreg"] = spec.maxnreg
+    kernel = triton.compile(source, target=TARGET, options=options)
     row = {"name": spec.name, "num_warps": spec.num_warps, "num_stages": spec.num_stages,
            "shared_bytes": int(kernel.metadata.shared), "expects_hgmma": spec.expects_hgmma}
     row.update(_resource_usage(kernel.asm["cubin"]))

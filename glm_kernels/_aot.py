@@ -7,7 +7,7 @@ spills, shared memory and whether matrix kernels issue HGMMA (wgmma).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 
 @dataclass(frozen=True)
@@ -19,3 +19,4 @@ class AotSpec:
     num_warps: int = 4
     num_stages: int = 3
     expects_hgmma: bool = False            # a matmul kernel: missing wgmma fails the report
+    maxnreg: Optional[int] = None          # register cap the launch passes (None: ptxas's)

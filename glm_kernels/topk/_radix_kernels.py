@@ -269,6 +269,18 @@ def _topk_radix_kernel(
             tl.debug_barrier()          # the next row reuses this program's scratch
 
 
+# Two 8-warp programs per SM: 65536 / 512 threads = 128 registers. Left to itself ptxas
+# settles on 128 with a 32-48 B stack of spilled loop invariants for the tiled 8-warp launch;
+# told the cap, it fits in 127 with none. The 16-warp and direct launches compile without
+# spills uncapped and spill 16 B when capped, so they keep ptxas's choice. (ptxas 12.x
+# heuristics: benchmarks/aot_report.py --check guards every configuration.)
+RADIX_MAXNREG_8_WARPS = 128
+
+
+def radix_maxnreg(num_warps: int, direct: bool):
+    return RADIX_MAXNREG_8_WARPS if num_warps == 8 and not direct else None
+
+
 def topk_radix(x2d, lengths, values, indices, scratch, candidates, *, k, fill, is_float,
                key_bits, largest, sorted, direct, radix_bits, tile, num_warps):
     """``scratch`` [P, next_pow2(k)] and ``candidates`` [P, CAND_MAX] int64 set the grid (P
@@ -281,7 +293,7 @@ def topk_radix(x2d, lengths, values, indices, scratch, candidates, *, k, fill, i
         HAS_LENGTHS=lengths is not None, IS_FLOAT=is_float, KEY_BITS=key_bits,
         LARGEST=largest, DIRECT=direct, SORTED=sorted, RADIX_BITS=radix_bits, TILE=tile,
         K_POW2=1 if direct else scratch.shape[1], CAND_MAX=0 if direct else candidates.shape[1],
-        num_warps=num_warps)
+        num_warps=num_warps, maxnreg=radix_maxnreg(num_warps, direct))
 
 
 def _radix_aot_specs():
@@ -305,7 +317,8 @@ def _radix_aot_specs():
         signature.update({name: "constexpr" for name in constexprs})
         mode = "direct" if direct else f"k<={k_pow2},sorted={is_sorted},tile={tile}"
         specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},{mode}]",
-                             _topk_radix_kernel, signature, constexprs, num_warps=warps))
+                             _topk_radix_kernel, signature, constexprs, num_warps=warps,
+                             maxnreg=radix_maxnreg(warps, direct)))
     return specs
 
 
