@@ -17,13 +17,9 @@ own model of slime's CP layout (THUDM/slime 624b824, ``backends/megatron_utils``
 Tensor parallelism and ``--allgather-cp`` run in 4 gloo processes (one spawn for every case);
 zigzag CP needs no communication and runs every simulated rank in this process.
 """
-import json
-import os
 import sys
-import time
 import traceback
 import types
-from datetime import timedelta
 
 import pytest
 import torch
@@ -33,12 +29,11 @@ import glm_kernels
 from glm_kernels.integrations import slime as plug
 from tests._compare import assert_close
 from tests.integrations.test_slime import make_sum_of_sample_mean, slime_args, slime_batch
-from tests.loss.test_logits_vocab_parallel import _free_port
+from tests._gloo import init_gloo, run_ranks, write_verdicts
 
 BACKENDS = ("torch",) if torch.cuda.is_available() else ("torch", "interpret")
 TOL = 1e-5
 VOCAB = 52                                  # divisible by TP 2 and 4
-SPAWN_TIMEOUT_S = 300
 # The third sample is prompt-heavy: at CP = 2 one rank holds none of its response.
 PROMPTS, RESPONSES = (5, 3, 11, 2), (4, 6, 1, 9)
 PER_TOKEN_KEYS = ("rollout_log_probs", "advantages", "log_probs", "teacher_log_probs")
@@ -364,12 +359,11 @@ def _process_case(layout, mode, groups, rank):
     assert_close(grad, want_grad[0, full_rows], tol=TOL, name="logits gradient")
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, world, out_dir):
     import warnings
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    init_gloo(rank, world, out_dir)
     try:
         # Every rank creates every group in the same order (new_group is collective).
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -393,29 +387,14 @@ def _worker(rank, world, port, out_dir):
         dist.barrier()   # no rank tears gloo down while a peer is still in a collective
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(verdicts, f)
+    write_verdicts(out_dir, rank, verdicts)
 
 
 @pytest.fixture(scope="module")
 def process_verdicts(tmp_path_factory):
     world = 4
     out_dir = tmp_path_factory.mktemp("slime_parallel")
-    context = torch.multiprocessing.start_processes(
-        _worker, args=(world, _free_port(), str(out_dir)), nprocs=world, join=False,
-        start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:     # only the processes this fixture started
-                if process.is_alive():
-                    process.kill()
-            pytest.fail("slime TP / allgather-CP workers timed out")
-    per_rank = []
-    for rank in range(world):
-        with open(out_dir / f"rank{rank}.json") as f:
-            per_rank.append(json.load(f))
-    return per_rank
+    return run_ranks(_worker, world, out_dir, "slime TP / allgather-CP")
 
 
 @pytest.mark.parametrize("case", PROCESS_CASES)

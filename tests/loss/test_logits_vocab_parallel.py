@@ -4,12 +4,7 @@ One spawn per world size runs every case with both backends (torch, and the Trit
 under the interpreter); each rank compares its sharded values and gradient slice with the
 unsharded call on the full logits, and writes a verdict per case that the tests read.
 """
-import json
-import os
-import socket
-import time
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -20,12 +15,12 @@ from glm_kernels.loss import (icepop_loss_from_logits, reverse_kl_from_logits,
                               selective_logprobs)
 from glm_kernels.loss._logits_reference import selective_logprobs_reference
 from tests._compare import assert_close
+from tests._gloo import init_gloo, run_ranks, write_verdicts
 
 # CPU processes over gloo; on a CUDA machine the interpreter is off, so the torch path only.
 BACKENDS = ("torch",) if torch.cuda.is_available() else ("torch", "interpret")
 CASES = ("logprobs_entropy", "logprobs_long_rows", "icepop_fused_vs_sharded",
          "icepop_none_inplace", "reverse_kl", "subgroups")
-SPAWN_TIMEOUT_S = 300
 
 
 def _full_logits(v, *, seed, rows=6, scale=3.0):
@@ -166,46 +161,24 @@ def _run_cases(rank, world):
     return verdicts
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, world, out_dir):
     import warnings
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    init_gloo(rank, world, out_dir)
     try:
         verdicts = _run_cases(rank, world)
         dist.barrier()   # no rank tears gloo down while a peer is still in a collective
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(verdicts, f)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    write_verdicts(out_dir, rank, verdicts)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def verdicts(request, tmp_path_factory):
     world = request.param
     out_dir = tmp_path_factory.mktemp(f"tp{world}")
-    context = torch.multiprocessing.start_processes(
-        _worker, args=(world, _free_port(), str(out_dir)), nprocs=world, join=False,
-        start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:     # only the processes this fixture started
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"vocab-parallel workers (world {world}) timed out")
-    per_rank = []
-    for rank in range(world):
-        with open(out_dir / f"rank{rank}.json") as f:
-            per_rank.append(json.load(f))
-    return per_rank
+    return run_ranks(_worker, world, out_dir, "vocab-parallel")
 
 
 @pytest.mark.parametrize("case", [f"{c}[{b}]" for c in CASES for b in BACKENDS])
