@@ -4,8 +4,12 @@ For each ``AotSpec`` in ``glm_kernels/*/_kernels.py:AOT_SPECS``: registers per t
 spilled bytes (local memory), static shared memory, whether the SASS issues HGMMA
 (Hopper's warpgroup MMA), and how many global loads/stores are 128-bit (vectorized).
 Pointer arguments carry Triton's 16-byte divisibility hint, as they do at runtime for the
-aligned buffers torch allocates, so the report shows the variant a launch compiles. With ``--check`` the script exits non-zero on any spill, on a
-matrix kernel without HGMMA, or on a configuration that fails to compile.
+aligned buffers torch allocates, so the report shows the variant a launch compiles. A
+configuration with integer arguments is compiled a second time as ``name +ints%16``, every
+integer argument also hinted divisible by 16: the variant Triton's JIT specializes for when
+sizes and strides are multiples of 16 (vocab 151552, 2048-token tiles, ...), usually the one
+whose loads vectorize. With ``--check`` the script exits non-zero on any spill (in either
+variant), on a matrix kernel without HGMMA, or on a configuration that fails to compile.
 
     python benchmarks/aot_report.py [--check] [--json out.json] [--only NAME_SUBSTRING]
 """
@@ -50,18 +54,22 @@ def discover_specs():
     return specs
 
 
-def divisibility_attrs(spec) -> dict:
-    """``ASTSource`` attrs marking every pointer argument 16-byte aligned.
+_INT_TYPES = ("i32", "i64")
 
-    At launch, Triton's JIT specializes a pointer whose address is a multiple of 16 (and an
-    integer divisible by 16) with ``tt.divisibility = 16``, which lets it emit 64/128-bit
+
+def divisibility_attrs(spec, ints: bool = False) -> dict:
+    """``ASTSource`` attrs marking every pointer argument 16-byte aligned (and, with
+    ``ints``, every integer argument divisible by 16).
+
+    At launch, Triton's JIT specializes a pointer whose address is a multiple of 16 and an
+    integer divisible by 16 with ``tt.divisibility = 16``, which lets it emit 64/128-bit
     loads; without the hint an AOT compile reports the scalar-load variant instead. Keys are
-    argument paths: ``(index in the kernel's argument list,)``. Integer arguments are left
-    unhinted: ``AotSpec`` does not say which ones a launch passes as multiples of 16.
+    argument paths: ``(index in the kernel's argument list,)``.
     """
     names = spec.kernel.arg_names
     return {(names.index(arg),): [["tt.divisibility", 16]]
-            for arg, ty in spec.signature.items() if ty.startswith("*")}
+            for arg, ty in spec.signature.items()
+            if ty.startswith("*") or (ints and ty in _INT_TYPES)}
 
 
 _ACCESS_BITS = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
@@ -96,14 +104,16 @@ def _resource_usage(cubin: bytes) -> dict:
             "sass_lines": sass.count("\n")}
 
 
-def compile_spec(spec) -> dict:
+def compile_spec(spec, ints: bool = False) -> dict:
     start = time.time()
-    source = ASTSource(spec.kernel, spec.signature, spec.constexprs, divisibility_attrs(spec))
+    source = ASTSource(spec.kernel, spec.signature, spec.constexprs,
+                       divisibility_attrs(spec, ints))
     options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
     if spec.maxnreg is not None:
         options["maxnreg"] = spec.maxnreg
     kernel = triton.compile(source, target=TARGET, options=options)
-    row = {"name": spec.name, "num_warps": spec.num_warps, "num_stages": spec.num_stages,
+    row = {"name": spec.name + (" +ints%16" if ints else ""), "num_warps": spec.num_warps,
+           "num_stages": spec.num_stages,
            "shared_bytes": int(kernel.metadata.shared), "expects_hgmma": spec.expects_hgmma}
     row.update(_resource_usage(kernel.asm["cubin"]))
     row["compile_s"] = round(time.time() - start, 2)
@@ -125,23 +135,27 @@ def main(argv=None) -> int:
 
     specs = [s for s in discover_specs() if not args.only or args.only in s.name]
     rows, failures = [], []
-    header = f"{'kernel configuration':58s} {'warps':>5s} {'regs':>5s} {'spill':>6s} " \
+    header = f"{'kernel configuration':72s} {'warps':>5s} {'regs':>5s} {'spill':>6s} " \
              f"{'smem':>7s} {'HGMMA':>6s} {'LDG.128':>8s} {'STG.128':>8s}"
-    print(f"sm_90 ahead-of-time report, triton {triton.__version__}, {len(specs)} configurations")
+    print(f"sm_90 ahead-of-time report, triton {triton.__version__}, {len(specs)} configurations "
+          f"(+ the ints%16 variant of those with integer arguments)")
     print(header)
     print("-" * len(header))
-    for spec in specs:
+    variants = [(spec, False) for spec in specs] + [
+        (spec, True) for spec in specs if any(t in _INT_TYPES for t in spec.signature.values())]
+    for spec, ints in variants:
         try:
-            row = compile_spec(spec)
+            row = compile_spec(spec, ints)
         except Exception as exc:  # a config that does not compile is a failure, not a skip
-            row = {"name": spec.name, "problems": [f"compile failed: {type(exc).__name__}: "
-                                                   f"{str(exc).splitlines()[0][:200]}"]}
-            print(f"{spec.name:58s} COMPILE FAILED: {row['problems'][0]}")
+            name = spec.name + (" +ints%16" if ints else "")
+            row = {"name": name, "problems": [f"compile failed: {type(exc).__name__}: "
+                                              f"{str(exc).splitlines()[0][:200]}"]}
+            print(f"{name:72s} COMPILE FAILED: {row['problems'][0]}")
         else:
             hgmma = str(row["hgmma"]) if row["expects_hgmma"] or row["hgmma"] else "-"
             ldg, stg = (f"{row[k].get(128, 0)}/{sum(row[k].values())}"
                         for k in ("ldg_bits", "stg_bits"))
-            print(f"{row['name']:58s} {row['num_warps']:5d} {row['registers']:5d} "
+            print(f"{row['name']:72s} {row['num_warps']:5d} {row['registers']:5d} "
                   f"{row['local_bytes']:6d} {row['shared_bytes']:7d} {hgmma:>6s} "
                   f"{ldg:>8s} {stg:>8s}"
                   + (f"   <- {'; '.join(row['problems'])}" if row["problems"] else ""))
