@@ -38,7 +38,7 @@ def assert_bits_equal(out: torch.Tensor, ref: torch.Tensor, name="result"):
     """Bit-exact equality (NaN payloads and signed zeros included)."""
     assert out.shape == ref.shape and out.dtype == ref.dtype, (
         f"{name}: {tuple(out.shape)}/{out.dtype} vs {tuple(ref.shape)}/{ref.dtype}")
-    a = out.contiguous().view(torch.uint8)
-    b = ref.contiguous().view(torch.uint8)
+    a = out.contiguous().reshape(-1).view(torch.uint8)   # flat: byte offsets for any rank
+    b = ref.contiguous().reshape(-1).view(torch.uint8)
     neq = (a != b).nonzero()
     assert neq.numel() == 0, f"{name}: {neq.shape[0]} bytes differ, first at byte {neq[0].item()}"
