@@ -118,10 +118,11 @@ def icepop_fwd(logprobs, rollout, old, adv, mask, loss_out, grad_out, stats_out,
 
 
 def _icepop_aot_specs():
+    # Sizes below 2^31 (every real batch) reach the kernel as i32: the variant a launch compiles.
     signature = {
         "logprobs_ptr": "*fp32", "rollout_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32",
         "mask_ptr": "*u8", "loss_ptr": "*fp32", "grad_ptr": "*fp32", "stats_ptr": "*fp32",
-        "n_tokens": "i64", "seq_len": "i64", "gate_low": "fp32", "gate_high": "fp32",
+        "n_tokens": "i32", "seq_len": "i32", "gate_low": "fp32", "gate_high": "fp32",
         "clip_low": "fp32", "clip_high": "fp32",
     }
     specs = []
