@@ -1,8 +1,9 @@
-"""Run pieces of slime's own code in one process, without Ray, Megatron or a GPU cluster.
+"""Run pieces of slime's own code without Ray, Megatron or a GPU cluster.
 
-Used by the conformance checks in this folder. Only what a single process cannot provide is
-stood in: Ray, Megatron's ``mpu`` (one rank: tensor / context parallel size 1, groups = the
-one-rank gloo WORLD), slime's accelerator shim, its import-by-path helper and the NCCL
+Used by the conformance checks in this folder. Only what plain processes cannot provide is
+stood in: Ray, Megatron's ``mpu`` (tensor parallel size 1; context parallel size and rank as
+``set_parallel`` says, default 1 / 0; groups = the gloo WORLD unless given), Megatron's
+``PackedSeqParams`` (a record), slime's accelerator shim, its import-by-path helper and the NCCL
 weight-update base class (whose constructor only stores attributes). The slime files under
 test are loaded from a checkout by path, so the check runs against the user's slime version.
 """
@@ -52,8 +53,27 @@ def _load_function(path):
     return getattr(importlib.import_module(module), attr)
 
 
+# What the stand-in ``mpu`` answers. Context parallelism: one process per CP rank, the CP
+# group = the gloo WORLD of those processes, and a one-rank TP group per process
+# (``set_parallel``); a single process keeps the defaults (CP = 1, both groups = WORLD).
+PARALLEL = types.SimpleNamespace(cp_size=1, cp_rank=0, cp_group=None, tp_group=None)
+
+
+def set_parallel(cp_size=1, cp_rank=0, cp_group=None, tp_group=None):
+    """Make the stand-in ``mpu`` report this context-parallel layout (TP stays 1)."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size), got cp_rank={cp_rank}, "
+                         f"cp_size={cp_size}")
+    PARALLEL.__dict__.update(cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group,
+                             tp_group=tp_group)
+
+
+def _group(group):
+    return dist.group.WORLD if group is None else group
+
+
 def stand_in_runtime():
-    """Packages and the one-process pieces every check needs."""
+    """Packages and the process-local pieces every check needs."""
     class Stream:
         def synchronize(self):
             if torch.cuda.is_available():
@@ -64,15 +84,20 @@ def stand_in_runtime():
         stand_in(name)
     stand_in("ray", get=lambda refs: refs, ObjectRef=object)
     stand_in("ray.actor", ActorHandle=object)
-    world = lambda: dist.group.WORLD  # noqa: E731
     sys.modules["megatron.core"].mpu = stand_in(
         "megatron.core.mpu", get_data_parallel_rank=lambda **_: 0,
+        get_data_parallel_world_size=lambda with_context_parallel=False:
+            PARALLEL.cp_size if with_context_parallel else 1,
         get_tensor_model_parallel_rank=lambda: 0, get_tensor_model_parallel_world_size=lambda: 1,
-        get_tensor_model_parallel_group=world, get_context_parallel_world_size=lambda: 1,
-        get_context_parallel_rank=lambda: 0, get_context_parallel_group=world,
+        get_tensor_model_parallel_group=lambda: _group(PARALLEL.tp_group),
+        get_context_parallel_world_size=lambda: PARALLEL.cp_size,
+        get_context_parallel_rank=lambda: PARALLEL.cp_rank,
+        get_context_parallel_group=lambda: _group(PARALLEL.cp_group),
         is_pipeline_last_stage=lambda **_: True)
-    stand_in("slime.utils.accelerator", current_stream=Stream,
-             current_device=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    stand_in("megatron.core.packed_seq_params", PackedSeqParams=types.SimpleNamespace)
+    device = lambda: "cuda" if torch.cuda.is_available() else "cpu"  # noqa: E731
+    sys.modules["slime.utils"].accelerator = stand_in(
+        "slime.utils.accelerator", current_stream=Stream, current_device=device, device=device)
     stand_in("slime.utils.misc", load_function=_load_function)
     stand_in("slime.utils.types", RolloutBatch=dict)
 
@@ -108,6 +133,14 @@ def load_loss(slime_src: str):
                                                          "cp_utils.py"))
     return load_file(f"{MEGATRON_UTILS}.loss", os.path.join(root, "backends", "megatron_utils",
                                                             "loss.py"))
+
+
+def load_data(slime_src: str):
+    """slime's real ``megatron_utils.data`` (``get_batch``, ``DataIterator``); after
+    ``load_loss``, which loads the ``cp_utils`` it slices with."""
+    root = slime_root(slime_src, "backends/megatron_utils/data.py")
+    return load_file(f"{MEGATRON_UTILS}.data", os.path.join(root, "backends", "megatron_utils",
+                                                            "data.py"))
 
 
 @contextmanager

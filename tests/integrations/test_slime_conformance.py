@@ -1,9 +1,10 @@
 """Against slime's own code: set SLIME_SRC to a slime checkout (THUDM/slime 624b824 or later)
 to run the two checks in examples/slime/: check_delta_conformance.py (slime's real
 UpdateWeightFromDiskDelta vs glm_kernels' install(), version directories compared) and
-check_loss_conformance.py (slime's real policy_loss_function with its own IcePop TIS vs
-glm_kernels' TIS hook and custom loss, loss and logits gradient compared). Skipped when
-SLIME_SRC is not set (slime is not a dependency and cannot be fetched in CI)."""
+check_loss_conformance.py (slime's real loss_function / policy_loss_function with its own
+IcePop TIS vs glm_kernels' TIS hook and custom loss, loss and logits gradient compared, at
+CP = 1 and per rank at CP = 2 and 3, zigzag and --allgather-cp, in gloo processes). Skipped
+when SLIME_SRC is not set (slime is not a dependency and cannot be fetched in CI)."""
 import os
 import subprocess
 import sys
@@ -26,7 +27,15 @@ def test_files_match_slime_own_encoder(device_bytes):
 @pytest.mark.skipif(not SLIME_SRC, reason="set SLIME_SRC to a slime checkout")
 def test_loss_matches_slime_own_icepop():
     out = run_check("check_loss_conformance.py", "--seeds", "1")
-    assert out.count("MISMATCH") == 0 and out.count("seed=0") == 4
+    lines = out.splitlines()
+    # 2 temperatures x 2 reductions x 1 seed + the prompt-heavy sample, at CP = 1 and in every
+    # CP layout; the two OPD advantage checks at CP = 1.
+    layouts = ["T="] + [f"CP={cp} {mode} T=" for cp in (2, 3)
+                        for mode in ("zigzag", "allgather-cp")]
+    for layout in layouts:
+        assert sum(line.startswith(layout) for line in lines) == 5, (layout, out[-3000:])
+    assert sum(line.startswith("OPD advantage") for line in lines) == 2
+    assert out.count("MISMATCH") == 0 and out.count("ERROR") == 0
 
 
 def run_check(script, *flags):
