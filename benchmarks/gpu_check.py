@@ -11,9 +11,11 @@ On this workplace's lent H200 (Python 3.12, torch 2.11, triton 3.6, no registry)
 
 and commit the JSON it writes under ``benchmarks/results/``.
 
-Runs ``pytest -m gpu`` plus the whole suite with the triton backend, the ahead-of-time
-report, and ``run()`` of every ``benchmarks/bench_*.py``; writes
-``gpu_check_<gpu>_<date>.json`` under --out (commit it under benchmarks/results/).
+Builds csrc/ in place, runs the whole test suite (on a GPU ``kernel_backend`` is compiled
+Triton on CUDA tensors and the ``gpu``-marked tests run; 240 s cap, mostly JIT compiles), then
+``run()`` of every ``benchmarks/bench_*.py``; writes ``gpu_check_<gpu>_<date>.json`` under
+--out after every section (commit it under benchmarks/results/). The ahead-of-time report
+needs no GPU and is not repeated here.
 """
 from __future__ import annotations
 
