@@ -11,15 +11,18 @@ and diffs it there against a host snapshot with numpy. This module replaces that
   elements compacted in a second pass). Only the changed elements (int32 position + value)
   cross PCIe: at 1% changed elements of a bf16 model that is ~3% of the bytes slime copies.
 * The host snapshot (slime's own ``_snapshot``, uint8 per tensor) is patched at the changed
-  bytes only, then hashed with slime's checksum (``--update-weight-delta-checksum``) and
-  checked against the checksum the kernel computed from the device tensor, so a wrong diff
-  fails loudly here instead of on every rollout host.
+  bytes only. The kernel hashes the whole new tensor in its read pass; glm_kernels' checksum
+  is a sum of per-element terms, so the snapshot's checksum advanced by the changes alone
+  (O(changes) on the host) must equal it: a missed or wrong change fails loudly here instead
+  of on every rollout host. slime's own digest (``--update-weight-delta-checksum``) of the
+  patched snapshot goes into the files as before.
 * The files are the ones slime writes (``xor``: zstd(new ^ old); ``overwrite``: zstd(u32 count,
   u32 byte positions, new bytes); zstd level 1, per-tensor checksums in the safetensors
   metadata): the engine side, slime's SGLang ``/pull_weights`` patch, is unchanged.
 
-Tensors whose snapshot does not fit the device budget are diffed on the host by the same
-``encode`` (the C++ host codec, all cores) after a full copy, as slime does.
+Tensors whose snapshot does not fit the device budget are copied out whole (through a reused
+pinned bounce buffer) and diffed on the host the way slime does it (numpy xor, in the thread
+pool): memory-bound, and as fast as slime's own path (benchmarks/notes/slime_delta.md).
 
 If anything fails during a sync (a checksum mismatch, a tensor without a baseline, a size
 change, device OOM) every host snapshot patched so far is restored, the device snapshots are
@@ -51,8 +54,8 @@ from ..delta.packet import parse_payload
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "DeviceSnapshotDiff", "ByteChanges", "xor_payload", "overwrite_payload",
-           "ENV_DEVICE_BYTES"]
+__all__ = ["install", "DeviceSnapshotDiff", "ByteChanges", "encode_sync", "xor_payload",
+           "overwrite_payload", "ENV_DEVICE_BYTES"]
 
 ENV_DEVICE_BYTES = "GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES"
 _UPDATER_MODULE = "slime.backends.megatron_utils.update_weight.update_weight_from_disk_delta"
