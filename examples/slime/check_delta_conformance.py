@@ -75,6 +75,23 @@ def files_of(version_dir):
     return out
 
 
+def hook_runs_before_updater(slime_src: str) -> bool:
+    """``install`` only works if slime calls the --custom-megatron-init-path hook (inside
+    ``megatron_utils.initialize.init``) before the actor imports its delta updater class, and
+    imports it lazily (a module-level import would bind the original class first)."""
+    actor = open(os.path.join(slime_src, "slime", "backends", "megatron_utils",
+                              "actor.py")).read()
+    init_src = open(os.path.join(slime_src, "slime", "backends", "megatron_utils",
+                                 "initialize.py")).read()
+    lazy_import = "        from .update_weight.update_weight_from_disk_delta import"
+    calls_init, imports_updater = actor.find("\n        init(args)"), actor.find(lazy_import)
+    ok = ("custom_megatron_init_path" in init_src and 0 <= calls_init < imports_updater
+          and "\nfrom .update_weight.update_weight_from_disk_delta" not in actor)
+    print(f"hook order: init(args) {'before' if ok else 'NOT before'} the lazy import of "
+          f"UpdateWeightFromDiskDelta in actor.py")
+    return ok
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slime-src", required=True, help="a slime checkout (holds slime/)")
@@ -85,13 +102,13 @@ def main():
                         help="GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES for the glm_kernels side")
     args = parser.parse_args()
     os.environ["GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES"] = args.device_bytes
+    failures = 0 if hook_runs_before_updater(args.slime_src) else 1
     updater_mod = load_delta_updater(args.slime_src)
     theirs_cls = updater_mod.UpdateWeightFromDiskDelta
     from glm_kernels.integrations import slime_delta
     ours_cls = slime_delta.install(argparse.Namespace(update_weight_mode="delta"))
     assert updater_mod.UpdateWeightFromDiskDelta is ours_cls
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    failures = 0
     with one_rank_gloo(), tempfile.TemporaryDirectory() as tmp:
         for encoding in ("xor", "overwrite"):
             weights = model(0, device)
@@ -115,7 +132,7 @@ def main():
                 print(f"{encoding:9s} v{version}: {len(written['slime'])} files, {sizes} data bytes, "
                       f"changed {sides['slime'].changed_bytes} / {sides['slime'].total_bytes} "
                       f"bytes: {'identical' if same else 'DIFFERENT'}")
-    print("conformance:", "PASS" if not failures else f"FAIL ({failures} versions differ)")
+    print("conformance:", "PASS" if not failures else f"FAIL ({failures} problems)")
     return 1 if failures else 0
 
 
