@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ class DeviceSnapshotDiff:
         self.device_bytes = device_bytes
         self.used_bytes = 0
         self.copied_out_bytes = 0           # device -> host bytes of the last sync
+        self.stage_seconds = 0.0            # last sync: in order (device diff / copy out)
         self.sums: Dict[str, List[int]] = {}    # glm_kernels checksum word sums of ``host``
         self._undo: list = []               # ("patch", name, pos, old) | ("swap", name, array)
         self._staging: Optional[torch.Tensor] = None
@@ -319,7 +321,7 @@ def encode_sync(state: DeviceSnapshotDiff, tensors: Iterable[Tuple[str, torch.Te
     compressed: Dict[str, np.ndarray] = {}
     checksums: Dict[str, str] = {}
     changed = total = 0
-    state.copied_out_bytes = 0
+    state.copied_out_bytes, state.stage_seconds = 0, 0.0
     inflight: deque = deque()
     workers = max(1, threads)
     pool = ThreadPoolExecutor(max_workers=workers)
@@ -331,7 +333,9 @@ def encode_sync(state: DeviceSnapshotDiff, tensors: Iterable[Tuple[str, torch.Te
                 compressed[name], checksums[name] = blob, digest_hex
                 changed += count
         for name, tensor in tensors:
+            started = time.perf_counter()
             nbytes, work = state.stage(name, tensor)
+            state.stage_seconds += time.perf_counter() - started
             total += nbytes
             inflight.append(pool.submit(finish, name, work))
             if len(inflight) >= 2 * workers:    # bounds the host copies held in flight
