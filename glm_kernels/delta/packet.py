@@ -182,6 +182,27 @@ def _threads(threads: int) -> int:
     return max(1, os.cpu_count() or 1) if threads is None or threads < 1 else int(threads)
 
 
+# zstd frames smaller than this in total are (de)compressed in the calling thread: handing
+# tiny frames to threads costs more than it saves (a 1% delta of a 5 MiB tensor is ~100 KB).
+_SERIAL_BYTES = 1 << 20
+_pools: dict = {}
+
+
+def _map_frames(fn, items, threads: int, total_bytes: int) -> list:
+    """``[fn(x) for x in items]``, on a process-wide pool of ``threads`` workers when the
+    frames are big enough to gain from it (one pool per size: no thread start per packet)."""
+    workers = min(_threads(threads), len(items))
+    if workers <= 1 or total_bytes < _SERIAL_BYTES:
+        return [fn(x) for x in items]
+    import os
+    key = (os.getpid(), _threads(threads))     # a forked child gets fresh threads
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools[key] = ThreadPoolExecutor(max_workers=key[1],
+                                                thread_name_prefix="glm_kernels-zstd")
+    return list(pool.map(fn, items))
+
+
 def compress_streams(streams, zstd_level: int, threads: int) -> bytes:
     """zstd payload: length table, then one frame per non-empty stream, compressed in parallel."""
     zstandard = _zstandard()
@@ -192,8 +213,7 @@ def compress_streams(streams, zstd_level: int, threads: int) -> bytes:
             return b""
         return zstandard.ZstdCompressor(level=zstd_level).compress(buf)
 
-    with ThreadPoolExecutor(max_workers=min(_threads(threads), len(raw))) as pool:
-        frames = list(pool.map(one, raw))
+    frames = _map_frames(one, raw, threads, sum(buf.size for buf in raw))
     table = np.array([len(f) for f in frames], dtype="<u8").tobytes()
     return table + b"".join(frames)
 
@@ -223,8 +243,7 @@ def decompress_streams(payload, sizes, threads: int):
                              f"expected {want}")
         return np.frombuffer(out, np.uint8)
 
-    with ThreadPoolExecutor(max_workers=min(_threads(threads), len(sizes))) as pool:
-        return list(pool.map(one, range(len(sizes))))
+    return _map_frames(one, range(len(sizes)), threads, int(sum(sizes)))
 
 
 # ------------------------------------------------------------------ streams <-> payload
