@@ -1,12 +1,17 @@
 """Spawn gloo ranks for a test and collect one JSON verdict dict per rank.
 
-Rendezvous is a file in the test's temporary directory, not a TCP port: a free port picked
-by one process can be taken by another before the ranks bind it (seen once when two test
-runs shared the machine), a file path cannot.
+Each rank runs ``body(rank, world, out_dir) -> dict`` inside a gloo group and writes the dict
+before the group is torn down; the parent reads the dicts. Two sources of flakiness are out of
+the picture that way: rendezvous is a file in the test's temporary directory (a free TCP port
+picked by one process can be taken by another before the ranks bind it), and a crash while
+gloo tears down (a peer closing its sockets first can abort the other process; seen under
+load) cannot fail a test whose ranks all finished and reported.
 """
 import json
 import os
 import time
+import traceback
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -16,32 +21,50 @@ import torch.distributed as dist
 SPAWN_TIMEOUT_S = 300
 
 
-def init_gloo(rank: int, world: int, out_dir: str) -> None:
-    """In a worker: join the test's gloo group (file rendezvous in ``out_dir``)."""
+def _rank_main(rank: int, body, world: int, out_dir: str) -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
-
-
-def write_verdicts(out_dir: str, rank: int, verdicts: dict) -> None:
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    try:
+        verdicts = body(rank, world, out_dir)
+    except Exception:
+        verdicts = {"__rank__": traceback.format_exc(limit=8)}
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(verdicts, f)
+    os.replace(path + ".tmp", path)
+    try:                      # every rank has reported; nothing below can change a verdict
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
-def run_ranks(worker, world: int, out_dir, what: str) -> list:
-    """``worker(rank, world, out_dir)`` in ``world`` spawned processes; each must call
-    ``init_gloo`` and ``write_verdicts``. Returns the per-rank verdict dicts; fails the test
-    (killing only its own processes) after SPAWN_TIMEOUT_S."""
+def run_ranks(body, world: int, out_dir, what: str) -> list:
+    """``body(rank, world, out_dir)`` (a module-level function returning a JSON-able dict)
+    in ``world`` spawned gloo ranks; returns the per-rank dicts. Fails the test if a rank
+    did not report (its exit code in the message), or after SPAWN_TIMEOUT_S."""
+    out_dir = str(out_dir)
     context = torch.multiprocessing.start_processes(
-        worker, args=(world, str(out_dir)), nprocs=world, join=False, start_method="spawn")
+        _rank_main, args=(body, world, out_dir), nprocs=world, join=False,
+        start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=2):
+    while any(p.is_alive() for p in context.processes):
         if time.monotonic() > deadline:
-            for process in context.processes:
+            for process in context.processes:     # only the processes this test started
                 if process.is_alive():
                     process.kill()
             pytest.fail(f"{what} workers (world {world}) timed out")
+        time.sleep(0.2)
     per_rank = []
-    for rank in range(world):
-        with open(os.path.join(str(out_dir), f"rank{rank}.json")) as f:
-            per_rank.append(json.load(f))
+    for rank, process in enumerate(context.processes):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        if not os.path.exists(path):
+            pytest.fail(f"{what}: rank {rank} exited with code {process.exitcode} before "
+                        f"reporting")
+        with open(path) as f:
+            verdicts = json.load(f)
+        assert "__rank__" not in verdicts, f"{what}: rank {rank} raised:\n{verdicts['__rank__']}"
+        per_rank.append(verdicts)
     return per_rank

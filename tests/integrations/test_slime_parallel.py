@@ -29,7 +29,7 @@ import glm_kernels
 from glm_kernels.integrations import slime as plug
 from tests._compare import assert_close
 from tests.integrations.test_slime import make_sum_of_sample_mean, slime_args, slime_batch
-from tests._gloo import init_gloo, run_ranks, write_verdicts
+from tests._gloo import run_ranks
 
 BACKENDS = ("torch",) if torch.cuda.is_available() else ("torch", "interpret")
 TOL = 1e-5
@@ -359,42 +359,34 @@ def _process_case(layout, mode, groups, rank):
     assert_close(grad, want_grad[0, full_rows], tol=TOL, name="logits gradient")
 
 
-def _worker(rank, world, out_dir):
-    import warnings
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    init_gloo(rank, world, out_dir)
-    try:
-        # Every rank creates every group in the same order (new_group is collective).
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        world_group = dist.group.WORLD
-        groups = {   # layout: (tp group, tp rank, tp size, cp group, cp rank, cp size)
-            "tp4": (world_group, rank, 4, None, 0, 1),
-            "tp2": (pairs[rank // 2], rank % 2, 2, None, 0, 1),
-            "allgather_cp4": (None, 0, 1, world_group, rank, 4),
-            "allgather_cp2": (None, 0, 1, pairs[rank // 2], rank % 2, 2),
-            "tp2_allgather_cp2": (pairs[rank // 2], rank % 2, 2, strided[rank % 2], rank // 2, 2),
-        }
-        verdicts = {}
-        for name, (layout, mode, backend) in zip(PROCESS_CASES, PROCESS_SPECS):
-            try:
-                with glm_kernels.force_backend(backend):
-                    _process_case(layout, mode, groups, rank)
-                verdicts[name] = "ok"
-            except Exception:   # recorded per case; a hung collective is caught by the timeout
-                verdicts[name] = traceback.format_exc(limit=6)
-        dist.barrier()   # no rank tears gloo down while a peer is still in a collective
-    finally:
-        dist.destroy_process_group()
-    write_verdicts(out_dir, rank, verdicts)
+def _process_body(rank, world, out_dir):
+    # Every rank creates every group in the same order (new_group is collective).
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    world_group = dist.group.WORLD
+    groups = {   # layout: (tp group, tp rank, tp size, cp group, cp rank, cp size)
+        "tp4": (world_group, rank, 4, None, 0, 1),
+        "tp2": (pairs[rank // 2], rank % 2, 2, None, 0, 1),
+        "allgather_cp4": (None, 0, 1, world_group, rank, 4),
+        "allgather_cp2": (None, 0, 1, pairs[rank // 2], rank % 2, 2),
+        "tp2_allgather_cp2": (pairs[rank // 2], rank % 2, 2, strided[rank % 2], rank // 2, 2),
+    }
+    verdicts = {}
+    for name, (layout, mode, backend) in zip(PROCESS_CASES, PROCESS_SPECS):
+        try:
+            with glm_kernels.force_backend(backend):
+                _process_case(layout, mode, groups, rank)
+            verdicts[name] = "ok"
+        except Exception:   # recorded per case; a hung collective is caught by the timeout
+            verdicts[name] = traceback.format_exc(limit=6)
+    return verdicts
 
 
 @pytest.fixture(scope="module")
 def process_verdicts(tmp_path_factory):
     world = 4
     out_dir = tmp_path_factory.mktemp("slime_parallel")
-    return run_ranks(_worker, world, out_dir, "slime TP / allgather-CP")
+    return run_ranks(_process_body, world, out_dir, "slime TP / allgather-CP")
 
 
 @pytest.mark.parametrize("case", PROCESS_CASES)

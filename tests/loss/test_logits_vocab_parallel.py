@@ -15,7 +15,7 @@ from glm_kernels.loss import (icepop_loss_from_logits, reverse_kl_from_logits,
                               selective_logprobs)
 from glm_kernels.loss._logits_reference import selective_logprobs_reference
 from tests._compare import assert_close
-from tests._gloo import init_gloo, run_ranks, write_verdicts
+from tests._gloo import run_ranks
 
 # CPU processes over gloo; on a CUDA machine the interpreter is off, so the torch path only.
 BACKENDS = ("torch",) if torch.cuda.is_available() else ("torch", "interpret")
@@ -161,24 +161,15 @@ def _run_cases(rank, world):
     return verdicts
 
 
-def _worker(rank, world, out_dir):
-    import warnings
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    init_gloo(rank, world, out_dir)
-    try:
-        verdicts = _run_cases(rank, world)
-        dist.barrier()   # no rank tears gloo down while a peer is still in a collective
-    finally:
-        dist.destroy_process_group()
-    write_verdicts(out_dir, rank, verdicts)
+def _cases_body(rank, world, out_dir):
+    return _run_cases(rank, world)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def verdicts(request, tmp_path_factory):
     world = request.param
     out_dir = tmp_path_factory.mktemp(f"tp{world}")
-    return run_ranks(_worker, world, out_dir, "vocab-parallel")
+    return run_ranks(_cases_body, world, out_dir, "vocab-parallel")
 
 
 @pytest.mark.parametrize("case", [f"{c}[{b}]" for c in CASES for b in BACKENDS])

@@ -2,17 +2,16 @@
 tensor-parallel shards (2 gloo processes), bad input."""
 import math
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import glm_kernels
 from glm_kernels.muon import HeadSplit, _reference, resolve_coefficients
 from glm_kernels.optim import MuonSplit, muon_param_groups
 from tests._compare import assert_close
+from tests._gloo import run_ranks
 from tests.conftest import DEVICE
 from tests.muon._tiny_model import TinyMLAModel, loss_fn
 
@@ -237,30 +236,22 @@ def _run_steps(weight, grads, split):
     return param.detach()
 
 
-def _tp_worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        with glm_kernels.force_backend("torch"):
-            weight, g1, g2 = _full_tensors()
-            rows = weight.shape[0] // world          # column-parallel: whole heads per rank
-            shard = slice(rank * rows, (rank + 1) * rows)
-            local = _run_steps(weight[shard], [g1[shard], g2[shard]], HeadSplit(HEADS, ROWS))
-            gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local)
-            if rank == 0:
-                torch.save(torch.cat(gathered), os.path.join(out_dir, "sharded.pt"))
-            # Without it one rank may tear gloo down while the other is still in all_gather;
-            # seen once in a loaded full-suite run as SIGABRT ("terminate called ...").
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _tp_body(rank, world, out_dir):
+    with glm_kernels.force_backend("torch"):
+        weight, g1, g2 = _full_tensors()
+        rows = weight.shape[0] // world          # column-parallel: whole heads per rank
+        shard = slice(rank * rows, (rank + 1) * rows)
+        local = _run_steps(weight[shard], [g1[shard], g2[shard]], HeadSplit(HEADS, ROWS))
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        if rank == 0:
+            torch.save(torch.cat(gathered), os.path.join(out_dir, "sharded.pt"))
+    return {"rows": rows}
 
 
-def test_tensor_parallel_shards_equal_unsharded():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_tp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
-        sharded = torch.load(os.path.join(tmp, "sharded.pt"))
+def test_tensor_parallel_shards_equal_unsharded(tmp_path):
+    run_ranks(_tp_body, 2, tmp_path, "MuonSplit TP")
+    sharded = torch.load(tmp_path / "sharded.pt")
     with glm_kernels.force_backend("torch"):
         weight, g1, g2 = _full_tensors()
         full = _run_steps(weight, [g1, g2], HeadSplit(HEADS, ROWS))
