@@ -49,7 +49,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import delta, force_backend
+from .. import _dispatch, delta, force_backend
 from ..delta import _reference as ref
 from ..delta.packet import parse_payload
 
@@ -186,7 +186,7 @@ class DeviceSnapshotDiff:
         self.stage_seconds = 0.0            # last sync: in order (device diff / copy out)
         self.sums: Dict[str, List[int]] = {}    # glm_kernels checksum word sums of ``host``
         self._undo: list = []               # ("patch", name, pos, old) | ("swap", name, array)
-        self._staging: Optional[torch.Tensor] = None
+        self._staging = None                # pinned bounce buffer; False: unavailable
 
     def _budget(self, device: torch.device) -> int:
         if self.device_bytes is None:
@@ -240,7 +240,16 @@ class DeviceSnapshotDiff:
             np.copyto(out, flat.numpy())
             return out
         if self._staging is None:
-            self._staging = torch.empty(self._STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+            try:
+                self._staging = torch.empty(self._STAGING_BYTES, dtype=torch.uint8,
+                                            pin_memory=True)
+            except RuntimeError as exc:     # e.g. a low memlock limit: pageable copies
+                _dispatch.warn_once("slime_delta.pinned", f"glm_kernels slime delta: no pinned "
+                                    f"bounce buffer ({exc}); copying through pageable memory")
+                self._staging = False
+        if self._staging is False:
+            np.copyto(out, flat.cpu().numpy())
+            return out
         for lo in range(0, flat.numel(), self._STAGING_BYTES):
             piece = flat[lo:lo + self._STAGING_BYTES]
             bounce = self._staging[:piece.numel()]
