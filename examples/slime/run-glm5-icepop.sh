@@ -131,12 +131,16 @@ case "${SYNC:-colocate}" in
       --update-weight-delta-encoding xor --update-weight-delta-checksum xxh3-128
       --custom-megatron-init-path glm_kernels.integrations.slime_delta.install
     )
+    # Device memory each trainer rank may keep for the GPU diff's snapshots (empty: host
+    # diff). An example value: check the training step's peak memory before raising it.
+    DELTA_DEVICE_BYTES=${DELTA_DEVICE_BYTES:-4000000000}
     ;;
   *) echo "SYNC must be colocate or delta (got ${SYNC})" >&2; exit 2 ;;
 esac
 
 RUNTIME_ENV_JSON="{\"env_vars\": {\"PYTHONPATH\": \"/root/Megatron-LM/\",
-  \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\", \"NVSHMEM_DISABLE_NCCL\": \"1\"}}"
+  \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\", \"NVSHMEM_DISABLE_NCCL\": \"1\",
+  \"GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES\": \"${DELTA_DEVICE_BYTES:-}\"}}"
 
 cd "${SLIME_DIR}"
 ray job submit --address="http://127.0.0.1:8265" --runtime-env-json="${RUNTIME_ENV_JSON}" \

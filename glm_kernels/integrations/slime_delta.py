@@ -32,8 +32,10 @@ raised: the snapshots again equal what the engines hold, so a retry is safe.
 Use: add ``--custom-megatron-init-path glm_kernels.integrations.slime_delta.install`` to a
 slime run with ``--update-weight-mode delta``. slime calls the init hook on every trainer
 rank before it builds the weight updater, and ``install`` swaps the class slime then picks.
-``GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES`` caps the device snapshot memory per rank (bytes;
-default: 25% of the device memory free at the first sync; 0 diffs every tensor on the host).
+``GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES`` sets the device snapshot memory per rank (a byte
+count, or ``N%`` of the device's memory). Unset, every tensor is diffed on the host (slime's
+algorithm, logged once): the snapshots stay allocated through training steps, so only the
+user can say how much a rank can spare.
 Signatures follow THUDM/slime at commit 624b824 (2026-08-21).
 """
 from __future__ import annotations
@@ -55,8 +57,8 @@ from ..delta.packet import parse_payload
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "DeviceSnapshotDiff", "ByteChanges", "encode_sync", "xor_payload",
-           "overwrite_payload", "ENV_DEVICE_BYTES"]
+__all__ = ["install", "DeviceSnapshotDiff", "ByteChanges", "encode_sync", "device_budget",
+           "xor_payload", "overwrite_payload", "ENV_DEVICE_BYTES"]
 
 ENV_DEVICE_BYTES = "GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES"
 _UPDATER_MODULE = "slime.backends.megatron_utils.update_weight.update_weight_from_disk_delta"
@@ -163,11 +165,42 @@ def _host_sums(snapshot: np.ndarray, dtype: torch.dtype) -> List[int]:
                 for lo, hi in _slices(flat.numel())]
 
 
+def device_budget(setting: Optional[str], device: torch.device) -> int:
+    """Bytes of device snapshots allowed from ``GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES``: a
+    byte count, or ``N%`` of the device's total memory (CUDA). Unset: 0, every tensor is
+    diffed on the host as slime does. There is no automatic default on purpose: the snapshots
+    stay allocated through the training steps, whose activation peak the free memory seen at
+    sync time does not show; only the user knows the headroom."""
+    if setting is None or not setting.strip():
+        _dispatch.warn_once("slime_delta.budget", f"glm_kernels slime delta: {ENV_DEVICE_BYTES} "
+                            f"unset, every tensor is diffed on the host (slime's algorithm); set "
+                            f"it to the device memory a rank can spare, e.g. 8000000000 or 10%")
+        return 0
+    text = setting.strip()
+    bad = ValueError(f"{ENV_DEVICE_BYTES} must be a byte count or a percentage of the device's "
+                     f"memory like 10%, got {setting!r}")
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            raise bad from None
+        if not 0.0 <= percent <= 100.0:
+            raise bad
+        if device.type != "cuda":
+            raise ValueError(f"{ENV_DEVICE_BYTES}={setting!r}: a percentage needs CUDA tensors "
+                             f"(got {device.type}); give a byte count")
+        return int(torch.cuda.mem_get_info(device)[1] * percent / 100.0)
+    if not text.isdigit():
+        raise bad
+    return int(text)
+
+
 class DeviceSnapshotDiff:
     """The snapshot bookkeeping and diff of one trainer rank, independent of slime.
 
     ``host`` is slime's snapshot dict (name -> uint8 numpy array of the bytes the engines
-    hold). Device copies are made on first use, up to ``device_bytes`` in total; a tensor
+    hold). Device copies are made on first use, up to ``device_bytes`` in total (None: from
+    the environment, see :func:`device_budget`); a tensor
     beyond the budget is copied out whole and diffed on the host as slime does (numpy xor:
     memory-bound, the best a host can do). ``stage(name, tensor)`` does the part that must
     run in order (the device diff, or the copy out) and returns ``(nbytes, work)``, where
@@ -190,17 +223,7 @@ class DeviceSnapshotDiff:
 
     def _budget(self, device: torch.device) -> int:
         if self.device_bytes is None:
-            env = os.environ.get(ENV_DEVICE_BYTES)
-            if env is not None:
-                try:
-                    self.device_bytes = int(env)
-                except ValueError:
-                    raise ValueError(f"{ENV_DEVICE_BYTES} must be a byte count, got {env!r}") \
-                        from None
-            elif device.type == "cuda":
-                self.device_bytes = torch.cuda.mem_get_info(device)[0] // 4
-            else:
-                self.device_bytes = 0
+            self.device_bytes = device_budget(os.environ.get(ENV_DEVICE_BYTES), device)
         return self.device_bytes
 
     def _host_snapshot(self, name: str, nbytes: int) -> np.ndarray:

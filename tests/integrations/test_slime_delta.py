@@ -228,14 +228,27 @@ def test_refusals(fake_slime, tmp_path, monkeypatch):
     ours.tensors = {}
     with pytest.raises(ValueError, match="'xor' or 'overwrite'"):
         ours._encode_delta()
-    monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, "lots")
-    state = slime_delta.DeviceSnapshotDiff({"w": np.zeros(4, np.uint8)})
-    with pytest.raises(ValueError, match=slime_delta.ENV_DEVICE_BYTES):
-        state.diff("w", torch.ones(4, dtype=torch.int8))
+    for bad in ("lots", "-5", "150%", "x%"):
+        monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, bad)
+        state = slime_delta.DeviceSnapshotDiff({"w": np.zeros(4, np.uint8)})
+        with pytest.raises(ValueError, match="byte count or a percentage"):
+            state.diff("w", torch.ones(4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="a percentage needs CUDA tensors"):
+        slime_delta.device_budget("10%", torch.device("cpu"))
     big = slime_delta.ByteChanges((1 << 32) + 1, 0, np.zeros(0, np.int64),
                                   np.zeros(0, np.uint8), np.zeros(0, np.uint8))
     with pytest.raises(ValueError, match="needs xor"):
         slime_delta.overwrite_payload(big)
+
+
+def test_device_budget_setting():
+    """No automatic default (the snapshots outlive the sync into training steps): unset means
+    the host path; a byte count is taken as is."""
+    cpu = torch.device("cpu")
+    assert slime_delta.device_budget(None, cpu) == 0
+    assert slime_delta.device_budget("  ", cpu) == 0
+    assert slime_delta.device_budget("8000000000", cpu) == 8_000_000_000
+    assert slime_delta.device_budget(" 0 ", cpu) == 0
 
 
 def test_byte_granularity_keeps_unchanged_bytes_out(kernel_backend):
@@ -254,3 +267,11 @@ def test_byte_granularity_keeps_unchanged_bytes_out(kernel_backend):
         raw = slime_delta.overwrite_payload(changes)
         assert raw.tolist() == [1, 0, 0, 0, 2, 0, 0, 0, moved]
         assert state.host["w"].tolist() == new.view(torch.uint8).tolist()
+
+
+@pytest.mark.gpu
+def test_percent_budget_is_a_share_of_device_memory():
+    device = torch.device("cuda")
+    total = torch.cuda.mem_get_info(device)[1]
+    assert slime_delta.device_budget("10%", device) == int(total * 0.1)
+    assert slime_delta.device_budget("0%", device) == 0
