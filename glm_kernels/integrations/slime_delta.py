@@ -145,13 +145,14 @@ def _advance_sums(sums: List[int], positions: np.ndarray, new_values: np.ndarray
     return out
 
 
-def _to_bytes(positions: np.ndarray, values: np.ndarray, snapshot: np.ndarray,
+def _to_bytes(positions: np.ndarray, values: np.ndarray, old_values: np.ndarray,
               size: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Element changes -> the changed bytes only (an element whose low byte moved by one ulp
-    keeps its other bytes out of the delta, as slime's byte diff does)."""
+    """Element changes (new and old bit patterns at ``positions``) -> the changed bytes only
+    (an element whose low byte moved by one ulp keeps its other bytes out of the delta, as
+    slime's byte diff does)."""
     new_bytes = values.view(np.uint8).reshape(-1, size)
+    old_bytes = old_values.view(np.uint8).reshape(-1, size)
     byte_pos = positions[:, None] * size + np.arange(size, dtype=np.int64)
-    old_bytes = snapshot[byte_pos]
     moved = new_bytes != old_bytes
     return byte_pos[moved], new_bytes[moved], old_bytes[moved]
 
@@ -258,10 +259,9 @@ class DeviceSnapshotDiff:
         return self.stage(name, tensor)[1]()
 
     def _copy_out(self, flat: torch.Tensor) -> np.ndarray:
-        out = np.empty(flat.numel(), dtype=np.uint8)
+        """A fresh host copy of the uint8 view ``flat`` (it becomes the next snapshot)."""
         if flat.device.type != "cuda":
-            np.copyto(out, flat.numpy())
-            return out
+            return flat.numpy().copy()           # .cpu() would alias a CPU tensor
         if self._staging is None:
             try:
                 self._staging = torch.empty(self._STAGING_BYTES, dtype=torch.uint8,
@@ -271,8 +271,8 @@ class DeviceSnapshotDiff:
                                     f"bounce buffer ({exc}); copying through pageable memory")
                 self._staging = False
         if self._staging is False:
-            np.copyto(out, flat.cpu().numpy())
-            return out
+            return flat.cpu().numpy()            # already a fresh host array
+        out = np.empty(flat.numel(), dtype=np.uint8)
         for lo in range(0, flat.numel(), self._STAGING_BYTES):
             piece = flat[lo:lo + self._STAGING_BYTES]
             bounce = self._staging[:piece.numel()]
@@ -297,7 +297,7 @@ class DeviceSnapshotDiff:
         positions, values, new_sums = _element_changes(new, self.device[name])
         self.copied_out_bytes += positions.size * (4 + size)
         old_values = snap.view(ref.NP_UINT[size])[positions]
-        byte_pos, new_bytes, old_bytes = _to_bytes(positions, values, snap, size)
+        byte_pos, new_bytes, old_bytes = _to_bytes(positions, values, old_values, size)
         self._undo.append(("patch", name, byte_pos, old_bytes))
         snap[byte_pos] = new_bytes
         self.device[name].copy_(new)
