@@ -27,7 +27,6 @@ Two paths:
 
 Either way the extra memory is O(tokens): lse / per-token stats, never an fp32 [N, V] tensor.
 """
-from __future__ import annotations
 
 from typing import Optional, Tuple
 

@@ -15,7 +15,6 @@ that returns at once when grad_output == 1). The weight gradient accumulates ove
 the weight's dtype (one rounding per chunk when it is bf16, as in Liger's fused linear
 cross-entropy).
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple

@@ -15,7 +15,6 @@ loss and the metrics; backward only scales the coefficient by the reduction's fa
 ``grad_output``. Registered as the ``glm_kernels::icepop_loss`` custom op, so it traces
 through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs.
 """
-from __future__ import annotations
 
 from typing import Dict, Optional, Tuple, Union
 

@@ -15,7 +15,6 @@ The compute primitives are ``torch.library`` custom ops (fake kernels give shape
 traces through ``torch.compile``; in eager mode the wrappers call the plain implementation
 directly and skip the dispatcher.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple

@@ -11,7 +11,6 @@ saves lse_s, lse_t and KL [N] fp32; backward reads both tensors again and writes
 gradient. With ``tp_group`` the five statistics of each shard are combined by two
 all-reduces (``_vocab_parallel.combine_reverse_kl_stats``); backward needs no communication.
 """
-from __future__ import annotations
 
 from typing import Tuple
 

@@ -16,7 +16,6 @@ mantissa bits; the normalized magnitudes stay far inside fp16 range) with fp32 a
 the m x m matrices are kept in fp32. Gram blocks with m <= 64 run the whole iteration in one
 program each (``_gram_fused_kernel``).
 """
-from __future__ import annotations
 
 import functools
 import math

@@ -17,7 +17,6 @@ Difference from HF ``DeepseekV3TopkRouter``: HF fills the experts of dropped gro
 before its top-k, so a dropped expert could beat a kept one whose biased score is negative;
 here (as in DeepSeek's own inference code, which fills -inf) dropped experts are never chosen.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple

@@ -22,7 +22,6 @@ Two Triton paths:
 Every step is a fixed function of the row, so results are bitwise identical across runs,
 batch sizes and backends; values are the input elements' own bits.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
