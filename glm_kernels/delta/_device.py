@@ -8,9 +8,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _kernels
 from . import _reference as ref
 from .packet import raw_layout
+
+
+def _triton():
+    # Imported on first use: `import glm_kernels` works where Triton is missing (torch backend).
+    from . import _kernels
+    return _kernels
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ def _sums64(halves: torch.Tensor) -> list:
 def checksum_sum(x: torch.Tensor, cfg: DeltaKernelConfig) -> int:
     """S of a flat signed-int view (see _reference) with the checksum kernel."""
     partials = torch.empty((-(-x.numel() // cfg.block), 2), dtype=torch.int64, device=x.device)
-    _kernels.checksum_partials(x, partials, block=cfg.block, num_warps=cfg.num_warps)
+    _triton().checksum_partials(x, partials, block=cfg.block, num_warps=cfg.num_warps)
     return _sums64(partials)[0]
 
 
@@ -83,10 +88,10 @@ def encode(nb: torch.Tensor, ob: torch.Tensor, spec: ref.StreamSpec, encoding: s
     n, size, device = nb.numel(), nb.element_size(), nb.device
     programs = -(-n // cfg.block)
     local = torch.empty(n, dtype=torch.int16, device=device)      # compacted change offsets
-    stats = torch.zeros((programs, _kernels.STATS), dtype=torch.int64, device=device)
-    _kernels.encode_scan(nb, ob, local, stats, hash_new=old_sum is None,
-                         hash_old=old_sum is None and spec.diff, block=cfg.block,
-                         num_warps=cfg.num_warps)
+    stats = torch.zeros((programs, _triton().STATS), dtype=torch.int64, device=device)
+    _triton().encode_scan(nb, ob, local, stats, hash_new=old_sum is None,
+                          hash_old=old_sum is None and spec.diff, block=cfg.block,
+                          num_warps=cfg.num_warps)
     counts = stats[:, 0].contiguous()          # kernels index it by program: no strides
     offsets = torch.cumsum(counts, 0) - counts
     count, s_new, s_old = 0, 0, 0
@@ -127,9 +132,9 @@ def encode(nb: torch.Tensor, ob: torch.Tensor, spec: ref.StreamSpec, encoding: s
         values = section("values", nb.dtype)
     deltas = None if old_sum is None else \
         torch.zeros((programs, 2), dtype=torch.int64, device=device)
-    _kernels.encode_write(nb, ob, local, counts, offsets, prev_last, positions, values, deltas,
-                          count, gap16=gap16, diff=spec.diff, planar=spec.planar,
-                          block=cfg.block)
+    _triton().encode_write(nb, ob, local, counts, offsets, prev_last, positions, values, deltas,
+                           count, gap16=gap16, diff=spec.diff, planar=spec.planar,
+                           block=cfg.block)
     if old_sum is not None:
         s_new, s_old = (old_sum + _sums64(deltas)[0]) & ref.MASK64, old_sum
     return DeviceStreams(count, e, s_new, s_old, payload, escapes, planes)
@@ -153,8 +158,8 @@ def _decode_gap16(gaps, escapes, count, numel, planar, cfg) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=device)
     programs = -(-count // cfg.apply_block)
     sums = torch.empty((programs, 2), dtype=torch.int64, device=device)
-    _kernels.gap_sums(gaps, sums, count, planar=planar, block=cfg.apply_block,
-                      num_warps=cfg.num_warps)
+    _triton().gap_sums(gaps, sums, count, planar=planar, block=cfg.apply_block,
+                       num_warps=cfg.num_warps)
     marks = sums[:, 1]
     n_marks = int(marks.sum())
     if n_marks != escapes.numel():
@@ -172,8 +177,8 @@ def _decode_gap16(gaps, escapes, count, numel, planar, cfg) -> torch.Tensor:
     if bool((esc_steps < 0).any() | (ends < 0).any() | (ends[-1] > numel)):
         raise ValueError(f"corrupt delta packet: positions run past numel {numel}")
     positions = torch.empty(count, dtype=torch.int64, device=device)
-    _kernels.gap_positions(gaps, escapes, ends - block_span - 1, esc_start, positions, count,
-                           planar=planar, block=cfg.apply_block, num_warps=cfg.num_warps)
+    _triton().gap_positions(gaps, escapes, ends - block_span - 1, esc_start, positions, count,
+                            planar=planar, block=cfg.apply_block, num_warps=cfg.num_warps)
     return positions
 
 
@@ -229,8 +234,8 @@ def apply(tb: torch.Tensor, packet, spec: ref.StreamSpec, host_streams,
     seg = torch.searchsorted(pos, starts.clamp_(max=numel))
     partials = torch.zeros((programs, 4), dtype=torch.int64, device=tb.device)
     kwargs = dict(diff=spec.diff, planar=spec.planar, num_warps=cfg.num_warps)
-    _kernels.verify(tb, pos, values, seg, partials, c, block=cfg.block,
-                    chunk=_kernels.VERIFY_CHUNK, **kwargs)
+    _triton().verify(tb, pos, values, seg, partials, c, block=cfg.block,
+                     chunk=_triton().VERIFY_CHUNK, **kwargs)
     s_target, delta = _sums64(partials)
     n_words = numel * ref.words_per_element(tb.element_size())
     if packet.base_checksum and ref.finalize(s_target, n_words) != packet.base_checksum:
@@ -240,4 +245,4 @@ def apply(tb: torch.Tensor, packet, spec: ref.StreamSpec, host_streams,
         raise ValueError("delta result checksum mismatch: the target differs from the packet's "
                          "base at unchanged elements, or the packet is corrupt")
     if write:
-        _kernels.scatter(pos, tb, values, c, block=cfg.apply_block, **kwargs)
+        _triton().scatter(pos, tb, values, c, block=cfg.apply_block, **kwargs)
