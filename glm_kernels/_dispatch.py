@@ -41,14 +41,55 @@ _local = threading.local()
 _warned: set = set()
 
 
+# The oldest Triton whose compiler and interpreter run every kernel here (torch 2.10/2.11 pin
+# 3.6). Older ones lack `triton.constexpr_function` (3.3, 3.4) or interpreter builder ops (3.3).
+TRITON_MIN = (3, 6)
+# Triton < 3.7's interpreter turns a loaded scalar (a 1-element array) into a Python int with
+# int(array), which numpy >= 2.3 refuses: every kernel that loops to a loaded bound fails.
+_INTERPRETER_NUMPY_FIXED = (3, 7)
+
+
+def _version(text: str) -> tuple:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 @functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
+def triton_unavailable_reason() -> Optional[str]:
+    """None when the Triton kernels can run; otherwise why not (logged with each fallback)."""
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising at import
-        return False
-    return True
+    except Exception as exc:  # ImportError, or a broken install raising at import
+        return f"Triton is not importable ({type(exc).__name__}: {exc})"
+    if _version(triton.__version__) < TRITON_MIN:
+        floor = ".".join(map(str, TRITON_MIN))
+        return (f"Triton {triton.__version__} is older than {floor}, the oldest the kernels "
+                f"support (pip install 'triton>={floor}')")
+    return None
+
+
+def triton_available() -> bool:
+    return triton_unavailable_reason() is None
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_unavailable_reason() -> Optional[str]:
+    """None when Triton's interpreter can run the kernels on CPU tensors; otherwise why not."""
+    reason = triton_unavailable_reason()
+    if reason is not None:
+        return reason
+    import numpy
+    import triton
+    if (_version(triton.__version__) < _INTERPRETER_NUMPY_FIXED
+            and _version(numpy.__version__) >= (2, 3)):
+        return (f"Triton {triton.__version__}'s interpreter cannot run these kernels with numpy "
+                f"{numpy.__version__} (it converts 1-element arrays to Python ints, which numpy "
+                ">= 2.3 refuses): install numpy<2.3 or triton>=3.7")
+    return None
 
 
 def interpreter_active() -> bool:
@@ -95,8 +136,9 @@ def select_backend(op: str, *tensors: Optional[torch.Tensor]) -> str:
     if forced == "interpret":
         if on_cuda:
             raise ValueError(f"{op}: the interpret backend runs on CPU tensors, got CUDA tensors")
-        if not triton_available():
-            raise RuntimeError(f"{op}: backend 'interpret' needs Triton, which is not importable")
+        reason = interpreter_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"{op}: backend 'interpret' cannot run: {reason}")
         if not interpreter_active():
             raise RuntimeError(
                 f"{op}: backend 'interpret' needs TRITON_INTERPRET=1 (or "
@@ -106,13 +148,14 @@ def select_backend(op: str, *tensors: Optional[torch.Tensor]) -> str:
         if not on_cuda:
             raise ValueError(f"{op}: backend 'triton' needs CUDA tensors")
         if not triton_available():
-            raise RuntimeError(f"{op}: backend 'triton' forced but Triton is not importable")
+            raise RuntimeError(f"{op}: backend 'triton' forced but {triton_unavailable_reason()}")
         return "triton"
     if on_cuda:
         if triton_available() and not interpreter_active():
             return "triton"
-        warn_once(f"fallback:{op}", f"glm_kernels.{op}: Triton unavailable for CUDA tensors; "
-                                    "using the torch reference (slow path)")
+        why = triton_unavailable_reason() or "TRITON_INTERPRET=1 is set"
+        warn_once(f"fallback:{op}", f"glm_kernels.{op}: {why}; CUDA tensors use the torch "
+                                    "reference (slow path)")
     return "torch"
 
 

@@ -25,11 +25,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def skip_without_kernels() -> None:
+    """Skip, naming the reason, where the Triton kernels cannot run here (no Triton, a Triton
+    older than the floor, or an interpreter that cannot run with this numpy)."""
+    reason = (_dispatch.triton_unavailable_reason() if HAS_CUDA
+              else _dispatch.interpreter_unavailable_reason())
+    if reason is not None:
+        pytest.skip(reason)
+
+
 @pytest.fixture
 def kernel_backend():
     """Run the test body with the Triton kernels (interpreter on CPU, compiled on GPU)."""
-    if not _dispatch.triton_available():
-        pytest.skip("triton not importable")
+    skip_without_kernels()
     with glm_kernels.force_backend(KERNEL_BACKEND):
         yield KERNEL_BACKEND
 
@@ -37,7 +45,7 @@ def kernel_backend():
 @pytest.fixture(params=["torch", KERNEL_BACKEND])
 def any_backend(request):
     """Run the test body once per backend."""
-    if request.param != "torch" and not _dispatch.triton_available():
-        pytest.skip("triton not importable")
+    if request.param != "torch":
+        skip_without_kernels()
     with glm_kernels.force_backend(request.param):
         yield request.param

@@ -48,3 +48,41 @@ def test_validation_messages_name_the_argument():
         _dispatch.check_tensor("x", torch.zeros(3), ndim=(2,))
     with pytest.raises(ValueError, match="lr must be > 0"):
         _dispatch.check_finite_number("lr", 0.0, positive=True)
+
+
+@pytest.fixture
+def fake_versions(monkeypatch):
+    """Pretend other Triton / numpy versions are installed (the reasons are cached per process)."""
+    triton = pytest.importorskip("triton")
+    import numpy
+
+    def use(triton_version, numpy_version):
+        monkeypatch.setattr(triton, "__version__", triton_version)
+        monkeypatch.setattr(numpy, "__version__", numpy_version)
+        _dispatch.triton_unavailable_reason.cache_clear()
+        _dispatch.interpreter_unavailable_reason.cache_clear()
+    yield use
+    monkeypatch.undo()
+    _dispatch.triton_unavailable_reason.cache_clear()
+    _dispatch.interpreter_unavailable_reason.cache_clear()
+
+
+def test_triton_older_than_floor_is_unavailable_with_reason(fake_versions):
+    fake_versions("3.4.0", "2.2.6")
+    assert not _dispatch.triton_available()
+    assert "3.4.0 is older than 3.6" in _dispatch.triton_unavailable_reason()
+    fake_versions("3.6.0+git1234", "2.2.6")
+    assert _dispatch.triton_available()
+    assert _dispatch.interpreter_unavailable_reason() is None
+
+
+def test_interpreter_numpy_clash_is_named(fake_versions, monkeypatch):
+    fake_versions("3.6.0", "2.3.1")
+    assert _dispatch.triton_available()            # compiled kernels are unaffected
+    assert "numpy<2.3" in _dispatch.interpreter_unavailable_reason()
+    monkeypatch.setattr(_dispatch, "interpreter_active", lambda: True)
+    with glm_kernels.force_backend("interpret"):
+        with pytest.raises(RuntimeError, match="numpy 2.3.1"):
+            _dispatch.select_backend("demo_op", torch.zeros(2))
+    fake_versions("3.7.0", "2.4.0")
+    assert _dispatch.interpreter_unavailable_reason() is None

@@ -13,7 +13,7 @@ import glm_kernels
 from glm_kernels.delta import ENCODINGS, DeltaKernelConfig, DeltaPacket, apply_, encode, verify
 from glm_kernels.delta import _host_codec, _kernels
 from tests._compare import assert_bits_equal
-from tests.conftest import DEVICE, KERNEL_BACKEND
+from tests.conftest import DEVICE, KERNEL_BACKEND, skip_without_kernels
 from tests.delta._cases import bits, random_pair
 
 SMALL = DeltaKernelConfig(block=1024, apply_block=1024)
@@ -23,8 +23,7 @@ SMALL = DeltaKernelConfig(block=1024, apply_block=1024)
 def path(request, monkeypatch):
     """The codec path under test; verify must never reach the scatter kernel."""
     if request.param == "kernels":
-        if not glm_kernels._dispatch.triton_available():
-            pytest.skip("triton not importable")
+        skip_without_kernels()
         backend, device = KERNEL_BACKEND, DEVICE
     else:
         if request.param == "cpp" and _host_codec._ext is None:
