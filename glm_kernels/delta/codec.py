@@ -23,8 +23,8 @@ from .. import _dispatch
 from . import _device, _host_codec
 from . import _reference as ref
 from ._device import DeltaKernelConfig, default_config
-from .packet import (ENCODINGS, SUPPORTED_DTYPES, DeltaPacket, build_payload, parse_payload,
-                     require_zstd, stream_spec)
+from .packet import (ENCODINGS, SUPPORTED_DTYPES, DeltaPacket, build_payload, check_packet,
+                     check_threads, check_zstd_level, parse_payload, require_zstd, stream_spec)
 
 
 def _check_pair(new, old):
@@ -99,6 +99,8 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
     True
     """
     _dispatch.check_choice("encoding", encoding, ENCODINGS)
+    check_zstd_level(zstd_level)
+    check_threads(threads)
     _check_pair(new, old)
     if encoding == "zstd":
         require_zstd()
@@ -141,8 +143,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
 
 def _check_target(target, packet):
     _dispatch.check_tensor("target", target)
-    if not isinstance(packet, DeltaPacket):
-        raise TypeError(f"packet must be a DeltaPacket, got {type(packet).__name__}")
+    check_packet(packet)          # in-memory packets too: nothing unchecked reaches a kernel
     if target.dtype != packet.dtype:
         raise TypeError(f"target has dtype {target.dtype}, the packet is for {packet.dtype}")
     if target.numel() != packet.numel:
@@ -229,6 +230,7 @@ def verify(target: torch.Tensor, packet: DeltaPacket, *, threads: int = -1,
 
 def _verify_then_write(target, packet, threads, config, write: bool) -> None:
     """The one verification path of apply_ (write=True: then scatter) and verify."""
+    check_threads(threads)
     _check_target(target, packet)
     if packet.encoding == "zstd":
         require_zstd()
@@ -263,6 +265,7 @@ def checksum(t: torch.Tensor, *, threads: int = -1,
     True
     """
     _dispatch.check_tensor("t", t, dtypes=SUPPORTED_DTYPES)
+    check_threads(threads)
     words = _n_words(t.numel(), t.dtype)
     if _dispatch.select_backend("delta.checksum", t) == "torch":
         s = _host_codec.checksum_sum(ref.np_bits(t.detach().cpu().contiguous()), threads)
@@ -287,8 +290,8 @@ def apply_safetensors_(path: str, name: str, packet: DeltaPacket, *, threads: in
     multithreaded). Not atomic against a crash in the middle of the scatter: a publisher
     that needs that writes a new file and renames it.
     """
-    if not isinstance(packet, DeltaPacket):
-        raise TypeError(f"packet must be a DeltaPacket, got {type(packet).__name__}")
+    check_packet(packet)
+    check_threads(threads)
     with open(path, "r+b") as f:
         head = f.read(8)
         if len(head) != 8:

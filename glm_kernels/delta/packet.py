@@ -147,6 +147,40 @@ class DeltaPacket:
         return packet
 
 
+def check_packet(packet) -> None:
+    """Every field of a packet built in memory (never serialized, so never checked by
+    :meth:`DeltaPacket.from_bytes`) the way ``from_bytes`` checks a wire packet: a short
+    payload or a negative count must not reach a kernel. ValueError / TypeError."""
+    if not isinstance(packet, DeltaPacket):
+        raise TypeError(f"packet must be a DeltaPacket, got {type(packet).__name__}")
+    if packet.dtype not in _DTYPE_CODE:
+        raise TypeError(f"packet.dtype {packet.dtype} is not one of {list(_DTYPE_CODE)}")
+    if packet.encoding not in ENCODINGS:
+        raise ValueError(f"packet.encoding={packet.encoding!r}: expected one of "
+                         f"{list(ENCODINGS)}")
+    numel = check_int("packet.numel", packet.numel, 0)
+    count = check_int("packet.count", packet.count, 0, numel)
+    check_int("packet.n_escapes", packet.n_escapes, 0, 0 if packet.encoding == "int32" else count)
+    for name in ("result_checksum", "base_checksum"):
+        value = getattr(packet, name)
+        if not isinstance(value, (bytes, bytearray)) or len(value) not in (
+                (8,) if name == "result_checksum" else (0, 8)):
+            raise ValueError(f"packet.{name} must be 8 bytes{' or empty' if name[0] == 'b' else ''}"
+                             f", got {value!r:.40}")
+    if packet.base_checksum and packet.encoding != "zstd":
+        raise ValueError(f"packet with a base checksum (relative values) must use encoding "
+                         f"'zstd', got {packet.encoding!r}")
+    payload = packet.payload
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+            raise TypeError(f"packet.payload tensor must be 1-D contiguous uint8, got dtype "
+                            f"{payload.dtype}, shape {tuple(payload.shape)}")
+    elif not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"packet.payload must be bytes-like or a uint8 tensor, got "
+                        f"{type(payload).__name__}")
+    check_payload_size(packet)
+
+
 def check_payload_size(packet: DeltaPacket) -> None:
     """The payload length the header implies (exact for int32/gap16, the table for zstd)."""
     size = element_size(packet.dtype)
@@ -180,6 +214,32 @@ def require_zstd() -> None:
 def _threads(threads: int) -> int:
     import os
     return max(1, os.cpu_count() or 1) if threads is None or threads < 1 else int(threads)
+
+
+def check_int(name: str, value, lo: int = None, hi: int = None) -> int:
+    """``value`` as an int in [lo, hi]; TypeError / ValueError naming ``name`` otherwise."""
+    import numbers
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r:.40}")
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo if lo is not None else '-inf'}, "
+                         f"{hi if hi is not None else 'inf'}], got {value}")
+    return value
+
+
+def check_threads(threads) -> None:
+    """``threads``: None or an int (< 1 means every core)."""
+    if threads is not None:
+        check_int("threads", threads)
+
+
+# zstd's own range (ZSTD_minCLevel() .. ZSTD_maxCLevel()); negative levels are the fast ones.
+ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL = -(1 << 17), 22
+
+
+def check_zstd_level(zstd_level) -> int:
+    return check_int("zstd_level", zstd_level, ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL)
 
 
 # zstd frames smaller than this in total are (de)compressed in the calling thread: handing
@@ -219,23 +279,50 @@ def compress_streams(streams, zstd_level: int, threads: int) -> bytes:
 
 
 def decompress_streams(payload, sizes, threads: int):
-    """Inverse of compress_streams with the expected raw size of every stream (uint8 arrays)."""
+    """Inverse of compress_streams with the expected raw size of every stream (uint8 arrays).
+
+    Decompression bombs: every frame must declare its content size in its header (our
+    compressor always does), and that size must equal the size the packet header implies
+    before anything is decompressed; zstd then allocates exactly that and fails on a frame
+    whose blocks produce more. (``max_output_size`` alone is not a bound: zstandard ignores it
+    when the frame declares a size.) So the output is never larger than ``sizes``, which the
+    caller has checked against the target tensor."""
     zstandard = _zstandard()
     mv = memoryview(payload)
+    if len(mv) < 8 * len(sizes):
+        raise ValueError(f"corrupt zstd delta payload: {len(mv)} bytes, its frame table alone "
+                         f"needs {8 * len(sizes)}")
     lengths = np.frombuffer(mv[:8 * len(sizes)], dtype="<u8")
-    if int(lengths.sum()) != len(mv) - 8 * len(sizes):
+    # Python ints: a uint64 sum could wrap around to the payload size.
+    if sum(int(n) for n in lengths) != len(mv) - 8 * len(sizes):
         raise ValueError("corrupt zstd delta payload: frame lengths do not add up to the payload")
     starts = 8 * len(sizes) + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
 
-    def one(i):
+    def frame(i):
         n, want = int(lengths[i]), int(sizes[i])
+        data = mv[int(starts[i]):int(starts[i]) + n]
         if n == 0:
             if want:
                 raise ValueError(f"corrupt zstd delta payload: stream {i} empty, expected {want}")
+            return data
+        try:
+            declared = zstandard.frame_content_size(data)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"corrupt zstd delta payload: stream {i}: {exc}") from None
+        if declared != want:
+            what = "no content size" if declared < 0 else f"{declared} bytes"
+            raise ValueError(f"corrupt zstd delta payload: stream {i} declares {what}, the "
+                             f"packet header implies {want} (refused before decompressing)")
+        return data
+
+    frames = [frame(i) for i in range(len(sizes))]      # every frame checked before any work
+
+    def one(i):
+        want = int(sizes[i])
+        if want == 0:
             return np.zeros(0, np.uint8)
         try:
-            out = zstandard.ZstdDecompressor().decompress(
-                mv[int(starts[i]):int(starts[i]) + n], max_output_size=want)
+            out = zstandard.ZstdDecompressor().decompress(frames[i], max_output_size=want)
         except zstandard.ZstdError as exc:
             raise ValueError(f"corrupt zstd delta payload: {exc}") from None
         if len(out) != want:
