@@ -77,6 +77,17 @@ def triton_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def triton_version() -> tuple:
+    """(major, minor, patch) of the importable Triton, (0, 0, 0) without one. Launch parameters
+    that a Triton release's codegen needs are keyed on this, each in its kernel module."""
+    try:
+        import triton
+    except Exception:
+        return (0, 0, 0)
+    return _version(triton.__version__)
+
+
+@functools.lru_cache(maxsize=None)
 def interpreter_unavailable_reason() -> Optional[str]:
     """None when Triton's interpreter can run the kernels on CPU tensors; otherwise why not."""
     reason = triton_unavailable_reason()

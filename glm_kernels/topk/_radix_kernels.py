@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .._aot import AotSpec
+from .._dispatch import triton_version
 from ._kernels import PAD, _order_key, _pack, _topk_desc, _unpack_index
 
 
@@ -269,16 +270,28 @@ def _topk_radix_kernel(
             tl.debug_barrier()          # the next row reuses this program's scratch
 
 
-# Two 8-warp programs per SM: 65536 / 512 threads = 128 registers. Left to itself ptxas
-# settles on 128 with a 32-48 B stack of spilled loop invariants for the tiled 8-warp launch;
-# told the cap, it fits in 127 with none. The 16-warp and direct launches compile without
-# spills uncapped and spill 16 B when capped, so they keep ptxas's choice. (ptxas 12.x
-# heuristics: benchmarks/aot_report.py --check guards every configuration.)
+# Launch parameters per Triton release (ptxas's register choice follows Triton's codegen;
+# benchmarks/aot_report.py --check guards every configuration on the oldest and the newest
+# Triton that CI tests):
+# * Triton >= 3.7: two 8-warp programs per SM, 65536 / 512 threads = 128 registers. Left to
+#   itself ptxas settles on 128 with a 32-48 B stack of spilled loop invariants for the tiled
+#   8-warp launch; told the cap, it fits in 127 with none. The 16-warp and direct launches
+#   compile without spills uncapped and spill 16 B when capped, so they keep ptxas's choice.
+# * Triton 3.6 keeps more values live: the tiled launches need 196-232 registers (sm_90 AOT),
+#   so they run uncapped at 8 warps, one program per SM (16 warps would cap them at 128 and
+#   spill 80 B; a 128 cap at 8 warps spills 40 B); its direct launch spills 40 B at ptxas's own
+#   choice (128) and none when capped at 168.
 RADIX_MAXNREG_8_WARPS = 128
+_TRITON_3_6_DIRECT_MAXNREG = 168
 
 
-def radix_maxnreg(num_warps: int, direct: bool):
-    return RADIX_MAXNREG_8_WARPS if num_warps == 8 and not direct else None
+def radix_launch(num_warps: int, direct: bool):
+    """(num_warps, maxnreg) a radix launch asked for ``num_warps`` runs with here."""
+    if triton_version() < (3, 7):
+        if direct:
+            return num_warps, _TRITON_3_6_DIRECT_MAXNREG
+        return min(num_warps, 8), None
+    return num_warps, (RADIX_MAXNREG_8_WARPS if num_warps == 8 and not direct else None)
 
 
 def topk_radix(x2d, lengths, values, indices, scratch, candidates, *, k, fill, is_float,
@@ -287,13 +300,14 @@ def topk_radix(x2d, lengths, values, indices, scratch, candidates, *, k, fill, i
     programs) and the candidate capacity; DIRECT mode takes any (unused) int64 tensors."""
     n_rows, n_cols = x2d.shape
     programs = scratch.shape[0]
+    warps, maxnreg = radix_launch(num_warps, direct)
     _topk_radix_kernel[(programs,)](
         x2d, x2d if lengths is None else lengths, values, indices, scratch, candidates,
         n_rows, n_cols, x2d.stride(0), k, fill,
         HAS_LENGTHS=lengths is not None, IS_FLOAT=is_float, KEY_BITS=key_bits,
         LARGEST=largest, DIRECT=direct, SORTED=sorted, RADIX_BITS=radix_bits, TILE=tile,
         K_POW2=1 if direct else scratch.shape[1], CAND_MAX=0 if direct else candidates.shape[1],
-        num_warps=num_warps, maxnreg=radix_maxnreg(num_warps, direct))
+        num_warps=warps, maxnreg=maxnreg)
 
 
 def _radix_aot_specs():
@@ -316,9 +330,10 @@ def _radix_aot_specs():
                           TILE=tile, K_POW2=k_pow2, CAND_MAX=0 if direct else 8192)
         signature.update({name: "constexpr" for name in constexprs})
         mode = "direct" if direct else f"k<={k_pow2},sorted={is_sorted},tile={tile}"
+        warps, maxnreg = radix_launch(warps, direct)
         specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},{mode}]",
                              _topk_radix_kernel, signature, constexprs, num_warps=warps,
-                             maxnreg=radix_maxnreg(warps, direct)))
+                             maxnreg=maxnreg))
     return specs
 
 
