@@ -3,8 +3,9 @@
 ``glm_kernels.topk`` (once re-exported by the top-level package) is the *function*; this
 subpackage stays importable as ``from glm_kernels.topk import topk, moe_route, _reference``.
 """
-from .moe_route import MoeRoute, MoeRouteConfig, make_moe_route_config, moe_route
+from .moe_route import (MoeReplay, MoeRoute, MoeRouteConfig, make_moe_route_config, moe_route,
+                        routing_mismatch)
 from .topk import TopK, TopkConfig, make_topk_config, topk
 
 __all__ = ["topk", "moe_route", "TopK", "TopkConfig", "make_topk_config", "MoeRoute",
-           "MoeRouteConfig", "make_moe_route_config"]
+           "MoeRouteConfig", "make_moe_route_config", "MoeReplay", "routing_mismatch"]

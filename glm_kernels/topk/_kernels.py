@@ -10,7 +10,8 @@ packed key, since a real one has a nonzero low half).
 
 * ``_topk_short_kernel``: a few rows per program, each row in registers, bitonic top-k of
   the packed keys.
-* ``_moe_route_kernel``: DeepSeek-V3 ``noaux_tc`` routing for a few tokens per program.
+* ``_moe_route_kernel``: DeepSeek-V3 ``noaux_tc`` routing for a few tokens per program, or
+  rollout routing replay (recorded ids in, their weights and the mismatch flag out).
 
 The radix-select kernel for long rows lives in ``_radix_kernels.py``.
 """
@@ -182,38 +183,15 @@ def _topk_short_kernel(
 
 # --------------------------------------------------------------------------- MoE routing
 @triton.jit
-def _moe_route_kernel(
-    # tensors: logits [tokens, logits_row_stride], bias [experts] fp32, outputs [tokens, k]
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    # shapes and runtime scalars
-    n_tokens, n_experts, logits_row_stride, k, topk_group, group_size, scaling_factor, eps,
-    # code paths and tile sizes
-    HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
-    N_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-    K_POW2: tl.constexpr, EXACT_BLOCK: tl.constexpr,
-):
-    """noaux_tc routing of ROWS tokens: scores, biased choice, group limit, top-k, weights.
+def _noaux_tc_topk(scores, valid, experts, bias_ptr, n_experts, topk_group, group_size,
+                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, K_POW2: tl.constexpr,
+                   EXACT_BLOCK: tl.constexpr):
+    """Packed keys of each row's K_POW2 best eligible experts, descending (PAD past the end).
 
-    s = sigmoid(l) (or softmax(l)); c = s + bias; group score = sum of the two largest c in
-    the group; keep the topk_group best groups; top-k of c over kept experts; weights =
-    s[chosen] (/ (sum + eps) when renormalizing) * scaling_factor. Every ranking uses packed
-    keys, so ties go to the lower group / expert index.
+    c = s + bias; group score = sum of the two largest c in the group; keep the topk_group
+    best groups; rank c over kept experts. Packed keys: ties go to the lower group / expert.
     """
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_tokens
-    experts = tl.arange(0, BLOCK_E)[None, :]
-    valid = row_ok[:, None] & (experts < n_experts)
-    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * logits_row_stride + experts,
-                     mask=valid, other=0.0).to(tl.float32)
-    if SOFTMAX:
-        shifted = tl.where(valid, logits, -float("inf"))
-        row_max = tl.max(shifted, axis=1)
-        row_max = tl.where(row_ok, row_max, 0.0)
-        expo = tl.where(valid, tl.exp(shifted - row_max[:, None]), 0.0)
-        total = tl.where(row_ok, tl.sum(expo, axis=1), 1.0)      # padding rows: no 0/0
-        scores = expo / total[:, None]
-    else:
-        scores = 1.0 / (1.0 + tl.exp(-logits))
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + experts, mask=experts < n_experts, other=0.0)
@@ -259,17 +237,73 @@ def _moe_route_kernel(
                 kept_g = tl.sum(tl.where(groups == g, kept_group, 0), axis=1)
                 expert_kept = tl.where(group_of == g, kept_g[:, None], expert_kept)
         packed = tl.where(expert_kept != 0, packed, PAD)
+    return _topk_desc(packed, K_POW2)
 
-    best = _topk_desc(packed, K_POW2)
+
+@triton.jit
+def _moe_route_kernel(
+    # tensors: logits [tokens, logits_row_stride], bias [experts] fp32, replay ids [tokens, k]
+    # (any integer dtype), outputs weights / ids [tokens, k], mismatch [tokens] uint8
+    logits_ptr, bias_ptr, replay_ptr, weights_ptr, ids_ptr, mismatch_ptr,
+    # shapes and runtime scalars
+    n_tokens, n_experts, logits_row_stride, k, topk_group, group_size, scaling_factor, eps,
+    # code paths and tile sizes
+    HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+    REPLAY: tl.constexpr, MISMATCH: tl.constexpr,
+    N_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+    K_POW2: tl.constexpr, EXACT_BLOCK: tl.constexpr,
+):
+    """noaux_tc routing of ROWS tokens: scores, biased choice, group limit, top-k, weights.
+
+    s = sigmoid(l) (or softmax(l)); ids = the noaux_tc choice (``_noaux_tc_topk``), or with
+    REPLAY the recorded ids read from ``replay_ptr`` (the choice is skipped unless MISMATCH
+    asks whether it would differ: mismatch[t] = 1 where the two expert sets differ);
+    weights = s[ids] (/ (sum + eps) when renormalizing) * scaling_factor, the same
+    expression on both paths, so equal ids in equal order give bitwise equal weights.
+    """
+    tl.static_assert(REPLAY or not MISMATCH, "the mismatch compares against replayed ids")
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_tokens
+    experts = tl.arange(0, BLOCK_E)[None, :]
+    valid = row_ok[:, None] & (experts < n_experts)
+    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * logits_row_stride + experts,
+                     mask=valid, other=0.0).to(tl.float32)
+    if SOFTMAX:
+        shifted = tl.where(valid, logits, -float("inf"))
+        row_max = tl.max(shifted, axis=1)
+        row_max = tl.where(row_ok, row_max, 0.0)
+        expo = tl.where(valid, tl.exp(shifted - row_max[:, None]), 0.0)
+        total = tl.where(row_ok, tl.sum(expo, axis=1), 1.0)      # padding rows: no 0/0
+        scores = expo / total[:, None]
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+
     slot = tl.arange(0, K_POW2)[None, :]
-    keep = (slot < k) & (best != PAD)
-    index = tl.where(keep, _unpack_index(best), 0)
+    out = rows.to(tl.int64)[:, None] * k + slot
+    store = row_ok[:, None] & (slot < k)
+    if REPLAY:
+        keep = store
+        index = tl.load(replay_ptr + out, mask=keep, other=0).to(tl.int64)
+        if MISMATCH:
+            best = _noaux_tc_topk(scores, valid, experts, bias_ptr, n_experts, topk_group,
+                                  group_size, HAS_BIAS, N_GROUP, ROWS, BLOCK_E, BLOCK_G,
+                                  K_POW2, EXACT_BLOCK)
+            own = tl.where((slot < k) & (best != PAD), _unpack_index(best), -1)
+            # Replayed ids are distinct and own ids are distinct: the sets are equal iff
+            # every replayed id is found among the own ids.
+            found = tl.sum((index[:, :, None] == own[:, None, :]).to(tl.int32), axis=2)
+            n_found = tl.sum(tl.where(keep, found, 0), axis=1)
+            tl.store(mismatch_ptr + rows, (n_found < k).to(tl.uint8), mask=row_ok)
+    else:
+        best = _noaux_tc_topk(scores, valid, experts, bias_ptr, n_experts, topk_group,
+                              group_size, HAS_BIAS, N_GROUP, ROWS, BLOCK_E, BLOCK_G, K_POW2,
+                              EXACT_BLOCK)
+        keep = (slot < k) & (best != PAD)
+        index = tl.where(keep, _unpack_index(best), 0)
     weights = tl.where(keep, tl.gather(scores, index.to(tl.int32), axis=1), 0.0)
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + eps)
     weights = weights * scaling_factor
-    out = rows.to(tl.int64)[:, None] * k + slot
-    store = row_ok[:, None] & (slot < k)
     tl.store(weights_ptr + out, weights, mask=store)
     tl.store(ids_ptr + out, tl.where(keep, index, -1), mask=store)
 
@@ -287,15 +321,20 @@ def topk_short(x2d, lengths, values, indices, *, k, fill, is_float, key_bits, la
         K_POW2=triton.next_power_of_2(k), num_warps=num_warps)
 
 
-def moe_route(logits2d, bias, weights, ids, *, k, softmax, n_group, topk_group,
-              renormalize, scaling_factor, eps, rows_per_program, num_warps):
+def moe_route(logits2d, bias, replay_ids, weights, ids, mismatch, *, k, softmax, n_group,
+              topk_group, renormalize, scaling_factor, eps, rows_per_program, num_warps):
+    """replay_ids: [tokens, k] contiguous, or None; mismatch: uint8 [tokens] (written only
+    when replaying), or None."""
     n_tokens, n_experts = logits2d.shape
     grid = (triton.cdiv(n_tokens, rows_per_program),)
     _moe_route_kernel[grid](
-        logits2d, logits2d if bias is None else bias, weights, ids,
+        logits2d, logits2d if bias is None else bias,
+        ids if replay_ids is None else replay_ids, weights, ids,
+        ids if mismatch is None else mismatch,
         n_tokens, n_experts, logits2d.stride(0), k, topk_group, n_experts // n_group,
         scaling_factor, eps,
         HAS_BIAS=bias is not None, SOFTMAX=softmax, RENORMALIZE=renormalize,
+        REPLAY=replay_ids is not None, MISMATCH=mismatch is not None,
         N_GROUP=n_group, ROWS=rows_per_program, BLOCK_E=triton.next_power_of_2(n_experts),
         BLOCK_G=triton.next_power_of_2(n_group), K_POW2=triton.next_power_of_2(k),
         EXACT_BLOCK=n_experts == triton.next_power_of_2(n_experts), num_warps=num_warps)
@@ -324,15 +363,23 @@ def _topk_aot_specs():
                              f"sorted={is_sorted}]", _topk_short_kernel,
                              _with_constexprs(signature, constexprs), constexprs,
                              num_warps=warps))
-    signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32",
-                 "ids_ptr": "*i64", "n_tokens": "i32", "n_experts": "i32",
+    signature = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "replay_ptr": "*i64",
+                 "weights_ptr": "*fp32", "ids_ptr": "*i64", "mismatch_ptr": "*u8",
+                 "n_tokens": "i32", "n_experts": "i32",
                  "logits_row_stride": "i64", "k": "i32", "topk_group": "i32",
                  "group_size": "i32", "scaling_factor": "fp32", "eps": "fp32"}
-    for softmax, n_group in ((False, 8), (True, 1)):
-        constexprs = dict(HAS_BIAS=True, SOFTMAX=softmax, RENORMALIZE=True, N_GROUP=n_group,
-                          ROWS=8, BLOCK_E=256, BLOCK_G=n_group, K_POW2=8, EXACT_BLOCK=True)
+    # (softmax, n_group, replay, mismatch): routing, and rollout routing replay with and
+    # without the mismatch check (GLM-5 shape).
+    for softmax, n_group, replay, mismatch in ((False, 8, False, False),
+                                               (True, 1, False, False),
+                                               (False, 8, True, True),
+                                               (False, 8, True, False)):
+        constexprs = dict(HAS_BIAS=True, SOFTMAX=softmax, RENORMALIZE=True, REPLAY=replay,
+                          MISMATCH=mismatch, N_GROUP=n_group, ROWS=8, BLOCK_E=256,
+                          BLOCK_G=n_group, K_POW2=8, EXACT_BLOCK=True)
+        mode = (",replay+mismatch" if mismatch else ",replay") if replay else ""
         specs.append(AotSpec(f"moe_route[256 experts,{n_group} groups,"
-                             f"{'softmax' if softmax else 'sigmoid'},8 tokens]",
+                             f"{'softmax' if softmax else 'sigmoid'},8 tokens{mode}]",
                              _moe_route_kernel, _with_constexprs(signature, constexprs),
                              constexprs, num_warps=4))
     return specs

@@ -75,33 +75,56 @@ def topk_reference(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
     return values.movedim(-1, dim), indices.movedim(-1, dim)
 
 
+def noaux_tc_choice(scores: torch.Tensor, k: int, bias: Optional[torch.Tensor] = None,
+                    n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """The experts ``noaux_tc`` routes each token to: int64 [T, k] from fp32 scores [T, E].
+
+    c = scores + bias; group score = sum of the two largest c of each of the n_group
+    contiguous groups; the topk_group best groups stay eligible; ids = top-k of c over
+    eligible experts, in descending c (ties: lower group, then lower expert index).
+    """
+    n_experts = scores.shape[-1]
+    choice = (scores if bias is None else scores + bias.float()).detach()
+    excluded = None
+    if n_group > 1:
+        group_size = n_experts // n_group
+        grouped = choice.view(-1, n_group, group_size)
+        group_scores = topk_reference(grouped, min(2, group_size))[0].sum(-1)
+        kept_groups = topk_reference(group_scores, topk_group)[1]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, kept_groups, True)
+        excluded = ~kept.repeat_interleave(group_size, dim=1)
+    return stable_order(choice, True, excluded)[:, :k]
+
+
+def routing_mismatch_reference(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
+    """bool [...]: True where a token's expert *set* differs between two routings [..., k].
+
+    Order within a token does not count (the MoE output does not depend on it).
+    """
+    return (ids.sort(-1).values != other_ids.to(ids.dtype).sort(-1).values).any(-1)
+
+
 def moe_route_reference(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
                         bias: Optional[torch.Tensor] = None, n_group: int = 1,
                         topk_group: int = 1, renormalize: bool = True,
-                        scaling_factor: float = 1.0, eps: float = 1e-20
+                        scaling_factor: float = 1.0, eps: float = 1e-20,
+                        replay_ids: Optional[torch.Tensor] = None
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-5 ``noaux_tc`` routing, differentiable in ``router_logits``.
 
-    s = sigmoid(l) or softmax(l) (fp32); c = s + bias (bias steers the choice only);
-    group score = sum of the two largest c of each of the n_group contiguous groups;
-    the topk_group best groups stay eligible; ids = top-k of c over eligible experts, in
-    descending c (ties: lower group, then lower expert index); weights = s[ids], divided by
-    (sum + eps) when renormalizing, times scaling_factor.
+    s = sigmoid(l) or softmax(l) (fp32); ids = ``noaux_tc_choice(s, k, bias, ...)`` (bias
+    steers the choice only), or ``replay_ids`` as given (rollout routing replay: the choice
+    is skipped); weights = s[ids], divided by (sum + eps) when renormalizing, times
+    scaling_factor -- the same expression whichever way the ids were found.
     """
     logits = router_logits.float()
     n_experts = logits.shape[-1]
     logits = logits.reshape(-1, n_experts)
     scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
-    choice = scores if bias is None else scores + bias.float()
-    excluded = None
-    if n_group > 1:
-        group_size = n_experts // n_group
-        grouped = choice.detach().view(-1, n_group, group_size)
-        group_scores = topk_reference(grouped, min(2, group_size))[0].sum(-1)
-        kept_groups = topk_reference(group_scores, topk_group)[1]
-        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, kept_groups, True)
-        excluded = ~kept.repeat_interleave(group_size, dim=1)
-    ids = stable_order(choice.detach(), True, excluded)[:, :k]
+    if replay_ids is None:
+        ids = noaux_tc_choice(scores, k, bias, n_group, topk_group)
+    else:
+        ids = replay_ids.reshape(-1, k).to(torch.int64)
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + eps)

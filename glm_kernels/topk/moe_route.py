@@ -13,6 +13,11 @@ Every ranking (groups, experts) breaks ties toward the lower index, so the routi
 fixed function of the logits: bitwise identical across runs and batch sizes. Weights are
 differentiable in the logits (the choice itself is piecewise constant).
 
+Rollout routing replay (R3): ``replay_ids`` makes the routing the recorded one (the choice is
+skipped) and recomputes only the weights, with the same expression as above;
+``return_mismatch=True`` also says, per token, whether the token's own choice would have
+been a different set of experts (the routing mismatch rate is its mean).
+
 Difference from HF ``DeepseekV3TopkRouter``: HF fills the experts of dropped groups with 0.0
 before its top-k, so a dropped expert could beat a kept one whose biased score is negative;
 here (as in DeepSeek's own inference code, which fills -inf) dropped experts are never chosen.
@@ -32,9 +37,20 @@ MAX_KERNEL_EXPERTS = 4096     # one token's experts are held in registers
 MAX_KERNEL_GROUPS = 64
 
 
+REPLAY_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 class MoeRoute(NamedTuple):
     weights: torch.Tensor
     ids: torch.Tensor
+
+
+class MoeReplay(NamedTuple):
+    """``moe_route(..., replay_ids=..., return_mismatch=True)``: ``mismatch`` is bool [...],
+    True where the token's own noaux_tc choice is a different expert set."""
+    weights: torch.Tensor
+    ids: torch.Tensor
+    mismatch: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -55,10 +71,33 @@ def _scores(logits2d: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
 
 
+def _check_replay_values(replay2d: torch.Tensor, n_experts: int) -> None:
+    """Range and per-token duplicates of replay ids (one host sync; inside the op, so
+    ``torch.compile`` sees no data-dependent branch)."""
+    if replay2d.numel() == 0:
+        return
+    low, high = int(replay2d.min()), int(replay2d.max())
+    if low < 0 or high >= n_experts:
+        raise ValueError(f"replay_ids must lie in [0, {n_experts}) (n_experts), got values in "
+                         f"[{low}, {high}]")
+    if replay2d.shape[1] > 1:
+        ordered = replay2d.sort(dim=1).values
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+        if bool(repeated.any()):
+            token = int(repeated.nonzero()[0, 0])
+            raise ValueError(f"replay_ids must list k distinct experts per token; token "
+                             f"{token} has {replay2d[token].tolist()}")
+
+
 def _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize, scaling_factor,
-                rows_per_program, num_warps):
-    backend = _dispatch.select_backend("moe_route", logits2d, bias)
+                rows_per_program, num_warps, replay2d=None, return_mismatch=False):
+    """(weights fp32 [T, k], ids int64 [T, k], mismatch bool [T] or [0] when not asked)."""
     n_tokens, n_experts = logits2d.shape
+    if replay2d is not None:
+        _check_replay_values(replay2d, n_experts)
+    mismatch = torch.empty((n_tokens if return_mismatch else 0,), dtype=torch.bool,
+                           device=logits2d.device)
+    backend = _dispatch.select_backend("moe_route", logits2d, bias, replay2d)
     if backend != "torch" and (n_experts > MAX_KERNEL_EXPERTS or n_group > MAX_KERNEL_GROUPS):
         _dispatch.warn_once("fallback:moe_route:size",
                             f"glm_kernels.moe_route: {n_experts} experts / {n_group} groups "
@@ -66,35 +105,47 @@ def _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize, sc
                             "using the torch reference")
         backend = "torch"
     if backend == "torch" or n_tokens == 0:
-        weights, ids = _reference.moe_route_reference(
-            logits2d, k, scoring=scoring, bias=bias, n_group=n_group, topk_group=topk_group,
-            renormalize=renormalize, scaling_factor=scaling_factor, eps=RENORM_EPS)
-        return weights.detach(), ids
+        kwargs = dict(scoring=scoring, bias=bias, n_group=n_group, topk_group=topk_group,
+                      renormalize=renormalize, scaling_factor=scaling_factor, eps=RENORM_EPS)
+        with torch.no_grad():
+            weights, ids = _reference.moe_route_reference(logits2d, k, replay_ids=replay2d,
+                                                          **kwargs)
+            if return_mismatch:
+                own = _reference.moe_route_reference(logits2d, k, **kwargs)[1]
+                mismatch = _reference.routing_mismatch_reference(own, ids)
+        # A custom op's outputs may not alias its inputs (int64 replay ids come back as is).
+        ids = ids.clone() if replay2d is not None and ids.data_ptr() == replay2d.data_ptr() \
+            else ids
+        return weights, ids, mismatch
     from . import _kernels
     weights = torch.empty((n_tokens, k), dtype=torch.float32, device=logits2d.device)
     ids = torch.empty((n_tokens, k), dtype=torch.int64, device=logits2d.device)
-    _kernels.moe_route(logits2d, None if bias is None else bias.float().contiguous(), weights,
-                       ids, k=k, softmax=scoring == "softmax", n_group=n_group,
-                       topk_group=topk_group, renormalize=renormalize,
+    flags = torch.empty((n_tokens,), dtype=torch.uint8, device=logits2d.device) \
+        if return_mismatch else None
+    _kernels.moe_route(logits2d, None if bias is None else bias.float().contiguous(),
+                       replay2d, weights, ids, flags, k=k, softmax=scoring == "softmax",
+                       n_group=n_group, topk_group=topk_group, renormalize=renormalize,
                        scaling_factor=scaling_factor, eps=RENORM_EPS,
                        rows_per_program=rows_per_program, num_warps=num_warps)
-    return weights, ids
+    return weights, ids, (flags.view(torch.bool) if return_mismatch else mismatch)
 
 
 @torch.library.custom_op("glm_kernels::moe_route", mutates_args=())
 def _moe_route_op(logits2d: torch.Tensor, k: int, scoring: str, bias: Optional[torch.Tensor],
                   n_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
-                  rows_per_program: int, num_warps: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                  rows_per_program: int, num_warps: int, replay_ids: Optional[torch.Tensor],
+                  return_mismatch: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize,
-                       scaling_factor, rows_per_program, num_warps)
+                       scaling_factor, rows_per_program, num_warps, replay_ids, return_mismatch)
 
 
 @_moe_route_op.register_fake
 def _moe_route_fake(logits2d, k, scoring, bias, n_group, topk_group, renormalize,
-                    scaling_factor, rows_per_program, num_warps):
+                    scaling_factor, rows_per_program, num_warps, replay_ids, return_mismatch):
     n_tokens = logits2d.shape[0]
     return (logits2d.new_empty((n_tokens, k), dtype=torch.float32),
-            logits2d.new_empty((n_tokens, k), dtype=torch.int64))
+            logits2d.new_empty((n_tokens, k), dtype=torch.int64),
+            logits2d.new_empty((n_tokens if return_mismatch else 0,), dtype=torch.bool))
 
 
 def _moe_route_setup_context(ctx, inputs, output):
@@ -103,8 +154,8 @@ def _moe_route_setup_context(ctx, inputs, output):
     ctx.scoring, ctx.renormalize, ctx.scaling_factor = scoring, renormalize, scaling_factor
 
 
-def _moe_route_backward(ctx, grad_weights, _grad_ids):
-    """d/dl of w = c * s[ids] / (sum s[ids] + eps), with the chosen ids held fixed."""
+def _moe_route_backward(ctx, grad_weights, _grad_ids, _grad_mismatch):
+    """d/dl of w = c * s[ids] / (sum s[ids] + eps), with the chosen (or replayed) ids fixed."""
     logits2d, ids = ctx.saved_tensors
     scores = _scores(logits2d, ctx.scoring)
     chosen = scores.gather(1, ids)
@@ -118,11 +169,27 @@ def _moe_route_backward(ctx, grad_weights, _grad_ids):
     else:
         grad_scores = torch.zeros_like(scores).scatter(1, ids, grad)
         grad_logits = scores * (grad_scores - (grad_scores * scores).sum(-1, keepdim=True))
-    return (grad_logits.to(logits2d.dtype),) + (None,) * 9
+    return (grad_logits.to(logits2d.dtype),) + (None,) * 11
 
 
 torch.library.register_autograd("glm_kernels::moe_route", _moe_route_backward,
                                 setup_context=_moe_route_setup_context)
+
+
+def _check_replay_ids(replay_ids, router_logits, k, return_mismatch):
+    """dtype, shape and device of replay_ids (values are checked inside the op)."""
+    if replay_ids is None:
+        if return_mismatch:
+            raise ValueError("return_mismatch=True needs replay_ids: the mismatch compares the "
+                             "token's own choice with the replayed one (compare two recorded "
+                             "routings with glm_kernels.topk.routing_mismatch)")
+        return
+    _dispatch.check_tensor("replay_ids", replay_ids, dtypes=REPLAY_DTYPES)
+    want = tuple(router_logits.shape[:-1]) + (k,)
+    if tuple(replay_ids.shape) != want:
+        raise ValueError(f"replay_ids must have shape {want} (router_logits' leading dims, "
+                         f"k={k}), got shape {tuple(replay_ids.shape)}")
+    _dispatch.check_same_device(dict(router_logits=router_logits, replay_ids=replay_ids))
 
 
 def _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group):
@@ -156,6 +223,7 @@ def _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group):
 def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
               renormalize: bool = True, scaling_factor: float = 1.0,
+              replay_ids: Optional[torch.Tensor] = None, return_mismatch: bool = False,
               config: Optional[MoeRouteConfig] = None) -> MoeRoute:
     """DeepSeek-V3 / GLM-5 ``noaux_tc`` routing: group-limited, bias-steered, deterministic.
 
@@ -175,14 +243,26 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
         Divide the k weights by their sum (+ 1e-20), as ``norm_topk_prob`` does.
     scaling_factor : float, default 1.0
         ``routed_scaling_factor``, applied after renormalizing.
+    replay_ids : Tensor [..., k], int64 / int32 / int16 / int8 / uint8, optional
+        Rollout routing replay (R3): route every token to these experts (recorded by the
+        rollout engine) instead of choosing; only the weights are computed, with the same
+        expression as the normal path (bias and groups play no part). Each token's k ids
+        must be distinct and in [0, n_experts) (checked: one host sync), else ValueError.
+    return_mismatch : bool, default False
+        With ``replay_ids`` only: also return ``mismatch``, bool [...], True where the
+        token's own choice (computed in the same kernel, no extra read) is a different
+        expert *set* than the replayed one. ``mismatch.float().mean()`` is the routing
+        mismatch rate.
     config : MoeRouteConfig, optional
         Overrides ``make_moe_route_config``.
 
     Returns
     -------
     MoeRoute(weights, ids): fp32 weights and int64 expert ids, shape [..., k], ordered by
-    descending biased score (ties: lower expert index). Weights carry gradients to
-    ``router_logits``.
+    descending biased score (ties: lower expert index); with ``replay_ids``, ids equal
+    ``replay_ids`` (as int64, in their order) and weights[..., j] is the weight of
+    ids[..., j]. Weights carry gradients to ``router_logits``. ``return_mismatch=True``
+    returns MoeReplay(weights, ids, mismatch).
 
     Example
     -------
@@ -194,8 +274,15 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
     [[6, 1]]
     >>> round(w.sum().item(), 6)
     1.0
+    >>> replayed = moe_route(logits, 2, n_group=4, topk_group=2,
+    ...                      replay_ids=torch.tensor([[1, 6]]), return_mismatch=True)
+    >>> replayed.ids.tolist(), replayed.mismatch.tolist()     # same set, other order
+    ([[1, 6]], [False])
+    >>> torch.equal(replayed.weights, w.flip(-1))
+    True
     """
     _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group)
+    _check_replay_ids(replay_ids, router_logits, k, return_mismatch)
     scaling_factor = _dispatch.check_finite_number("scaling_factor", scaling_factor)
     n_experts = router_logits.shape[-1]
     logits2d = router_logits.reshape(-1, n_experts)
@@ -206,10 +293,43 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
     if config.rows_per_program < 1 or config.rows_per_program & (config.rows_per_program - 1):
         raise ValueError(f"config.rows_per_program must be a power of two, got "
                          f"{config.rows_per_program}")
+    replay2d = None if replay_ids is None else replay_ids.reshape(-1, k).contiguous()
     args = (logits2d, k, scoring, bias, n_group, topk_group, bool(renormalize),
-            scaling_factor, config.rows_per_program, config.num_warps)
+            scaling_factor, config.rows_per_program, config.num_warps, replay2d,
+            bool(return_mismatch))
     needs_graph = torch.compiler.is_compiling() or (
         router_logits.requires_grad and torch.is_grad_enabled())
-    weights, ids = _moe_route_op(*args) if needs_graph else _route_rows(*args)
+    weights, ids, mismatch = _moe_route_op(*args) if needs_graph else _route_rows(*args)
     out_shape = router_logits.shape[:-1] + (k,)
+    if return_mismatch:
+        return MoeReplay(weights.reshape(out_shape), ids.reshape(out_shape),
+                         mismatch.reshape(out_shape[:-1]))
     return MoeRoute(weights.reshape(out_shape), ids.reshape(out_shape))
+
+
+def routing_mismatch(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
+    """Per token, whether two routings [..., k] send it to different expert *sets*.
+
+    Parameters
+    ----------
+    ids, other_ids : Tensor [..., k], integer, same shape and device
+        E.g. the trainer's own ``moe_route`` ids and the ids the rollout engine recorded.
+
+    Returns
+    -------
+    Tensor [...], bool: True where the sets differ (order within a token does not count).
+    ``.float().mean()`` is the routing mismatch rate. Plain torch ops on any device.
+
+    Example
+    -------
+    >>> import torch
+    >>> routing_mismatch(torch.tensor([[1, 6], [0, 2]]), torch.tensor([[6, 1], [0, 3]])).tolist()
+    [False, True]
+    """
+    _dispatch.check_tensor("ids", ids, dtypes=REPLAY_DTYPES)
+    _dispatch.check_tensor("other_ids", other_ids, dtypes=REPLAY_DTYPES)
+    _dispatch.check_same_shape("other_ids", other_ids, "ids", ids)
+    _dispatch.check_same_device(dict(ids=ids, other_ids=other_ids))
+    if ids.dim() == 0:
+        raise ValueError(f"ids must be [..., k], got shape {tuple(ids.shape)}")
+    return _reference.routing_mismatch_reference(ids.to(torch.int64), other_ids)
