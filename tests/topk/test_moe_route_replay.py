@@ -238,3 +238,21 @@ def test_routing_mismatch():
         routing_mismatch(a, b[:, :1])
     with pytest.raises(TypeError, match="other_ids must have dtype"):
         routing_mismatch(a, b.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_gpu_glm5_shape_replay():
+    import glm_kernels
+    logits, bias = _inputs(16384, 256, seed=0)
+    kwargs = dict(bias=bias, n_group=8, topk_group=4, scaling_factor=2.5)
+    w, ids = moe_route(logits, 8, **kwargs)
+    got = moe_route(logits, 8, replay_ids=ids, return_mismatch=True, **kwargs)
+    assert torch.equal(got.ids, ids) and torch.equal(got.weights, w)
+    assert not got.mismatch.any()
+    with glm_kernels.force_backend("torch"):      # the rollout engine's routing, replayed
+        ref_w, ref_ids = moe_route(logits, 8, **kwargs)
+    got = moe_route(logits, 8, replay_ids=ref_ids, return_mismatch=True, **kwargs)
+    assert torch.equal(got.ids, ref_ids)
+    assert_close(got.weights, ref_w, tol=1e-5, name="weights")
+    assert torch.equal(got.mismatch, routing_mismatch(ids, ref_ids))
