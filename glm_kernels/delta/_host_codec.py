@@ -10,12 +10,20 @@ import numpy as np
 from .. import _dispatch
 from . import _reference as ref
 
-try:
-    from .. import _host as _ext
-    _EXT_ERROR = ""
-except ImportError as exc:          # built without a compiler: numpy path
+import importlib.util
+
+if importlib.util.find_spec("glm_kernels._host") is None:
+    # Not built (no compiler at install time): "cannot import name" would suggest a
+    # circular import, so say what is missing instead.
     _ext = None
-    _EXT_ERROR = f"{type(exc).__name__}: {exc}"
+    _EXT_ERROR = "the C++ host codec was not built"
+else:
+    try:
+        from .. import _host as _ext
+        _EXT_ERROR = ""
+    except ImportError as exc:      # built for another Python / a broken build
+        _ext = None
+        _EXT_ERROR = f"the C++ host codec does not load: {type(exc).__name__}: {exc}"
 
 
 def resolve_threads(threads) -> int:
@@ -28,9 +36,9 @@ def extension():
     if _ext is None:
         _dispatch.warn_once(
             "delta:host_extension",
-            f"glm_kernels._host (the C++ delta host codec) is not importable ({_EXT_ERROR}); "
-            "the delta codec's CPU path uses numpy instead (several times slower). Rebuild "
-            "with a C++17 compiler: pip install --no-build-isolation -e .")
+            f"glm_kernels._host: {_EXT_ERROR}; the delta codec's CPU path uses numpy "
+            "instead (several times slower). Build it with a C++17 compiler and pybind11: "
+            "pip install --no-build-isolation . (or -e . in a checkout)")
     return _ext
 
 
