@@ -25,6 +25,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+class LazyKernels:
+    """A Triton kernel module imported on first attribute access, so a test module imports
+    where Triton is missing or older than the floor (its torch-backend tests still run; the
+    kernel tests that touch this skip through ``kernel_backend`` first)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        import importlib
+        return getattr(importlib.import_module(self._name), attr)
+
+
 def skip_without_kernels() -> None:
     """Skip, naming the reason, where the Triton kernels cannot run here (no Triton, a Triton
     older than the floor, or an interpreter that cannot run with this numpy)."""

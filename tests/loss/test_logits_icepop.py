@@ -6,12 +6,14 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import _logits_kernels, from_logits, logprobs
+from glm_kernels.loss import from_logits, logprobs
 from glm_kernels.loss._logits_reference import (icepop_loss_from_logits_reference,
                                                 selective_logprobs_reference)
 from glm_kernels.loss.from_logits import icepop_loss_from_logits
 from tests._compare import assert_close
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, LazyKernels
+
+_logits_kernels = LazyKernels("glm_kernels.loss._logits_kernels")
 from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]

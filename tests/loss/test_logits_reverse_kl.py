@@ -4,11 +4,13 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import _reverse_kl_kernels, reverse_kl
+from glm_kernels.loss import reverse_kl
 from glm_kernels.loss._logits_reference import reverse_kl_reference
 from glm_kernels.loss.reverse_kl import reverse_kl_from_logits
 from tests._compare import assert_close
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, LazyKernels
+
+_reverse_kl_kernels = LazyKernels("glm_kernels.loss._reverse_kl_kernels")
 from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),

@@ -6,9 +6,11 @@ import zlib
 import pytest
 import torch
 
-from glm_kernels.topk import MoeReplay, _kernels, _reference, moe_route, routing_mismatch
+from glm_kernels.topk import MoeReplay, _reference, moe_route, routing_mismatch
 from tests._compare import assert_close
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, LazyKernels
+
+_kernels = LazyKernels("glm_kernels.topk._kernels")
 
 # (n_experts, n_group, topk_group, k): GLM-5 shape (power-of-two group view), no groups,
 # groups over non-power-of-two experts (masked loop), k = n_experts.
