@@ -1,12 +1,13 @@
 """Turn ``Sample`` dicts into padded training tensors, and the policy-gradient step."""
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from glm_kernels.loss import fused_linear_icepop_loss
 
-from . import task
+from . import kernels, task
+from .model import RoutingTap, routing_tap
 from .packing import assign_to_ranks
 
 
@@ -52,6 +53,27 @@ def sft_sample(cfg, prompt: List[int]) -> dict:
             "rollout_logprobs": [0.0] * len(mask)}
 
 
+def replay_tap(cfg, samples: List[dict], batch: Batch) -> Optional[RoutingTap]:
+    """The rollout's recorded routing of a micro-batch, for the policy's forward: replayed
+    when ``cfg.routing_replay`` (R3), else only compared (None when samples carry none)."""
+    packets = [s.get("routing") for s in samples]
+    if not packets or any(p is None for p in packets):
+        return None
+    width = batch.inputs.shape[1]
+    recorded, lengths = kernels.decode_routing_batch(packets, width, batch.tokens.device)
+    valid = torch.arange(width, device=recorded.device) < lengths.to(recorded.device)[:, None]
+    return RoutingTap(recorded, valid, replay=cfg.routing_replay)
+
+
+def routing_metrics(sums: Dict[str, float]) -> Dict[str, float]:
+    """``routing_mismatch``: fraction of (position, MoE layer) pairs whose own routing is
+    another expert set than the rollout's (with replay on: the choice the layer did not
+    take); empty when the step's samples carried no routing."""
+    if not sums.get("route_compared"):
+        return {}
+    return {"routing_mismatch": sums["route_mismatch"] / sums["route_compared"]}
+
+
 # loss_fn(model, mb_samples, batch) -> (summed loss, icepop metrics, {extra metric: sum})
 LossFn = Callable[[torch.nn.Module, List[dict], Batch], tuple]
 
@@ -78,6 +100,8 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
 
     The loss is the global token mean over every rank's masked tokens (slime's token_mean);
     gradients are accumulated over the simulated ranks' micro-batches, as an all-reduce would.
+    Samples that carry the rollout's routing have it replayed (``cfg.routing_replay``) or
+    compared; ``route_mismatch`` / ``route_compared`` count it (``routing_metrics``).
     """
     device = next(model.parameters()).device
     lengths = [len(s["tokens"]) for s in samples]
@@ -89,7 +113,11 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
         for mb in micro_batches:
             mb_samples = [samples[i] for i in mb]
             batch = collate(mb_samples, device)
-            loss, m, extra = loss_fn(model, mb_samples, batch)
+            with routing_tap(model, replay_tap(cfg, mb_samples, batch)) as tap:
+                loss, m, extra = loss_fn(model, mb_samples, batch)
+            if tap is not None:
+                sums["route_mismatch"] = sums.get("route_mismatch", 0.0) + float(tap.mismatched)
+                sums["route_compared"] = sums.get("route_compared", 0.0) + float(tap.compared)
             (loss / n_tok).backward()
             masked = float(batch.loss_mask.sum())
             sums["pop"] += float(m["pop_frac"]) * masked

@@ -47,6 +47,7 @@ class TrainerConfig:
     rollout_batch_samples: int = 64  # trajectories the rollout process generates per batch
     max_ahead_steps: int = 1         # rollout runs at most this many steps ahead (staleness)
     rollout_dtype: str = "bfloat16"  # weights the rollout engine runs in ("float32" too)
+    routing_replay: bool = True      # R3: train with the experts the rollout routed to
     beta: float = 2.0                # IcePop gate [1/beta, beta]
     eps_low: float = 0.2
     eps_high: float = 0.28

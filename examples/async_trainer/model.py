@@ -1,5 +1,14 @@
 """Tiny causal transformer: MLA-style attention (q_b / kv_b up-projections per head) and a
-sigmoid-routed MoE feed-forward (noaux_tc routing with an aux-loss-free balancing bias)."""
+sigmoid-routed MoE feed-forward (noaux_tc routing with an aux-loss-free balancing bias).
+
+Rollout routing replay (R3): ``RoutingRecorder`` records which experts every MoE layer sent
+each position to during generation (one wire packet per trajectory); in training a
+``RoutingTap`` installed with ``routing_tap`` replays those experts (or, with replay off, only
+compares against them) and counts the routing mismatch.
+"""
+import contextlib
+from typing import List, Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,9 +36,81 @@ class MLA(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
+class RoutingTap:
+    """What the MoE layers do with routing during one forward of [B, T] tokens.
+
+    ``recorded`` int64 [layers, B, T, k] (the rollout's routing) and ``valid`` bool [B, T]
+    (positions it covers): with ``replay`` the layers route to the recorded experts,
+    otherwise they choose and are compared. Either way ``mismatched`` / ``compared`` count
+    the (position, layer) pairs of valid positions whose own choice is another expert set.
+    With nothing recorded the tap only keeps each layer's ids (``ids``, for recording).
+    """
+
+    def __init__(self, recorded: Optional[torch.Tensor] = None,
+                 valid: Optional[torch.Tensor] = None, replay: bool = False):
+        self.recorded, self.valid, self.replay = recorded, valid, replay
+        self.ids: List[Optional[torch.Tensor]] = []
+        self.mismatched = self.compared = 0
+
+    def observe(self, layer: int, ids: torch.Tensor, mismatch: Optional[torch.Tensor]) -> None:
+        while len(self.ids) <= layer:
+            self.ids.append(None)
+        self.ids[layer] = ids
+        if mismatch is not None:
+            picked = mismatch.view(self.valid.shape)[self.valid]
+            self.mismatched += picked.sum()         # tensors: no host sync per layer
+            self.compared += picked.numel()
+
+
+@contextlib.contextmanager
+def routing_tap(model, tap: Optional[RoutingTap]):
+    """Install ``tap`` on every MoE layer of ``model`` for the block (None: no-op)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)] if tap is not None else []
+    for i, moe in enumerate(layers):
+        moe.tap = (tap, i)
+    try:
+        yield tap
+    finally:
+        for moe in layers:
+            moe.tap = None
+
+
+class RoutingRecorder:
+    """Records generation's routing as an inference engine with a KV cache would: each
+    position's experts (every MoE layer) from the first forward that sees the position.
+
+    ``step()`` after every forward; ``finish()`` -> one packet (bytes) per row covering
+    positions 0 .. T-1 of the last forward, or None per row for a model without MoE layers.
+    """
+
+    def __init__(self, model):
+        self.layers = [m for m in model.modules() if isinstance(m, MoE)]
+        self.tap = RoutingTap()
+        self.chunks: List[torch.Tensor] = []        # [layers, rows, new positions, k]
+        self.seen = 0
+        for i, moe in enumerate(self.layers):
+            moe.tap = (self.tap, i)
+
+    def step(self) -> None:
+        if self.layers:
+            ids = torch.stack(self.tap.ids)                             # [layers, rows, T, k]
+            self.chunks.append(ids[:, :, self.seen:])
+            self.seen = ids.shape[2]
+
+    def finish(self, rows: int) -> List[Optional[bytes]]:
+        for moe in self.layers:
+            moe.tap = None
+        if not self.layers:
+            return [None] * rows
+        ids = torch.cat(self.chunks, dim=2).cpu()
+        n_experts = self.layers[0].n_experts
+        return [kernels.encode_routing(ids[:, r], n_experts) for r in range(rows)]
+
+
 class MoE(nn.Module):
     def __init__(self, d, n_experts, k, n_group, topk_group):
         super().__init__()
+        self.tap = None            # (RoutingTap, layer index) while recording / replaying
         self.k, self.n_group, self.topk_group = k, n_group, topk_group
         self.router = nn.Linear(d, n_experts, bias=False)
         # Selection-only bias (DeepSeek-V3 aux-loss-free balancing): a buffer, not trained by
@@ -45,8 +126,19 @@ class MoE(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         flat = x.reshape(-1, d)
-        ids, w = kernels.moe_route(self.router(flat), self.k, self.route_bias, self.n_group,
-                                   self.topk_group)                       # [N, k] each
+        logits = self.router(flat)
+        tap, layer = self.tap if self.tap is not None else (None, 0)
+        recorded = None if tap is None or tap.recorded is None else \
+            tap.recorded[layer].reshape(-1, self.k)
+        if recorded is not None and tap.replay:    # R3: the rollout's experts, fresh weights
+            ids, w, mismatch = kernels.moe_route_replay(logits, self.k, self.route_bias,
+                                                        self.n_group, self.topk_group, recorded)
+        else:
+            ids, w = kernels.moe_route(logits, self.k, self.route_bias, self.n_group,
+                                       self.topk_group)                   # [N, k] each
+            mismatch = None if recorded is None else kernels.routing_mismatch(ids, recorded)
+        if tap is not None:
+            tap.observe(layer, ids.view(b, t, self.k), mismatch)
         if self.training:
             self.load += torch.bincount(ids.flatten(), minlength=self.load.numel()).float()
         up = self.up.view(self.n_experts, d, 2 * d)

@@ -1,10 +1,12 @@
-"""metrics.png: reward, IcePop pop fraction, staleness and the OPD reverse KL over steps."""
+"""metrics.png: reward, IcePop pop fraction, staleness, the OPD reverse KL and the routing
+mismatch rate (train vs rollout experts; replay on or off, named in the panel) over steps."""
 import os
 
 from .log import warn_once
 
 PANELS = (("reward", "sampled reward"), ("pop_frac", "IcePop pop fraction"),
-          ("staleness", "staleness (versions)"), ("reverse_kl", "OPD reverse KL"))
+          ("staleness", "staleness (versions)"), ("reverse_kl", "OPD reverse KL"),
+          ("routing_mismatch", "routing mismatch"))
 
 
 def plot(cfg, records) -> None:
@@ -19,12 +21,14 @@ def plot(cfg, records) -> None:
     if not train:
         return
     stages = list(dict.fromkeys(r["stage"] for r in train))
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 9), sharex=True)
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 11), sharex=True)
     for ax, (key, label) in zip(axes, PANELS):
         for i, stage in enumerate(stages):
             pts = [(r["global_step"], r[key]) for r in train if r["stage"] == stage and key in r]
             if pts:
                 ax.plot(*zip(*pts), label=stage, color=f"C{i}")
+        if key == "routing_mismatch":
+            label += f"\n(replay {'on' if getattr(cfg, 'routing_replay', False) else 'off'})"
         ax.set_ylabel(label, fontsize=8)
     for r in records:
         if r.get("kind") == "eval":

@@ -13,7 +13,7 @@ import torch
 
 from . import kernels, task
 from .log import setup_logging
-from .model import TinyLM
+from .model import RoutingRecorder, TinyLM
 
 
 @torch.no_grad()
@@ -23,7 +23,9 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
 
     Returns one dict per trajectory (prompt-major): ``tokens`` (full stream), ``prompt_len``,
     ``rollout_logprobs`` and ``loss_mask`` (one value per response position; environment and
-    padding positions have log-prob 0 and mask 0) and ``reward``.
+    padding positions have log-prob 0 and mask 0), ``reward`` and ``routing``: the experts
+    every MoE layer routed positions 0 .. len(tokens)-2 to, as a ``glm_kernels.topk``
+    routing packet (bytes; None for a model without MoE layers), for routing replay.
     """
     if not prompts:
         return []
@@ -38,8 +40,10 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
     done = torch.zeros(n, dtype=torch.bool, device=device)
     lps, masks = [], []
     policy_steps = cfg.num_digits + 1 + (1 if uses_tool else 0)
+    recorder = RoutingRecorder(model)
     for step in range(policy_steps):
         logp = torch.log_softmax(model(toks)[:, -1].float(), -1)
+        recorder.step()
         if greedy:
             nxt = kernels.topk(logp, 1).indices                      # ties -> smaller id
         else:
@@ -68,11 +72,12 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
             masks.extend(torch.zeros(n, device=device) for _ in range(span_len))
     lp_rows = torch.stack(lps, 1).float().cpu().tolist()
     mask_rows = torch.stack(masks, 1).cpu().tolist()
+    routing = recorder.finish(n)
     out = []
     for i, t in enumerate(toks.cpu().tolist()):
         out.append({"tokens": t, "prompt_len": prompt_len, "rollout_logprobs": lp_rows[i],
                     "loss_mask": mask_rows[i], "task": task.task_of(t[:prompt_len]),
-                    "reward": task.reward(cfg, t, prompt_len)})
+                    "reward": task.reward(cfg, t, prompt_len), "routing": routing[i]})
     return out
 
 

@@ -22,7 +22,8 @@ from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantag
                          selective_logprobs)
 
 from . import kernels, task
-from .batch import collate, fused_linear_grpo_loss, icepop_kwargs, policy_step, sft_sample
+from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, policy_step,
+                    routing_metrics, sft_sample)
 from .buffer import DataBuffer
 from .config import TrainerConfig
 from .log import logger
@@ -239,7 +240,7 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
         row_of = {id(s): i for i, s in enumerate(samples)}
         sums = policy_step(cfg, model, opt, samples, fused_linear_grpo_loss(cfg, adv, row_of))
         return {"reward": float(rewards.mean()), "pop_frac": sums["pop"] / sums["tokens"],
-                "clip_frac": sums["clip"] / sums["tokens"]}
+                "clip_frac": sums["clip"] / sums["tokens"], **routing_metrics(sums)}
 
     async_stage(run, stage, model, opt, {task_name: 1.0}, cfg.group_size, cfg.prompts_per_step,
                 cfg.rl_steps, start, grpo_step, on_step)
@@ -282,7 +283,8 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
         rec = {"pop_frac": sums["pop"] / sums["tokens"], "clip_frac": sums["clip"] / sums["tokens"],
                "reverse_kl": sums["kl_exact"] / sums["tokens"],
                "reverse_kl_sampled": sums["kl_sampled"] / sums["tokens"],
-               "reward": sum(s["reward"] for s in samples) / len(samples)}
+               "reward": sum(s["reward"] for s in samples) / len(samples),
+               **routing_metrics(sums)}
         for name in teachers:               # outcome reward: logged, never trained on
             got = [s["reward"] for s in samples if s["task"] == name]
             if got:
