@@ -1,18 +1,52 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
-# Both create .venv (CPU torch 2.13.0, triton, pytest, ...) on first use.
-PY      := .venv/bin/python
-PIP     := .venv/bin/pip
-STAMP   := .venv/.installed
+# Both create .venv on first use: $(PYTHON), torch from $(TORCH_SPEC), the newest triton,
+# pytest and the optional packages. torch==2.13.0 is a CPU build only where a local wheel of
+# it exists (this project's machines); from PyPI elsewhere it is the multi-GB CUDA build.
+# Choose another torch without editing anything:
+#   make test TORCH_SPEC='torch==2.5.1' PIP_INDEX_URL=https://download.pytorch.org/whl/cpu
+#   make test VENV_FLAGS=--system-site-packages TORCH_SPEC=     # reuse the torch you have
+# `make test-min` (CI runs it after `make test`) tests the oldest declared versions.
+PYTHON     ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV_FLAGS ?=
+PY         := .venv/bin/python
+PIP        := .venv/bin/pip
+STAMP      := .venv/.installed
+SOURCES    := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+EXTRAS     := "triton>=3.6" pytest numpy zstandard safetensors matplotlib tqdm
 
-.PHONY: demo test aot bench venv clean
+# A first-found interpreter of one minor version (a pyenv-style install counts), else python3.
+find_python = $(or $(shell for c in python$(1) $$HOME/.pyenv/versions/$(1).*/bin/python$(1) \
+  /usr/local/bin/python$(1) /usr/bin/python$(1); do "$$c" -c 'import sys; \
+  assert sys.version_info[:2] == tuple(map(int, "$(1)".split(".")))' >/dev/null 2>&1 && \
+  { echo "$$c"; break; }; done),python3)
 
-$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
-	test -x $(PY) || python3 -m venv .venv
+# The torch floor: the oldest Python and torch that pyproject declares (torch 2.4.1 brings the
+# triton 3.0.0 it pins, older than the kernels' floor: its kernel tests skip with that reason).
+MIN_PYTHON ?= $(call find_python,3.9)
+MIN_SPEC   ?= torch==2.4.1
+# The kernels' floor: triton 3.6.0 with the torch that pins it, on the GPU image's Python.
+# numpy<2.3: triton 3.6's interpreter converts 1-element arrays with int() (fixed in 3.7).
+COMPAT_PYTHON ?= $(call find_python,3.12)
+COMPAT_SPEC   ?= torch==2.11.0 triton==3.6.0 "numpy<2.3"
+# The packages the GPU image lacks come from gpu_wheels.sh, installed as a device run does.
+COMPAT_PATH   := $(CURDIR)/.venv-compat/gpu-site:$(CURDIR)
+
+.PHONY: demo test test-min aot bench venv clean
+
+# pip may resolve other packages against the torch already installed, never replace it.
+define install_project
+	$(1)/bin/pip install -q --upgrade pip setuptools wheel pybind11
+	$(1)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(1)/torch-pin.txt
+	$(1)/bin/pip install -q -c $(1)/torch-pin.txt $(2)
+	$(1)/bin/pip install -q --no-build-isolation --no-deps -e .
+endef
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) .venv
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q setuptools wheel pybind11
-	$(PIP) install -q "triton>=3.3" pytest numpy zstandard safetensors matplotlib tqdm
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+	if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
+	$(call install_project,.venv,$(EXTRAS))
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -21,11 +55,48 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m examples.async_trainer --out-dir runs/demo
 
-# The whole test suite, the interpreter included, then the sm_90 ahead-of-time compile check.
+# The whole test suite (kernels under Triton's interpreter), then the sm_90 ahead-of-time
+# compile check. pytest's exit 5 (nothing collected) is not a failure.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests; rc=$$?; \
+	$(PY) -m pytest -q tests; rc=$$?; \
 	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi
 	$(PY) benchmarks/aot_report.py --check
+
+.venv-min/.installed: $(SOURCES)
+	test -x .venv-min/bin/python || $(MIN_PYTHON) -m venv .venv-min
+	.venv-min/bin/pip install -q --upgrade pip
+	.venv-min/bin/pip install -q $(MIN_SPEC)
+	$(call install_project,.venv-min,pytest numpy zstandard safetensors matplotlib tqdm)
+	touch $@
+
+.venv-compat/.installed: $(SOURCES)
+	test -x .venv-compat/bin/python || $(COMPAT_PYTHON) -m venv .venv-compat
+	.venv-compat/bin/pip install -q --upgrade pip
+	.venv-compat/bin/pip install -q $(COMPAT_SPEC)
+	$(call install_project,.venv-compat,pytest safetensors matplotlib tqdm)
+	touch $@
+
+# The oldest declared versions: the whole suite beside the torch floor (torch backend; kernel
+# tests skip, naming why), then on the kernels' floor the interpreter on every kernel test,
+# the sm_90 compile check, and a CPU dry run of the GPU check with the GPU image's wheel set.
+test-min: .venv-min/.installed .venv-compat/.installed
+	@.venv-min/bin/python -c "import sys, torch, triton; print('== torch floor: Python', \
+	  sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+	.venv-min/bin/python -m pytest -q tests; rc=$$?; \
+	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi
+	bash benchmarks/gpu_wheels.sh
+	rm -rf .venv-compat/gpu-site .venv-compat/gpu-check
+	.venv-compat/bin/python -m pip install -q --no-index --no-deps --no-compile \
+	  --target .venv-compat/gpu-site .whl/*.whl
+	@.venv-compat/bin/python -c "import sys, torch, triton, numpy; print('== kernels floor:', \
+	  'Python', sys.version.split()[0], 'torch', torch.__version__, 'triton', \
+	  triton.__version__, 'numpy', numpy.__version__)"
+	PYTHONPATH=$(COMPAT_PATH) .venv-compat/bin/python -m pytest -q -m "not slow" tests/loss \
+	  tests/muon tests/topk tests/delta tests/test_dispatch.py; rc=$$?; \
+	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi
+	.venv-compat/bin/python benchmarks/aot_report.py --check
+	PYTHONPATH=$(COMPAT_PATH) .venv-compat/bin/python benchmarks/gpu_check.py --dry-run \
+	  --out .venv-compat/gpu-check
 
 aot: $(STAMP)
 	$(PY) benchmarks/aot_report.py
@@ -34,4 +105,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv .venv-min .venv-compat build *.egg-info

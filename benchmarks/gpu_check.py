@@ -11,6 +11,12 @@ On this workplace's lent H200 (Python 3.12, torch 2.11, triton 3.6, no registry)
 
 and commit the JSON it writes under ``benchmarks/results/``.
 
+``--dry-run`` (CPU, no GPU needed; ``make test-min`` runs it on the image's stack: torch 2.11,
+triton 3.6, Python 3.12, the wheels above installed the same way) does everything but the GPU
+work: builds csrc/, collects the test suite, imports every benchmark, checks that each package
+the image lacks comes from ``gpu_wheels.sh``, and writes and re-reads the JSON. It exits
+non-zero on the first thing that would spend a GPU lease on set-up.
+
 Builds csrc/ in place, runs the whole test suite (on a GPU ``kernel_backend`` is compiled
 Triton on CUDA tensors and the ``gpu``-marked tests run; 240 s cap, mostly JIT compiles), then
 ``run()`` of every ``benchmarks/bench_*.py``; writes ``gpu_check_<gpu>_<date>.json`` under
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -42,12 +49,49 @@ def _build_host_extension(root: str) -> dict:
     return {"returncode": proc.returncode, "tail": (proc.stdout + proc.stderr)[-1500:]}
 
 
+# Imported by the benchmarks, absent from the GPU image: each must come from gpu_wheels.sh.
+BEYOND_IMAGE = {"zstandard": "zstandard", "liger_kernel": "liger-kernel"}
+
+
+def _dry_run_checks(root: str, benches: list) -> dict:
+    """What a GPU run would need before its first kernel, checked on the CPU."""
+    checks = {}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "tests"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    checks["tests_collect"] = {"returncode": proc.returncode,
+                               "tail": proc.stdout[-600:] + proc.stderr[-600:]}
+    for name in benches:
+        try:
+            module = importlib.import_module(name)
+            checks[name] = "ok" if callable(getattr(module, "run", None)) else "no run()"
+        except Exception:
+            checks[name] = traceback.format_exc()[-1500:]
+    with open(os.path.join(HERE, "gpu_wheels.sh")) as f:
+        wheel_script = f.read()
+    for module_name, wheel in BEYOND_IMAGE.items():
+        try:
+            importlib.import_module(module_name)
+            importable = True
+        except Exception:
+            importable = False
+        checks[f"wheel:{wheel}"] = ("ok" if importable and wheel in wheel_script else
+                                    f"importable={importable}, in gpu_wheels.sh="
+                                    f"{wheel in wheel_script}")
+    checks["ok"] = (checks["tests_collect"]["returncode"] == 0
+                    and all(v == "ok" for k, v in checks.items()
+                            if k not in ("tests_collect", "ok")))
+    return checks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated bench names (default all)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU: everything but the GPU sections (see the docstring)")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     import torch
     root = os.path.dirname(HERE)
     result = {"env": _common.environment(), "sections": {}}
@@ -64,6 +108,18 @@ def main() -> int:
 
     result["sections"]["build"] = _build_host_extension(root)
     save()
+    benches = sorted(f[:-3] for f in os.listdir(HERE)
+                     if f.startswith("bench_") and f.endswith(".py"))
+    if args.dry_run:
+        result["dry_run"] = _dry_run_checks(root, benches)
+        save()
+        with open(path) as f:
+            written = json.load(f)
+        ok = (result["dry_run"]["ok"] and result["sections"]["build"].get("returncode", 0) == 0
+              and written["dry_run"] == result["dry_run"] and "env" in written)
+        print(json.dumps(written["dry_run"], indent=1)[:4000])
+        print(f"dry run {'passed' if ok else 'FAILED'}; wrote {path}")
+        return 0 if ok else 1
     if not args.skip_tests:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests"],
                               cwd=root, capture_output=True, text=True, timeout=240)
@@ -71,8 +127,6 @@ def main() -> int:
                                        "tail": proc.stdout[-3000:] + proc.stderr[-1000:]}
         print(proc.stdout[-2000:])
         save()
-    benches = sorted(f[:-3] for f in os.listdir(HERE)
-                     if f.startswith("bench_") and f.endswith(".py"))
     if args.only:
         wanted = set(args.only.split(","))
         benches = [b for b in benches if b in wanted or b[len("bench_"):] in wanted]

@@ -3,10 +3,12 @@
 Three backends (DESIGN.md section 2):
 
 * ``triton``    -- CUDA tensors and Triton importable: the fast path.
-* ``interpret`` -- the same Triton kernels run by Triton's interpreter on CPU tensors.
-  Active when ``GLM_KERNELS_BACKEND=interpret`` or ``TRITON_INTERPRET=1`` is set before the
-  kernels are first imported (Triton decides at decoration time whether a ``@triton.jit``
-  function is compiled or interpreted).
+* ``interpret`` -- the same Triton kernels run by Triton's interpreter on CPU tensors:
+  ``GLM_KERNELS_BACKEND=interpret`` selects it for every op. ``TRITON_INTERPRET=1`` alone only
+  makes the kernels interpretable (Triton decides at decoration time whether a
+  ``@triton.jit`` function is compiled or interpreted, so it must be set before the kernels
+  are first imported); CPU tensors then still default to ``torch`` and
+  ``force_backend("interpret")`` selects the interpreter.
 * ``torch``     -- the plain PyTorch reference (``_reference.py``): CPU default, and any
   device where Triton is missing.
 
