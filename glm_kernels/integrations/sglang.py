@@ -79,8 +79,8 @@ class _Outbox(Transport):
         self.frames: List[Frame] = []
         self._full = False
 
-    def send(self, version, base, entries, bucket_bytes):
-        self.frames = list(pack(version, base, entries, bucket_bytes, self.device))
+    def send(self, version, base, entries, bucket_bytes, epoch=None):
+        self.frames = list(pack(version, base, entries, bucket_bytes, self.device, epoch))
 
     def full_requested(self) -> bool:
         asked, self._full = self._full, False
@@ -131,7 +131,7 @@ class _Inbox(Transport):
     def __init__(self):
         self.pending: Optional[List[Frame]] = None
 
-    def send(self, version, base, entries, bucket_bytes):   # pragma: no cover - receive only
+    def send(self, version, base, entries, bucket_bytes, epoch=None):   # pragma: no cover
         raise RuntimeError("the SGLang inbox only receives")
 
     def full_requested(self) -> bool:   # pragma: no cover - receive only

@@ -2,17 +2,19 @@
 
 Directory layout::
 
-    MANIFEST.json                         {"format": 1, "latest": v, "versions": [
-                                             {"v": 10, "base": null, "files": [...]},
-                                             {"v": 11, "base": 10, "files": [...]}, ...]}
-    v00000010-full-0000.safetensors       a full snapshot: tensors in their own dtype/shape
-    v00000011-delta-0000.safetensors      a delta: uint8 tensors holding delta packets
+    MANIFEST.json                         {"format": 2, "latest": v, "versions": [
+                                             {"v": 10, "base": null, "e": epoch, "files": [...]},
+                                             {"v": 11, "base": 10, "e": epoch, "files": [...]}]}
+    v00000010-<epoch>-full-0000.safetensors   a full snapshot: tensors in their own dtype/shape
+    v00000011-<epoch>-delta-0000.safetensors  a delta: uint8 tensors holding delta packets
                                           (new names in a delta version are stored full)
     FULL_REQUESTED                        present while a receiver asks for a full snapshot
+    PUBLISHER.lock                        flock'ed by the one publishing transport
 
 Every file is at most about ``bucket_bytes`` of tensor data (one tensor never spans files) and
-carries ``__metadata__["glm_sync"]`` = JSON ``{"v", "base", "entries": {name: {"k", "dt",
-"sh", "ck"}}}``. Files are written under a temporary name, flushed to disk and renamed; the
+carries ``__metadata__["glm_sync"]`` = JSON ``{"v", "base", "e", "entries": {name: {"k", "dt",
+"sh", "ck"}}}``. ``<epoch>`` is the publishing Sender's epoch (16 hex digits): two
+publishers never write the same file name. Manifest format 1 (no epochs) is still read. Files are written under a temporary name, flushed to disk and renamed; the
 manifest is rewritten the same way *after* all files of a version exist, so a reader that
 follows the manifest never sees a half-written version. Full snapshot files are ordinary
 safetensors checkpoints (``safetensors.torch.load_file`` reads them).
@@ -21,34 +23,66 @@ Retention: a full snapshot at least every ``full_every`` versions (the sender as
 transport before each publish); versions older than the ``keep_full``-th newest full snapshot
 are removed from the manifest and then deleted. A reader that loses a race with that deletion
 re-reads the manifest.
+
+Nothing a manifest says is trusted: it is validated as a whole (one :class:`TransportError`
+if anything is off: the receiver's ``poll`` returns at once), file names must have the
+form above (no separators, no ``..``, no absolute paths: everything read or deleted is a
+file of this directory), every file is opened with ``O_NOFOLLOW`` (a symlink planted in the
+directory is refused, never followed), files are written under random ``O_EXCL`` temporary
+names and renamed into place (a pre-planted symlink is replaced, not written through), and
+the safetensors headers are parsed with bounds on every offset.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import secrets
+import stat
 import time
 from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from .protocol import DTYPES, Entry, SyncError, Transport, Update, byte_view, dtype_name
+from .. import _dispatch
+from ..delta.packet import check_int
+from .protocol import (DTYPES, KINDS, Entry, SyncError, Transport, TransportError, Update,
+                       byte_view, check_epoch, check_shape, dtype_name)
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 REQUEST = "FULL_REQUESTED"
+LOCK = "PUBLISHER.lock"
+FORMAT = 2                      # manifest layout written; 1 (before epochs) is still read
 _ST_DTYPE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
              "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
              "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 assert set(_ST_DTYPE) == set(DTYPES)
 _COPY_CHUNK = 64 << 20
+_NAME = re.compile(r"v[0-9]{8,20}-(?:[0-9a-f]{16}-)?(?:full|delta)-[0-9]{4,6}\.safetensors")
+_MAX_MANIFEST_BYTES = 64 << 20
+_MAX_HEADER_BYTES = 100 << 20
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def _fsync_replace(tmp: str, final: str) -> None:
-    """Rename ``tmp`` over ``final`` once its bytes are on disk (and the rename too)."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_file_name(name) -> str:
+    """A file name a manifest may name: ours, in this directory (no separators, no '..')."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise TransportError(f"manifest names the file {name!r:.120}, which is not a weight "
+                             f"file name of this directory (refused: path traversal?)")
+    return name
+
+
+def _fsync_dir(path: str) -> None:
     try:
-        fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+        fd = os.open(path or ".", os.O_RDONLY)
     except OSError:   # platforms without directory handles
         return
     try:
@@ -57,10 +91,22 @@ def _fsync_replace(tmp: str, final: str) -> None:
         os.close(fd)
 
 
-def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]):
-    """Write a safetensors file streaming each tensor's bytes (any device, shared storage
-    allowed): ``safetensors.torch.save_file`` refuses tensors that share storage (tied or
-    flat-buffer parameters) and would need a host copy of the whole shard."""
+def _open_regular(path: str):
+    """Read-only fd of a regular file, never through a symlink; FileNotFoundError passes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:          # ELOOP: a symlink
+        raise SyncError(f"{path}: cannot open without following links ({exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SyncError(f"{path}: not a regular file (refused)")
+    return fd, st.st_size
+
+
+def _write_safetensors_to(f, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]):
     header, offset = {"__metadata__": metadata}, 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
@@ -69,13 +115,103 @@ def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Dic
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    f.write(len(blob).to_bytes(8, "little"))
+    f.write(blob)
+    for t in tensors.values():
+        data = byte_view(t.contiguous())
+        for start in range(0, data.numel(), _COPY_CHUNK):
+            f.write(memoryview(data[start:start + _COPY_CHUNK].cpu().numpy()))
+
+
+def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]):
+    """Write a safetensors file streaming each tensor's bytes (any device, shared storage
+    allowed): ``safetensors.torch.save_file`` refuses tensors that share storage (tied or
+    flat-buffer parameters) and would need a host copy of the whole shard."""
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for t in tensors.values():
-            data = byte_view(t.contiguous())
-            for start in range(0, data.numel(), _COPY_CHUNK):
-                f.write(memoryview(data[start:start + _COPY_CHUNK].cpu().numpy()))
+        _write_safetensors_to(f, tensors, metadata)
+
+
+_ST_REV = {v: DTYPES[k] for k, v in _ST_DTYPE.items()}
+
+
+def _read_exact(fd: int, n: int, at: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        chunk = os.preadv(fd, [view[got:]], at + got) if hasattr(os, "preadv") else None
+        if chunk is None:
+            data = os.pread(fd, n - got, at + got)
+            view[got:got + len(data)] = data
+            chunk = len(data)
+        if chunk == 0:
+            raise SyncError(f"file shorter than its header says ({got} of {n} bytes at {at})")
+        got += chunk
+    return buf
+
+
+def _read_entries(fd: int, size: int):
+    """(glm_sync metadata, {tensor name: uint8 tensor of its bytes, safetensors dtype, shape})
+    of a safetensors file, every offset checked against the file size."""
+    if size < 8:
+        raise SyncError(f"{size} bytes: not a safetensors file")
+    n = int.from_bytes(_read_exact(fd, 8, 0), "little")
+    if n > min(size - 8, _MAX_HEADER_BYTES):
+        raise SyncError(f"header of {n} bytes in a file of {size}")
+    header = json.loads(bytes(_read_exact(fd, n, 8)))
+    if not isinstance(header, dict):
+        raise SyncError("header is not a JSON object")
+    meta = json.loads((header.pop("__metadata__", None) or {})["glm_sync"])
+    data_size, tensors = size - 8 - n, {}
+    for tname, info in header.items():
+        dtype = _ST_REV[info["dtype"]]
+        shape = check_shape(info["shape"])
+        begin, end = info["data_offsets"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not (_is_int(begin) and _is_int(end) and 0 <= begin <= end <= data_size
+                and end - begin == numel * torch.empty(0, dtype=dtype).element_size()):
+            raise SyncError(f"tensor {tname!r}: data_offsets {info['data_offsets']} do not fit "
+                            f"{info['dtype']} {list(shape)} in {data_size} data bytes")
+        raw = _read_exact(fd, end - begin, 8 + n + begin)
+        t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        tensors[tname] = (t, info["dtype"], list(shape))
+    return meta, tensors
+
+
+def _check_manifest(manifest, where: str) -> dict:
+    """The manifest if every field is what a publisher writes; TransportError otherwise."""
+    def bad(why):
+        return TransportError(f"malformed manifest {where}: {why}")
+    if not isinstance(manifest, dict) or manifest.get("format") not in (1, FORMAT):
+        raise bad(f"unknown layout (format "
+                  f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r:.40})")
+    latest, versions = manifest.get("latest"), manifest.get("versions")
+    if not _is_int(latest) or latest < 0:
+        raise bad(f"latest {latest!r:.40} is not a version")
+    if not isinstance(versions, list):
+        raise bad(f"versions is {type(versions).__name__}, not a list")
+    previous = 0
+    for r in versions:
+        if not isinstance(r, dict):
+            raise bad(f"a version record is {type(r).__name__}")
+        v, base, files = r.get("v"), r.get("base", "missing"), r.get("files")
+        if not _is_int(v) or v <= previous:
+            raise bad(f"version {v!r:.40} after v{previous} (versions must increase)")
+        if not (base is None or (_is_int(base) and 0 <= base < v)):
+            raise bad(f"v{v} has base {base!r:.40}")
+        if not isinstance(files, list) or not files:
+            raise bad(f"v{v} has files {files!r:.80}")
+        for name in files:
+            check_file_name(name)
+        try:
+            check_epoch(r.get("e"))
+        except SyncError as exc:
+            raise bad(f"v{v}: {exc}") from None
+        previous = v
+    if latest != previous:
+        raise bad(f"latest v{latest} is not the newest record v{previous}")
+    return manifest
 
 
 class DiskTransport(Transport):
@@ -91,7 +227,14 @@ class DiskTransport(Transport):
     keep_full : int, default 2
         Full snapshots (and the deltas after them) kept on disk.
     poll_interval : float, default 0.05
-        Seconds between manifest reads while a receiver waits.
+        Seconds (> 0) between manifest reads while a receiver waits.
+
+    One publisher per directory: the sending transport holds an exclusive ``flock`` on
+    ``PUBLISHER.lock`` from its first publish on; a second publisher's ``send`` raises
+    SyncError (where the file system has no working flock, e.g. some NFS setups, a
+    publisher that finds a version it did not write at the end of its publish raises
+    instead; every file name carries its publisher's epoch, so two publishers never
+    overwrite each other's files).
 
     Example::
 
@@ -102,74 +245,152 @@ class DiskTransport(Transport):
 
     def __init__(self, path: str, *, full_every: int = 10, keep_full: int = 2,
                  poll_interval: float = 0.05):
-        if full_every < 1 or keep_full < 1:
-            raise ValueError(f"full_every and keep_full must be >= 1, got {full_every}, "
-                             f"{keep_full}")
+        self.full_every = check_int("full_every", full_every, 1)
+        self.keep_full = check_int("keep_full", keep_full, 1)
+        self.poll_interval = _dispatch.check_finite_number("poll_interval", poll_interval,
+                                                           positive=True)
         self.path = os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
-        self.full_every = int(full_every)
-        self.keep_full = int(keep_full)
-        self.poll_interval = float(poll_interval)
-        self._delivered: Optional[int] = None   # version last handed to the receiver
+        self._delivered: Optional[dict] = None  # record last handed to the receiver
+        self._epoch: Optional[str] = None       # epoch of the version the receiver holds
         self._refused: set = set()
+        self._lock_fd: Optional[int] = None
+
+    def close(self) -> None:
+        """Release the publisher lock (also released when the process exits)."""
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    __del__ = close
 
     # ------------------------------------------------------------------ manifest
     def _file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def read_manifest(self) -> dict:
+        """The validated manifest (empty when there is none); TransportError if malformed."""
+        where = self._file(MANIFEST)
         try:
-            with open(self._file(MANIFEST)) as f:
-                manifest = json.load(f)
+            fd, size = _open_regular(where)
         except FileNotFoundError:
-            return {"format": 1, "latest": 0, "versions": []}
+            return {"format": FORMAT, "latest": 0, "versions": []}
+        except SyncError as exc:
+            raise TransportError(f"unreadable manifest: {exc}") from None
+        try:
+            if size > _MAX_MANIFEST_BYTES:
+                raise TransportError(f"manifest {where} has {size} bytes (more than "
+                                     f"{_MAX_MANIFEST_BYTES}): refused")
+            manifest = json.loads(bytes(_read_exact(fd, size, 0)))
         except (OSError, ValueError) as exc:
-            raise SyncError(f"unreadable manifest {self._file(MANIFEST)}: {exc}") from exc
-        if manifest.get("format") != 1 or not isinstance(manifest.get("versions"), list):
-            raise SyncError(f"manifest {self._file(MANIFEST)} has an unknown layout")
-        return manifest
+            raise TransportError(f"unreadable manifest {where}: {exc}") from None
+        finally:
+            os.close(fd)
+        return _check_manifest(manifest, where)
 
     def latest_version(self) -> int:
-        return int(self.read_manifest()["latest"])
+        return self.read_manifest()["latest"]
+
+    def _atomic_write(self, name: str, write) -> None:
+        """``write(f)`` into a fresh file under a random exclusive name, fsync, rename it to
+        ``name`` (a symlink at ``name`` is replaced, never written through)."""
+        tmp = self._file(f".tmp-{secrets.token_hex(8)}-{name}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._file(name))
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(self.path)
 
     # ------------------------------------------------------------------ sender side
+    def _take_lock(self) -> None:
+        if self._lock_fd is not None:
+            return
+        try:
+            import fcntl
+        except ImportError:         # no flock on this platform: detection at publish only
+            return
+        path = self._file(LOCK)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+        except OSError as exc:
+            raise SyncError(f"cannot open the publisher lock {path}: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise SyncError(f"another publisher (pid {holder or '?'}) holds {path}: one "
+                            f"publisher per directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def _manifest_or_none(self) -> Optional[dict]:
+        """Sender side: the manifest, or None (logged) when it is malformed: the sender then
+        starts a fresh one with a full snapshot instead of being stuck behind it."""
+        try:
+            return self.read_manifest()
+        except TransportError as exc:
+            logger.warning("glm_kernels.sync: %s; the next publish is a full snapshot that "
+                           "starts a new manifest", exc)
+            return None
+
     def full_requested(self) -> bool:
+        self._take_lock()
         try:
             os.remove(self._file(REQUEST))
             return True
         except FileNotFoundError:
             pass
+        manifest = self._manifest_or_none()
+        if manifest is None:
+            return True
         since_full = 0
-        for record in reversed(self.read_manifest()["versions"]):
+        for record in reversed(manifest["versions"]):
             if record["base"] is None:
                 return since_full + 1 >= self.full_every
             since_full += 1
         return True   # nothing full on disk yet
 
     def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
-             bucket_bytes: int) -> None:
-        manifest = self.read_manifest()
+             bucket_bytes: int, epoch: Optional[str] = None) -> None:
+        self._take_lock()
+        epoch = check_epoch(epoch)
+        manifest = self._manifest_or_none()
+        if manifest is None:
+            if base is not None:
+                raise TransportError(f"{self._file(MANIFEST)} is malformed: only a full "
+                                     f"snapshot can start a new manifest")
+            manifest = {"format": FORMAT, "latest": 0, "versions": []}
         if version <= manifest["latest"]:
             raise ValueError(f"version {version} is not newer than v{manifest['latest']} "
                              f"already in {self.path}; start the Sender with "
                              f"version=DiskTransport.latest_version()")
+        started_from = manifest["latest"]
         kind = "full" if base is None else "delta"
+        tag = f"{epoch}-" if epoch else ""
         files: List[str] = []
         shard: Dict[str, torch.Tensor] = {}
         described: Dict[str, dict] = {}
         size = 0
 
         def flush():
-            name = f"v{version:08d}-{kind}-{len(files):04d}.safetensors"
-            tmp = self._file(f".tmp-{os.getpid()}-{name}")
-            meta = {"glm_sync": json.dumps({"v": version, "base": base, "entries": described})}
-            try:
-                write_safetensors(tmp, shard, meta)
-                _fsync_replace(tmp, self._file(name))
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
+            name = f"v{version:08d}-{tag}{kind}-{len(files):04d}.safetensors"
+            meta = {"glm_sync": json.dumps({"v": version, "base": base, "e": epoch,
+                                            "entries": described})}
+            self._atomic_write(name, lambda f: _write_safetensors_to(f, shard, meta))
             files.append(name)
 
         for e in entries:
@@ -184,19 +405,27 @@ class DiskTransport(Transport):
             size += n
         if shard or not files:
             flush()
-        self._publish_manifest(manifest, {"v": version, "base": base, "files": files})
+        # A second publisher (where flock does not reach, e.g. NFS) moved the manifest on
+        # while we wrote: refuse rather than interleave two histories.
+        now = self._manifest_or_none()
+        if now is not None and now["latest"] != started_from and manifest["versions"]:
+            raise SyncError(f"another publisher wrote v{now['latest']} to {self.path} while "
+                            f"v{version} was being written: one publisher per directory")
+        self._publish_manifest(manifest, {"v": version, "base": base, "e": epoch,
+                                          "files": files})
 
     def _publish_manifest(self, manifest: dict, record: dict) -> None:
         versions = manifest["versions"] + [record]
         fulls = [i for i, r in enumerate(versions) if r["base"] is None]
         keep_from = fulls[-self.keep_full] if len(fulls) >= self.keep_full else 0
         dropped, versions = versions[:keep_from], versions[keep_from:]
-        tmp = self._file(f".tmp-{os.getpid()}-{MANIFEST}")
-        with open(tmp, "w") as f:
-            json.dump({"format": 1, "latest": record["v"], "versions": versions}, f)
-        _fsync_replace(tmp, self._file(MANIFEST))
-        for r in dropped:   # after the manifest stops naming them
+        body = json.dumps({"format": FORMAT, "latest": record["v"], "versions": versions})
+        self._atomic_write(MANIFEST, lambda f: f.write(body.encode()))
+        kept = {name for r in versions for name in r["files"]}
+        for r in dropped:   # after the manifest stops naming them; validated names only
             for name in r["files"]:
+                if name in kept or not _NAME.fullmatch(name):
+                    continue
                 try:
                     os.remove(self._file(name))
                 except FileNotFoundError:
@@ -204,11 +433,17 @@ class DiskTransport(Transport):
 
     # ------------------------------------------------------------------ receiver side
     def _next_record(self, held: int) -> Optional[dict]:
-        versions = [r for r in self.read_manifest()["versions"] if r["v"] not in self._refused]
+        manifest = self.read_manifest()
+        listed = {r["v"] for r in manifest["versions"]}
+        self._refused &= listed                  # bounded by the manifest
+        versions = [r for r in manifest["versions"] if r["v"] not in self._refused]
         for r in versions:
-            if r["base"] is not None and r["base"] == held:
+            if (r["base"] is not None and r["base"] == held
+                    and (self._epoch is None or r.get("e") == self._epoch)):
                 return r   # the delta on top of what the receiver holds
-        fulls = [r for r in versions if r["base"] is None and r["v"] > held]
+        # manifest behind the held version: the directory was restarted (new epoch)
+        restarted = manifest["latest"] < held
+        fulls = [r for r in versions if r["base"] is None and (r["v"] > held or restarted)]
         return fulls[-1] if fulls else None
 
     def recv(self, held: int, timeout: Optional[float]) -> Optional[Update]:
@@ -217,7 +452,7 @@ class DiskTransport(Transport):
         while True:
             record = self._next_record(held)
             if record is not None:
-                self._delivered = record["v"]
+                self._delivered = record
                 try:
                     return self._load(record)
                 except FileNotFoundError:   # deleted by retention after we read the manifest
@@ -231,35 +466,46 @@ class DiskTransport(Transport):
                        else max(0.0, min(self.poll_interval, deadline - time.monotonic())))
 
     def _load(self, record: dict) -> Update:
-        from safetensors import safe_open
-        version, base = record["v"], record["base"]
+        version, base, epoch = record["v"], record["base"], record.get("e")
         entries = []
         for name in record["files"]:
-            path = self._file(name)
-            if not os.path.exists(path):
-                raise FileNotFoundError(path)
+            path = self._file(check_file_name(name))
+            fd, size = _open_regular(path)       # FileNotFoundError passes (retention race)
             try:
-                with safe_open(path, framework="pt") as f:
-                    meta = json.loads((f.metadata() or {})["glm_sync"])
-                    if meta["v"] != version or meta["base"] != base:
-                        raise SyncError(f"{name} holds v{meta['v']} (base {meta['base']}), "
-                                        f"the manifest says v{version} (base {base})")
-                    for tname, d in meta["entries"].items():
-                        t = f.get_tensor(tname)
-                        entries.append(Entry(tname, d["k"], DTYPES[d["dt"]], tuple(d["sh"]),
-                                             bytes.fromhex(d["ck"]), byte_view(t.contiguous())))
-            except SyncError:
-                raise
-            except Exception as exc:   # safetensors/JSON/KeyError: a damaged file ...
-                if not os.path.exists(path):   # ... or one deleted while we opened it
-                    raise FileNotFoundError(path) from exc
-                raise SyncError(f"v{version}: unreadable file {name}: {exc}") from exc
-        return Update(version, base, entries)
+                meta, tensors = _read_entries(fd, size)
+                if not isinstance(meta, dict) or (meta.get("v"), meta.get("base"),
+                                                  meta.get("e")) != (version, base, epoch):
+                    raise SyncError(f"{name} holds v{meta.get('v')} (base {meta.get('base')}, "
+                                    f"epoch {meta.get('e')}), the manifest says v{version} "
+                                    f"(base {base}, epoch {epoch})")
+                described = meta["entries"]
+                if not isinstance(described, dict) or set(described) != set(tensors):
+                    raise SyncError(f"{name}: described tensors do not match the stored ones")
+                for tname, d in described.items():
+                    t, st_dtype, st_shape = tensors[tname]
+                    if d["k"] not in KINDS or d["dt"] not in DTYPES:
+                        raise SyncError(f"tensor {tname!r}: kind {d['k']!r}, dtype {d['dt']!r}")
+                    if d["k"] == "full" and (st_dtype != _ST_DTYPE[d["dt"]]
+                                             or st_shape != list(check_shape(d["sh"]))):
+                        raise SyncError(f"tensor {tname!r}: stored as {st_dtype} {st_shape}, "
+                                        f"described as {d['dt']} {d['sh']}")
+                    ck = bytes.fromhex(d["ck"])
+                    entries.append(Entry(tname, d["k"], DTYPES[d["dt"]], check_shape(d["sh"]),
+                                         ck, t))
+            except SyncError as exc:
+                raise SyncError(f"v{version}: refused file {name}: {exc}") from None
+            except Exception as exc:   # JSON/KeyError/TypeError: a damaged file
+                raise SyncError(f"v{version}: unreadable file {name}: "
+                                f"{type(exc).__name__}: {exc}") from None
+            finally:
+                os.close(fd)
+        return Update(version, base, entries, epoch)
 
     def report(self, version: int, ok: bool) -> None:
         if ok:
+            if self._delivered is not None:
+                self._epoch = self._delivered.get("e")
             return
         if self._delivered is not None:
-            self._refused.add(self._delivered)
-        with open(self._file(REQUEST), "w") as f:
-            f.write(str(version))
+            self._refused.add(self._delivered["v"])
+        self._atomic_write(REQUEST, lambda f: f.write(str(version).encode()))

@@ -20,8 +20,10 @@ class LocalTransport(Transport):
         self._full_asked = False
 
     def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
-             bucket_bytes: int) -> None:
-        self.updates.append(list(pack(version, base, entries, bucket_bytes, self.device)))
+             bucket_bytes: int, epoch: Optional[str] = None) -> None:
+        # Packed completely before anything is queued: a publish that fails half-way
+        # leaves nothing behind.
+        self.updates.append(list(pack(version, base, entries, bucket_bytes, self.device, epoch)))
 
     def full_requested(self) -> bool:
         asked, self._full_asked = self._full_asked, False

@@ -19,10 +19,16 @@ fragments back to back; ``meta`` is sealed bytes::
 
     b"GLMS" | u16 format version | u32 JSON length | 8B BLAKE2b-64 of the JSON | JSON
 
-and the JSON is ``{"v": version, "base": base, "i": frame index, "last": bool, "parts":
+and the JSON is ``{"v": version, "base": base, "e": sender epoch, "i": frame index, "last": bool,
+"parts":
 [{"n": name, "k": kind, "dt": dtype, "sh": shape, "ck": digest hex, "size": entry bytes,
 "at": fragment offset in the entry, "len": fragment bytes}, ...]}``. ``last`` is repeated
 outside the seal so a transport can find the end of an update even when the meta is corrupt.
+The sender epoch (16 hex digits, random per :class:`~glm_kernels.sync.Sender`) tells a
+receiver that a sender restarted: its full snapshot is accepted whatever its version number.
+(epoch, version, frame index) identify every frame, so a streaming transport can drop the
+frames of an update whose sender died half-way instead of gluing them to the next update.
+Format version 2 added the epoch; version 1 frames are refused with a message that says so.
 :func:`assemble` checks every frame and rebuilds the entries; the receiver then checks every
 entry against its own tensors before writing any of them.
 """
@@ -40,7 +46,7 @@ from typing import Iterable, Iterator, List, NamedTuple, Optional
 import torch
 
 MAGIC = b"GLMS"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _SEAL = struct.Struct("<4sHI8s")
 KINDS = ("full", "delta")
 # Every dtype the delta codec handles (1, 2, 4 or 8 bytes per element); full entries use the same
@@ -58,6 +64,23 @@ class SyncError(ValueError):
 
 class VersionError(SyncError):
     """An update does not apply on top of the version the receiver holds."""
+
+
+class TransportError(SyncError):
+    """The transport could not deliver an update (e.g. an unreadable disk manifest): nothing
+    was consumed, so ``Receiver.poll`` stops draining and returns this error at once."""
+
+
+def new_epoch() -> str:
+    """A random sender epoch: 16 hex digits."""
+    return os.urandom(8).hex()
+
+
+def check_epoch(epoch) -> Optional[str]:
+    if epoch is not None and not (isinstance(epoch, str) and 0 < len(epoch) <= 64
+                                  and epoch.isalnum() and epoch.isascii()):
+        raise SyncError(f"malformed sender epoch {epoch!r:.80}")
+    return epoch
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -118,6 +141,7 @@ class Update:
     version: int
     base: Optional[int]
     entries: List[Entry]
+    epoch: Optional[str] = None       # the sender's epoch (None: unknown, an old sender)
 
     @property
     def is_full(self) -> bool:
@@ -158,17 +182,35 @@ def open_meta(sealed: bytes) -> dict:
     if magic != MAGIC:
         raise SyncError(f"not a sync frame: magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
-        raise SyncError(f"sync frame format version {version}, expected {FORMAT_VERSION}")
+        raise SyncError(f"sync frame format version {version}, this glm_kernels reads "
+                        f"{FORMAT_VERSION}" + (" (version 1: a sender from before sender "
+                                               "epochs; upgrade it)" if version == 1 else ""))
     if len(body) != length or digest(body) != check:
         raise SyncError("corrupt frame meta: length or checksum mismatch")
-    return json.loads(body)
+    try:
+        meta = json.loads(body)
+    except ValueError as exc:
+        raise SyncError(f"malformed frame meta: {exc}") from None
+    if not isinstance(meta, dict):
+        raise SyncError(f"malformed frame meta: {type(meta).__name__}, expected an object")
+    return meta
+
+
+def frame_key(meta: bytes):
+    """(epoch, version, frame index) of a sealed frame meta, or None if it cannot be read."""
+    try:
+        m = open_meta(meta)
+    except SyncError:
+        return None
+    key = (m.get("e"), m.get("v"), m.get("i"))
+    return key if isinstance(key[2], int) and not isinstance(key[2], bool) else None
 
 
 def pack(version: int, base: Optional[int], entries: Iterable[Entry], bucket_bytes: int,
-         device=None) -> Iterator[Frame]:
+         device=None, epoch: Optional[str] = None) -> Iterator[Frame]:
     """Frames of at most ``bucket_bytes`` payload each, produced lazily (a large model streams:
     at most two buckets are alive at once). ``device``: where frame data lives (default: the
-    device of the first fragment of each frame)."""
+    device of the first fragment of each frame). ``epoch``: the sender's epoch."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
 
@@ -177,7 +219,8 @@ def pack(version: int, base: Optional[int], entries: Iterable[Entry], bucket_byt
         dev = device if device is not None else (chunks[0].device if chunks else "cpu")
         data = (torch.cat([c.to(dev) for c in chunks]) if chunks
                 else torch.empty(0, dtype=torch.uint8, device=dev))
-        meta = {"v": version, "base": base, "i": index, "last": last, "parts": parts}
+        meta = {"v": version, "base": base, "e": epoch, "i": index, "last": last,
+                "parts": parts}
         return Frame(seal_meta(meta), data, last)
 
     current, used, index = ([], []), 0, 0
@@ -222,18 +265,23 @@ def assemble(frames: List[Frame]) -> Update:
 def _assemble(frames: List[Frame]) -> Update:
     metas = [open_meta(f.meta) for f in frames]
     head = metas[0]
-    version, base = head.get("v"), head.get("base")
+    version, base, epoch = head.get("v"), head.get("base"), check_epoch(head.get("e"))
     pieces = {}   # name -> [first part, list of fragment tensors, bytes so far]
     order = []
     for i, (meta, frame) in enumerate(zip(metas, frames)):
-        if meta.get("i") != i or meta.get("v") != version or meta.get("base") != base:
+        if (meta.get("i") != i or meta.get("v") != version or meta.get("base") != base
+                or meta.get("e") != epoch):
             raise SyncError(f"frame {i} of update v{version} is out of sequence: index "
                             f"{meta.get('i')}, version {meta.get('v')}, base {meta.get('base')}")
         if meta.get("last") != (i == len(frames) - 1):
             raise SyncError(f"update v{version}: frame {i} of {len(frames)} has last="
                             f"{meta.get('last')} (frames missing or out of sequence)")
         offset = 0
+        if not isinstance(meta["parts"], list):
+            raise SyncError(f"update v{version}: frame {i} has parts {meta['parts']!r:.80}")
         for p in meta["parts"]:
+            if not isinstance(p, dict) or not isinstance(p.get("n"), str):
+                raise SyncError(f"update v{version}: frame {i} has a malformed part {p!r:.80}")
             name = p["n"]
             if not all(isinstance(p[k], int) and p[k] >= 0 for k in ("at", "len", "size")):
                 raise SyncError(f"update v{version}: tensor {name!r} has a bad fragment {p}")
@@ -261,18 +309,35 @@ def _assemble(frames: List[Frame]) -> Update:
                             f"dtype {p['dt']!r}")
         payload = chunks[0] if len(chunks) == 1 else torch.cat([c.to(chunks[0].device)
                                                                 for c in chunks])
-        entries.append(Entry(name, p["k"], DTYPES[p["dt"]], tuple(p["sh"]),
+        entries.append(Entry(name, p["k"], DTYPES[p["dt"]], check_shape(p["sh"]),
                              bytes.fromhex(p["ck"]), payload))
-    if not isinstance(version, int) or not (base is None or isinstance(base, int)):
-        raise SyncError(f"update has version {version!r}, base {base!r}")
-    return Update(version, base, entries)
+    check_versions(version, base)
+    return Update(version, base, entries, epoch)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_versions(version, base) -> None:
+    """A version is an int >= 1; a base is None (full snapshot) or an int in [0, version)."""
+    if not (_is_int(version) and version >= 1 and (base is None or (_is_int(base)
+                                                                    and 0 <= base < version))):
+        raise SyncError(f"update has version {version!r:.40}, base {base!r:.40}")
+
+
+def check_shape(shape) -> tuple:
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+        raise SyncError(f"malformed tensor shape {shape!r:.80}")
+    return tuple(shape)
 
 
 class Transport(abc.ABC):
     """What Sender and Receiver need from a transport (subclasses implement all four).
 
-    Sender side: ``send(version, base, entries, bucket_bytes)`` delivers one update
-    (``entries`` is a lazy iterator; ``base is None`` for a full snapshot) and
+    Sender side: ``send(version, base, entries, bucket_bytes, epoch=None)`` delivers one
+    update (``entries`` is a lazy iterator; ``base is None`` for a full snapshot; ``epoch`` the
+    sender's epoch, carried with the update so a receiver can tell a restarted sender) and
     ``full_requested()`` says whether the next update must be a full snapshot.
     Receiver side: ``recv(held, timeout)`` returns the next :class:`Update` for a receiver
     holding version ``held`` (or None when nothing came within ``timeout`` seconds; None waits
@@ -284,7 +349,7 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
-             bucket_bytes: int) -> None:
+             bucket_bytes: int, epoch: Optional[str] = None) -> None:
         """Deliver one update (sender side)."""
 
     @abc.abstractmethod

@@ -1,14 +1,18 @@
 """Rollout side of weight sync: apply versions in place, all or nothing (DESIGN 3.7)."""
 from __future__ import annotations
 
+import collections
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from .. import _dispatch
 from ..delta import DeltaPacket, apply_, verify
-from .protocol import (SyncError, Transport, Update, VersionError, byte_view, digest,
-                       dtype_name)
+from .protocol import (SyncError, Transport, TransportError, Update, VersionError, byte_view,
+                       digest, dtype_name)
+
+_KEPT_REFUSALS = 8        # poll() names at most this many refusals (and counts the rest)
+_RETIRED_EPOCHS = 16      # sender epochs this receiver has moved away from
 
 
 class Receiver:
@@ -33,9 +37,15 @@ class Receiver:
     a full snapshot. (If the machine fails in the middle of the writes -- a device out of
     memory -- the receiver drops to version 0, which only a full snapshot leaves.)
 
+    Sender epochs: the receiver holds the epoch of the sender it last applied. A full snapshot
+    from another epoch (a restarted sender, numbering from 1 again) is accepted whatever its
+    version; a delta must come from the held epoch; a full snapshot from an epoch this
+    receiver has already left is refused (a stale update from the old sender).
+
     Memory: the receiver holds the update (frame data and parsed packets) until it is
     written; delta packets are applied in place with O(changes) scratch, never a copy of a
-    tensor. Names that alias one tensor (tied weights) must carry identical contents.
+    tensor. Names that alias one tensor (tied weights) must carry identical contents: an
+    update giving overlapping tensors different bytes is refused.
 
     Example
     -------
@@ -72,6 +82,8 @@ class Receiver:
         self.transport = transport
         self.params: Dict[str, torch.Tensor] = dict(params)
         self.version = version
+        self.epoch: Optional[str] = None            # the held version's sender epoch
+        self._retired = collections.deque(maxlen=_RETIRED_EPOCHS)
 
     def receive(self, timeout: Optional[float] = None) -> Optional[int]:
         """Wait up to ``timeout`` s (None: forever) for one update and apply it.
@@ -79,10 +91,14 @@ class Receiver:
         Returns the new version, or None if nothing arrived. Raises SyncError if the update
         was refused (tensors unchanged; a full snapshot has been requested).
         """
+        if timeout is not None:
+            timeout = _dispatch.check_finite_number("timeout", timeout, nonnegative=True)
         try:
             update = self.transport.recv(self.version, timeout)
             if update is None:
                 return None
+            if not isinstance(update, Update):
+                raise SyncError(f"transport returned {type(update).__name__}, not an Update")
             self.apply_update(update)
         except SyncError:
             self.transport.report(self.version, False)
@@ -98,23 +114,33 @@ class Receiver:
         VersionError if all refusals were about versions) is raised at the end, naming them.
         On a lock-step transport (``BroadcastTransport``) this receives exactly one update,
         waiting for it: every receiver must match every ``publish``.
+
+        Always returns (or raises) after the updates available now: a transport that cannot
+        deliver anything (:class:`~glm_kernels.sync.protocol.TransportError`, e.g. an
+        unreadable disk manifest) ends the drain at once. The error names at most
+        8 refusals and counts the rest.
         """
-        refusals = []
+        refusals, n_refused, only_versions = [], 0, True
         while True:
             try:
                 got = self.receive(timeout=0)
             except SyncError as exc:
-                refusals.append(exc)
+                n_refused += 1
+                only_versions = only_versions and isinstance(exc, VersionError)
+                if len(refusals) < _KEPT_REFUSALS:
+                    refusals.append(exc)
+                if isinstance(exc, TransportError):
+                    break
                 got = -1
             if got is None or getattr(self.transport, "lockstep", False):
                 break
-        if len(refusals) == 1:
+        if n_refused == 1:
             raise refusals[0]
         if refusals:
-            kind = (VersionError if all(isinstance(e, VersionError) for e in refusals)
-                    else SyncError)
-            raise kind(f"{len(refusals)} updates refused, now holding v{self.version}: "
-                       + "; ".join(map(str, refusals))) from refusals[0]
+            kind = VersionError if only_versions else SyncError
+            more = f"; and {n_refused - len(refusals)} more" if n_refused > len(refusals) else ""
+            raise kind(f"{n_refused} updates refused, now holding v{self.version}: "
+                       + "; ".join(map(str, refusals)) + more) from refusals[0]
         return self.version
 
     def apply_update(self, update: Update) -> int:
@@ -161,10 +187,27 @@ class Receiver:
                             f"had passed ({type(exc).__name__}: {exc}); tensors are part "
                             f"v{held}, part v{update.version}: version reset to 0, a full "
                             f"snapshot is needed") from exc
+        epoch = getattr(update, "epoch", None)
+        if epoch != self.epoch:
+            if self.epoch is not None and self.epoch not in self._retired:
+                self._retired.append(self.epoch)
+            self.epoch = epoch
         self.version = update.version
         return self.version
 
     def _check_version(self, update: Update) -> None:
+        epoch = getattr(update, "epoch", None)
+        if update.base is None and epoch is not None and epoch != self.epoch:
+            if epoch in self._retired:
+                raise VersionError(f"full snapshot v{update.version} comes from sender epoch "
+                                   f"{epoch}, which this receiver has left (a stale update "
+                                   f"from a sender that was replaced)")
+            return          # a new sender (restarted, numbering again): accepted at once
+        if (update.base is not None and epoch is not None and self.epoch is not None
+                and epoch != self.epoch):
+            raise VersionError(f"update v{update.version} is a delta from sender epoch "
+                               f"{epoch}; this receiver holds v{self.version} of epoch "
+                               f"{self.epoch} (a different sender)")
         if update.base is None:
             if update.version <= self.version:
                 raise VersionError(f"full snapshot v{update.version} is not newer than the "
@@ -218,6 +261,14 @@ def _same_contents(a, b) -> bool:
     return a.numel() == b.numel() and torch.equal(a, b.to(a.device))
 
 
+def _overlap_agrees(p_a, data_a, p_b, data_b) -> bool:
+    """Full payloads of two overlapping contiguous tensors agree on their shared bytes."""
+    (_, a0, a1), (_, b0, b1) = _span(p_a), _span(p_b)
+    lo, hi = max(a0, b0), min(a1, b1)
+    mine = data_a[lo - a0:hi - a0]
+    return torch.equal(mine, data_b[lo - b0:hi - b0].to(mine.device))
+
+
 def _without_shared_duplicates(version: int, checked):
     """``checked`` minus repeats of tied tensors, after refusing unsafe memory sharing.
 
@@ -225,7 +276,7 @@ def _without_shared_duplicates(version: int, checked):
     on memory another entry of the same update writes first. Names that alias one tensor
     (tied weights: same memory, same size) with identical contents are written once;
     any other overlap that involves a delta entry is refused. Overlapping full entries are
-    written in order, as they come.
+    written in order when they agree on the bytes they share, and refused otherwise.
     """
     spans = sorted((_span(p), i) for i, (_, p, _) in enumerate(checked) if p.numel())
     skip = set()
@@ -241,6 +292,11 @@ def _without_shared_duplicates(version: int, checked):
                 raise SyncError(f"update v{version}: tensors {name_j!r} and {name_i!r} share "
                                 f"memory on this receiver, and the update gives them "
                                 f"different contents (one is a delta)")
+            if not _overlap_agrees(p_j, data_j, p_i, data_i):
+                raise SyncError(f"update v{version}: tensors {name_j!r} and {name_i!r} share "
+                                f"memory on this receiver (tied), and the update gives the "
+                                f"shared bytes different contents: refused, one name would "
+                                f"silently hold the other's bytes")
         if reach is None or reach[0] != device or end > reach[1]:
             reach = (device, end, i)
     return [c for i, c in enumerate(checked) if i not in skip]

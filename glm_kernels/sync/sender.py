@@ -8,7 +8,9 @@ import torch
 
 from .. import _dispatch
 from ..delta import ENCODINGS, encode
-from .protocol import DEFAULT_BUCKET_BYTES, Entry, Transport, delta_entry, dtype_name, full_entry
+from ..delta.packet import check_zstd_level, require_zstd
+from .protocol import (DEFAULT_BUCKET_BYTES, Entry, Transport, delta_entry, dtype_name, full_entry,
+                       new_epoch)
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,14 @@ class Sender:
     bucket_bytes : int, default 64 MiB
         Payload bytes per frame (streaming transports) or per file (disk).
     zstd_level : int, default 3
+        zstd's level, an int in [-131072, 22] (checked here, not at the first delta).
     version : int, default 0
         The last version already published (e.g. ``DiskTransport.latest_version()`` when a
         trainer restarts on an existing directory); the first publish is ``version + 1``.
+
+    Every update carries the sender's ``epoch`` (random per Sender): a receiver accepts a full
+    snapshot from a new epoch (a restarted trainer) whatever its version number, and refuses
+    deltas from any epoch but the one it holds.
 
     Example
     -------
@@ -68,6 +75,9 @@ class Sender:
             raise TypeError(f"transport must be a glm_kernels.sync transport, got "
                             f"{type(transport).__name__}")
         _dispatch.check_choice("encoding", encoding, ENCODINGS)
+        check_zstd_level(zstd_level)
+        if delta and encoding == "zstd":
+            require_zstd()      # ImportError naming the package now, not at the first delta
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         self.transport = transport
@@ -78,6 +88,7 @@ class Sender:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         self.version = version
+        self.epoch = new_epoch()
         self.last_stats: Optional[PublishStats] = None
         self._base: Dict[str, torch.Tensor] = {}   # what the receivers hold (delta mode)
         self._force_full = False
@@ -100,7 +111,7 @@ class Sender:
         counts = {"delta": 0, "changed": 0, "bytes": 0}
         try:
             self.transport.send(self.version, base, self._entries(tensors, full, counts),
-                                self.bucket_bytes)
+                                self.bucket_bytes, epoch=self.epoch)
         except BaseException:
             self._force_full = True
             raise

@@ -154,9 +154,11 @@ def test_restarted_sender_continues_versions(tmp_path):
     state, sender, receiver, params = _pair(tmp_path)
     sender.publish(state)
     sender.publish(state)
+    sender.transport.close()                        # the old trainer process is gone
     fresh = sync.Sender(sync.DiskTransport(tmp_path))
     with pytest.raises(ValueError, match="not newer"):
         fresh.publish(state)
+    fresh.transport.close()
     link = sync.DiskTransport(tmp_path)
     again = sync.Sender(link, version=link.latest_version())
     sparse_step(state, 5)

@@ -174,6 +174,7 @@ def test_packet_for_other_numel_refused():
 def test_out_of_order_and_skipped_versions_refused():
     link, state, sender, receiver, params = _pair()
     sender.publish(state)
+    v1 = list(link.updates[0])
     receiver.poll()
     for step in (1, 2):
         sparse_step(state, step + 2)
@@ -186,9 +187,7 @@ def test_out_of_order_and_skipped_versions_refused():
     assert receiver.poll() == 2
     link.updates.append(v2)                        # replay
     _refused(receiver, params, "delta on v1; this receiver holds v2")
-    old_full = sync.LocalTransport()
-    sync.Sender(old_full).publish(state)            # a full v1 arriving late
-    link.updates.append(old_full.updates[0])
+    link.updates.append(v1)                        # the same sender's full v1, arriving late
     _refused(receiver, params, "not newer")
 
 
@@ -211,10 +210,10 @@ def test_sender_failure_forces_full_next():
     class Broken(sync.LocalTransport):
         fail = False
 
-        def send(self, *a):
+        def send(self, *a, **k):
             if self.fail:
                 raise OSError("link down")
-            super().send(*a)
+            super().send(*a, **k)
     link = Broken()
     state = make_state()
     sender = sync.Sender(link)

@@ -87,7 +87,7 @@ def test_poll_applies_full_snapshot_after_refusals():
     with pytest.raises(SyncError, match="2 updates refused, now holding v4"):
         receiver.poll()
     assert receiver.version == 4 and torch.equal(params["w"], state["w"])
-    assert protocol.FORMAT_VERSION == 1
+    assert protocol.FORMAT_VERSION == 2
 
 
 def test_docs_first_example_runs():

@@ -26,10 +26,10 @@ class TamperTransport(sync.LocalTransport):
     """A LocalTransport whose next update passes its entries through ``tamper`` first."""
     tamper = None
 
-    def send(self, version, base, entries, bucket_bytes):
+    def send(self, version, base, entries, bucket_bytes, epoch=None):
         if self.tamper is not None:
             entries, self.tamper = [self.tamper(e) for e in entries], None
-        super().send(version, base, entries, bucket_bytes)
+        super().send(version, base, entries, bucket_bytes, epoch)
 
 
 def _synced(bucket_bytes=300, encoding="zstd"):
