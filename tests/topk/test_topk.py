@@ -310,7 +310,8 @@ def test_docstring_and_doc_examples():
     import doctest
     import os
     moe_module = __import__("sys").modules["glm_kernels.topk.moe_route"]
-    for module in (topk_module, moe_module):
+    codec_module = __import__("sys").modules["glm_kernels.topk.routing_codec"]
+    for module in (topk_module, moe_module, codec_module):
         failed, attempted = doctest.testmod(module, verbose=False)
         assert attempted > 0 and failed == 0, f"{module.__name__}: {failed} of {attempted}"
     doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "topk.md")
