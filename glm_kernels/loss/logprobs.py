@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _dispatch
+from . import _checks
 from . import _logits_reference as ref
 from . import _vocab_parallel
 
@@ -379,8 +380,10 @@ def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
     """
     check_logits_and_ids(logits, token_ids)
     temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    _checks.check_bool("return_entropy", return_entropy)
+    _checks.check_tp_group(tp_group)
     lp, entropy = logprobs_rows(rows_2d(logits), token_ids.reshape(-1).contiguous(),
-                                inv_temp=1.0 / temperature, want_entropy=bool(return_entropy),
+                                inv_temp=1.0 / temperature, want_entropy=return_entropy,
                                 tp_group=tp_group)
     lp = lp.reshape(token_ids.shape)
     if not return_entropy:

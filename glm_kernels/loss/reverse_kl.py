@@ -17,6 +17,7 @@ from typing import Tuple
 import torch
 
 from .. import _dispatch
+from . import _checks
 from . import _logits_reference as ref
 from . import _vocab_parallel
 from .logprobs import make_launch_config, rows_2d, run_op
@@ -163,6 +164,7 @@ def reverse_kl_from_logits(student_logits: torch.Tensor, teacher_logits: torch.T
     _dispatch.check_same_device({"student_logits": student_logits,
                                  "teacher_logits": teacher_logits})
     temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    _checks.check_tp_group(tp_group)
     kl = _ReverseKL.apply(rows_2d(student_logits), rows_2d(teacher_logits.detach()),
                           1.0 / temperature, tp_group)
     return kl.reshape(student_logits.shape[:-1])
