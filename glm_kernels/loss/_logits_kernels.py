@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._aot import AotSpec
-from ._kernels import icepop_token_math
+from ._kernels import icepop_token_math, is_finite, mismatch_token_math
 
 NEG_INF = float("-inf")
 
@@ -175,12 +175,13 @@ def _store_grad_tile(out, z, cols, V, tid, lse, coef):
 def _icepop_logits_kernel(
     # inputs: logits [N, V]; per token [N]: ids, rollout, old, advantages, mask, reduction scale
     logits_ptr, ids_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr, scale_ptr,
-    # outputs: dL/dlogits [N, V] (may alias logits_ptr), IcePop stats rows [N, 8], flag [1]
+    # outputs: dL/dlogits [N, V] (may alias logits_ptr), IcePop stats rows [N, 8 or 14],
+    # flag [1]
     grad_ptr, rows_ptr, flag_ptr,
     # shapes and runtime floats
     n_rows, V, stride_row, stride_grad, inv_temp, gate_low, gate_high, clip_low, clip_high,
     HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, STORE_GRAD: tl.constexpr,
-    ROW_TILES: tl.constexpr, BLOCK_V: tl.constexpr,
+    METRICS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """log-prob, IcePop loss and dL/dlogits of whole rows, one fused pass, persistent grid.
 
@@ -188,7 +189,8 @@ def _icepop_logits_kernel(
     (in its storage dtype) until its gradient is written. ROW_TILES = 0: the row is streamed, and
     a second sweep re-reads it right after the first one (the persistent grid keeps few rows in
     flight so that sweep mostly hits L2). dL/dz = scale * dl/dlp * (onehot - softmax); the
-    stats row has the layout of _kernels._icepop_fwd_kernel's.
+    stats row has the layout of _kernels._icepop_fwd_kernel's (METRICS: the six mismatch
+    columns too, from the token's lp / rollout / old already in registers).
     """
     pid = tl.program_id(0).to(tl.int64)
     for row in range(pid, n_rows, tl.num_programs(0)):
@@ -227,21 +229,40 @@ def _icepop_logits_kernel(
             masked = valid | (~valid)
         if HAS_OLD:
             base_lp = tl.load(old_ptr + row).to(tl.float32)
+            train_ok = is_finite(lp) & is_finite(base_lp)
         else:
             base_lp = rollout
+            train_ok = is_finite(lp)
         loss, dl_dlp, in_gate, keep, branch_cut, gate_ratio = icepop_token_math(
-            lp, rollout, base_lp, adv, masked, gate_low, gate_high, clip_low, clip_high, HAS_OLD)
+            lp, rollout, base_lp, adv, masked, train_ok, gate_low, gate_high, clip_low,
+            clip_high, HAS_OLD)
 
         counted = masked & (gate_ratio == gate_ratio)
-        stats = rows_ptr + row * 8
+        if METRICS:
+            stats = rows_ptr + row * 14
+        else:
+            stats = rows_ptr + row * 8
         tl.store(stats + 0, loss)
         tl.store(stats + 1, masked.to(tl.float32))
-        tl.store(stats + 2, (masked & ~in_gate).to(tl.float32))
+        tl.store(stats + 2, (masked & train_ok & ~in_gate).to(tl.float32))
         tl.store(stats + 3, (keep & branch_cut).to(tl.float32))
         tl.store(stats + 4, tl.where(counted, gate_ratio, 0.0))
         tl.store(stats + 5, tl.where(counted, gate_ratio, float("-inf")))
         tl.store(stats + 6, tl.where(counted, gate_ratio, float("inf")))
         tl.store(stats + 7, counted.to(tl.float32))
+        if METRICS:
+            if HAS_OLD:
+                train = base_lp
+            else:
+                train = lp
+            nonfinite, in_m, d, k3, chi2, gate_out = mismatch_token_math(
+                train, rollout, gate_ratio, in_gate, masked, train_ok)
+            tl.store(stats + 8, nonfinite.to(tl.float32))
+            tl.store(stats + 9, in_m.to(tl.float32))
+            tl.store(stats + 10, d)
+            tl.store(stats + 11, k3)
+            tl.store(stats + 12, chi2)
+            tl.store(stats + 13, gate_out.to(tl.float32))
 
         if STORE_GRAD:
             coef = dl_dlp * tl.load(scale_ptr + row) * inv_temp
@@ -309,9 +330,10 @@ def logits_grad(logits, ids, lse, entropy, coef, coef_entropy, grad, *, inv_temp
 
 def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag, *, inv_temp,
                   gate_low, gate_high, clip_low, clip_high, block_v, row_tiles, num_warps,
-                  max_programs):
+                  max_programs, metrics=False):
     """row_tiles 0: streamed rows (tile block_v); 1..3: rows held in that many register
-    tiles of block_v columns (V <= row_tiles * block_v)."""
+    tiles of block_v columns (V <= row_tiles * block_v). ``rows`` is [N, 8], or [N, 14] with
+    ``metrics``."""
     n, v = logits.shape
     if n == 0:
         return
@@ -321,7 +343,8 @@ def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag,
         ids if mask is None else mask, scale, grad if store_grad else logits, rows, flag,
         n, v, logits.stride(0), grad.stride(0) if store_grad else 0, inv_temp, gate_low,
         gate_high, clip_low, clip_high, HAS_OLD=old is not None, HAS_MASK=mask is not None,
-        STORE_GRAD=store_grad, ROW_TILES=row_tiles, BLOCK_V=block_v, num_warps=num_warps)
+        STORE_GRAD=store_grad, METRICS=metrics, ROW_TILES=row_tiles, BLOCK_V=block_v,
+        num_warps=num_warps)
 
 
 def scale_inplace(x, factor, *, block=4096, num_warps=4):
@@ -368,12 +391,15 @@ def _aot_specs():
                    "stride_grad": "i64", "inv_temp": "fp32", "gate_low": "fp32",
                    "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32",
                    "HAS_OLD": "constexpr", "HAS_MASK": "constexpr", "STORE_GRAD": "constexpr",
-                   "ROW_TILES": "constexpr", "BLOCK_V": "constexpr"}
-            specs.append(AotSpec(
-                f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block}]",
-                _icepop_logits_kernel, sig,
-                {"HAS_OLD": False, "HAS_MASK": True, "STORE_GRAD": True,
-                 "ROW_TILES": row_tiles, "BLOCK_V": block}, num_warps=warps))
+                   "METRICS": "constexpr", "ROW_TILES": "constexpr", "BLOCK_V": "constexpr"}
+            for metrics in (False, True):
+                specs.append(AotSpec(
+                    f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block},"
+                    f"metrics={metrics}]",
+                    _icepop_logits_kernel, sig,
+                    {"HAS_OLD": False, "HAS_MASK": True, "STORE_GRAD": True,
+                     "METRICS": metrics, "ROW_TILES": row_tiles, "BLOCK_V": block},
+                    num_warps=warps))
     for dt in ("bf16", "fp32"):
         specs.append(AotSpec(f"scale_inplace[{dt}]", _scale_kernel,
                              {"x_ptr": f"*{dt}", "factor_ptr": "*fp32", "n": "i64",

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ._reference import icepop_loss_reference, icepop_token_grad, icepop_token_terms
+from ._reference import (icepop_loss_reference, icepop_stats_rows, icepop_token_grad,
+                         icepop_token_terms, mismatch_token_terms)
 
 NEG_INF = float("-inf")
 
@@ -150,11 +151,13 @@ def softmax_grad_of_z(z, token_ids, lse, entropy, coef, coef_entropy, inv_temp, 
 
 
 def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp, gate_low,
-                       gate_high, eps_low, eps_high, need_grad):
-    """The fused op in torch: (dL/dlogits [N, V] fp32 or None, IcePop stats rows [N, 8]).
+                       gate_high, eps_low, eps_high, need_grad, metrics=False):
+    """The fused op in torch: (dL/dlogits [N, V] fp32 or None, IcePop stats rows [N, 8], or
+    [N, 14] with ``metrics``).
 
     ``scale`` [N] is the reduction's factor per token; rows follow the layout of the IcePop
-    kernel's per-program statistics (loss, masked, popped, clipped, ratio sum/max/min, count).
+    kernel's per-program statistics (loss, masked, popped, clipped, ratio sum/max/min, count;
+    then nonfinite, |M|, d, k3, chi2, gate_out).
     """
     z = scaled_fp32(logits, inv_temp)
     lse = torch.logsumexp(z, -1)
@@ -163,11 +166,12 @@ def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv
                   eps_high=eps_high)
     loss, popped, clipped, gate_ratio, masked = icepop_token_terms(lp, rollout, adv, mask,
                                                                    **kwargs)
-    counted = masked & ~torch.isnan(gate_ratio)
-    rows = torch.stack([
-        loss, masked.float(), popped.float(), clipped.float(),
-        torch.where(counted, gate_ratio, 0.0), torch.where(counted, gate_ratio, NEG_INF),
-        torch.where(counted, gate_ratio, float("inf")), counted.float()], -1)
+    mismatch = None
+    if metrics:
+        mismatch = mismatch_token_terms(lp if old is None else old, rollout, mask,
+                                        gate_low=gate_low, gate_high=gate_high,
+                                        also_finite=None if old is None else lp)
+    rows = icepop_stats_rows(loss, popped, clipped, gate_ratio, masked, mismatch)
     if not need_grad:
         return None, rows
     coef = icepop_token_grad(lp, rollout, adv, mask, **kwargs) * scale

@@ -22,9 +22,10 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _dispatch
-from .from_logits import (check_icepop_arguments, flat_token_inputs, icepop_rows_into,
-                          loss_from_rows, scale_by_grad_output, token_scales)
-from .icepop import _metrics_from_stats, _stats_from_partials
+from . import _checks
+from .from_logits import (STATS_COLS, check_icepop_arguments, flat_token_inputs,
+                          icepop_rows_into, loss_from_rows, scale_by_grad_output, token_scales)
+from .icepop import _metrics_from_stats, _n_seqs, _raise_if_nonfinite, _stats_from_partials
 from .logprobs import run_op
 
 DEFAULT_MEMORY_BUDGET = 512 << 20          # bytes for the [C, V] logits chunk
@@ -62,11 +63,12 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
                        rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
                        mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                        gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                       chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool
+                       chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool,
+                       metrics: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, _ = hidden.shape
     v = weight.shape[0]
-    rows = torch.empty((n, 8), dtype=torch.float32, device=hidden.device)
+    rows = torch.empty((n, STATS_COLS[metrics]), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     grad_weight = (torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0))
     need_grad = need_grad_hidden or need_grad_weight
@@ -82,7 +84,8 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
         rows[part] = icepop_rows_into(
             logits_c if need_grad else None, logits_c, token_ids[part], rollout[part],
             pick(old), adv[part], pick(mask), scale[part], inv_temp=inv_temp,
-            gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high)
+            gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
+            metrics=metrics)
         if need_grad_hidden:
             torch.mm(logits_c, weight, out=grad_hidden[part])
         if need_grad_weight:
@@ -95,33 +98,34 @@ def _fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torc
                      rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
                      mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                      gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                     chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool
+                     chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool,
+                     metrics: bool
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8]);
-    gradients for grad_output = 1."""
+    """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8], or
+    [N, 14] with ``metrics``); gradients for grad_output = 1."""
     return _fused_linear_impl(hidden, weight, token_ids, rollout, old, adv, mask, scale,
                               inv_temp, gate_low, gate_high, eps_low, eps_high, chunk_size,
-                              need_grad_hidden, need_grad_weight)
+                              need_grad_hidden, need_grad_weight, metrics)
 
 
 @_fused_linear_op.register_fake
 def _fused_linear_fake(hidden, weight, token_ids, rollout, old, adv, mask, scale, inv_temp,
                        gate_low, gate_high, eps_low, eps_high, chunk_size, need_grad_hidden,
-                       need_grad_weight):
+                       need_grad_weight, metrics):
     return (hidden.new_empty((), dtype=torch.float32),
             torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_grad_weight else weight.new_empty(0),
-            hidden.new_empty((hidden.shape[0], 8), dtype=torch.float32))
+            hidden.new_empty((hidden.shape[0], STATS_COLS[metrics]), dtype=torch.float32))
 
 
 class _FusedLinearIcePop(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, *args):
+    def forward(ctx, hidden, weight, n_seqs, *args):
         loss, grad_hidden, grad_weight, rows = run_op(_fused_linear_op, _fused_linear_impl,
                                                       hidden, weight, *args)
-        stats = _stats_from_partials(rows)
+        stats = _stats_from_partials(rows, n_seqs)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.num_args = len(args)
+        ctx.num_args = len(args) + 1
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
@@ -141,7 +145,8 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
                              old_logprobs: Optional[torch.Tensor] = None, beta: float = 2.0,
                              gate_low: Optional[float] = None, gate_high: Optional[float] = None,
                              eps_low: float = 0.2, eps_high: float = 0.28,
-                             reduction: str = "token_mean", return_metrics: bool = False):
+                             reduction: str = "token_mean", return_metrics: bool = False,
+                             raise_on_nonfinite: bool = False):
     """IcePop loss of ``hidden @ weight.T`` without ever holding [tokens, V] logits.
 
     Parameters
@@ -152,8 +157,9 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
         Output layer (lm_head) weight; differentiable.
     token_ids : Tensor [*S], int32 / int64
     rollout_logprobs, advantages, loss_mask, old_logprobs, beta, gate_low, gate_high,
-    eps_low, eps_high, return_metrics
-        As in :func:`glm_kernels.icepop_loss`.
+    eps_low, eps_high, return_metrics, raise_on_nonfinite
+        As in :func:`glm_kernels.icepop_loss` (the mismatch metrics come from the fused pass
+        of each chunk; sequences are the rows of the last dim of ``token_ids``).
     reduction : {"token_mean", "seq_mean_token_mean", "sum"}
         "none" is refused: the gradients are computed during forward, which needs a scalar
         loss (use ``icepop_loss_from_logits`` for per-token losses).
@@ -210,6 +216,8 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     lo, hi, eps_low, eps_high, temperature = check_icepop_arguments(
         shape, hidden.device, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction,
         beta, gate_low, gate_high, eps_low, eps_high, temperature)
+    _checks.check_bool("return_metrics", return_metrics)
+    _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     n_tokens, vocab = shape.numel(), weight.shape[0]
     config = make_fused_linear_config(max(n_tokens, 1), vocab, weight.dtype,
                                       chunk_size=chunk_size, memory_budget=memory_budget)
@@ -219,10 +227,12 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     scale = token_scales(loss_mask, shape, reduction, hidden.device)
     grad_on = torch.is_grad_enabled()
     loss, stats = _FusedLinearIcePop.apply(
-        hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
+        hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(), _n_seqs(shape),
         token_ids.reshape(-1).contiguous(), rollout, old, adv, mask, scale, 1.0 / temperature,
         lo, hi, eps_low, eps_high, config.chunk_size, bool(grad_on and hidden.requires_grad),
-        bool(grad_on and weight.requires_grad))
+        bool(grad_on and weight.requires_grad), return_metrics or raise_on_nonfinite)
+    if raise_on_nonfinite:
+        _raise_if_nonfinite(stats, "fused_linear_icepop_loss")
     if not return_metrics:
         return loss
     return loss, _metrics_from_stats(stats)

@@ -21,17 +21,31 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from .. import _dispatch
-from . import _reference
+from . import _checks, _reference
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8
 _BLOCK_INTERPRET = 1024
-_NUM_STATS = 8
+_NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max / min / count
+_NUM_STATS_METRICS = 14        # + nonfinite, |M|, sums over M of d, k3, chi2, gate_out
+_NUM_STATS_OUT = 16            # + sum over rows of the row's log-ppl gap, rows with |M_b| > 0
+MISMATCH_KEYS = _reference.MISMATCH_KEYS
+
+
+def _row_len(shape) -> int:
+    """Tokens per sequence: the last dim (a 1-D or 0-D input is one sequence)."""
+    return shape[-1] if len(shape) >= 2 else shape.numel()
+
+
+def _n_seqs(shape) -> int:
+    """Sequences (rows of the last dim) holding at least one token."""
+    row_len = _row_len(shape)
+    return shape.numel() // row_len if row_len else 0
 
 
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                       eps_high, need_grad):
-    """The torch backend: reference terms, their written-out gradient, and the stats row."""
+                       eps_high, need_grad, metrics):
+    """The torch backend: reference terms, their written-out gradient, and the stats."""
     # Autograd is off inside a custom op's implementation, hence the closed-form gradient.
     kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
                   eps_high=eps_high)
@@ -39,27 +53,36 @@ def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, e
         logprobs, rollout, adv, mask, **kwargs)
     grad = (_reference.icepop_token_grad(logprobs, rollout, adv, mask, **kwargs)
             if need_grad else logprobs.new_empty(0, dtype=torch.float32))
-    counted = masked & ~torch.isnan(gate_ratio)
-    inf = torch.tensor(float("inf"), dtype=torch.float32, device=loss_terms.device)
-    stats = torch.stack([
-        loss_terms.detach().sum(), masked.sum().float(), popped.sum().float(),
-        clipped.sum().float(), torch.where(counted, gate_ratio, 0.0).sum(),
-        torch.where(counted, gate_ratio, -inf).max() if loss_terms.numel() else -inf,
-        torch.where(counted, gate_ratio, inf).min() if loss_terms.numel() else inf,
-        counted.sum().float()]).to(torch.float32)
+    mismatch = None
+    if metrics:
+        train = logprobs if old is None else old
+        mismatch = _reference.mismatch_token_terms(
+            train, rollout, mask, gate_low=gate_low, gate_high=gate_high,
+            also_finite=None if old is None else logprobs)
+    rows = _reference.icepop_stats_rows(loss_terms.detach(), popped, clipped, gate_ratio,
+                                        masked, mismatch)
+    stats = _stats_from_partials(rows, _n_seqs(logprobs.shape))
     return loss_terms.detach().reshape(-1), grad.reshape(-1), stats
 
 
 def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                        eps_high, need_grad, store_loss, seq_len, adv_per_seq, interpret):
+                        eps_high, need_grad, store_loss, seq_len, adv_per_seq, interpret,
+                        metrics, row_len):
     from . import _kernels
-    block = _BLOCK_INTERPRET if interpret else _BLOCK_GPU
     n = logprobs.numel()
+    block = _BLOCK_INTERPRET if interpret else _BLOCK_GPU
+    if metrics:
+        # Rows of row_len tokens, each covered by its own programs (per-sequence sums).
+        block = min(block, max(16, 1 << max(row_len - 1, 0).bit_length()))
+    else:
+        row_len = max(n, 1)                   # one flat row
+    warps = _WARPS_GPU if block >= 2048 else 4
     device = logprobs.device
-    programs = max(-(-n // block), 0)
+    programs = -(-row_len // block) * (n // row_len) if n and row_len else 0
     loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
     grad = torch.empty(n if need_grad else 0, dtype=torch.float32, device=device)
-    partials = torch.empty((programs, _NUM_STATS), dtype=torch.float32, device=device)
+    cols = _NUM_STATS_METRICS if metrics else _NUM_STATS
+    partials = torch.empty((programs, cols), dtype=torch.float32, device=device)
     if mask is not None and mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     if programs:
@@ -67,20 +90,35 @@ def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, 
             logprobs, rollout, old, adv, mask, loss_terms, grad, partials, seq_len=seq_len,
             gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, adv_per_seq=adv_per_seq, block=block,
-            num_warps=_WARPS_GPU)
-    return loss_terms, grad, _stats_from_partials(partials)
+            num_warps=warps, row_len=row_len, metrics=metrics)
+    return loss_terms, grad, _stats_from_partials(partials, n // row_len if row_len else 0)
 
 
-def _stats_from_partials(partials: torch.Tensor) -> torch.Tensor:
-    """[rows, 8] per-program (or per-token) statistics -> the [8] stats vector."""
-    # Fixed-order reduction of the rows: deterministic, no atomics.
+def _stats_from_partials(partials: torch.Tensor, n_seqs: int = 0) -> torch.Tensor:
+    """[rows, 8 or 14] per-program (or per-token) statistics -> the stats vector: [8], or
+    [16] for 14 columns, the last two from the per-sequence grouping of the rows.
+
+    With metrics, the rows must come in sequence order, ``n_seqs`` sequences with the same
+    number of rows each (one row per token, or cdiv(row_len, block) programs per sequence).
+    Every reduction runs in a fixed order on the device: deterministic, no atomics, no sync.
+    """
     sums = partials.double().sum(0).float()
     has_rows = partials.shape[0] > 0
-    return torch.stack([
-        sums[0], sums[1], sums[2], sums[3], sums[4],
-        partials[:, 5].max() if has_rows else sums.new_tensor(float("-inf")),
-        partials[:, 6].min() if has_rows else sums.new_tensor(float("inf")),
-        sums[7]])
+    stats = [sums[0], sums[1], sums[2], sums[3], sums[4],
+             partials[:, 5].max() if has_rows else sums.new_tensor(float("-inf")),
+             partials[:, 6].min() if has_rows else sums.new_tensor(float("inf")),
+             sums[7]]
+    if partials.shape[1] == _NUM_STATS:
+        return torch.stack(stats)
+    stats += [sums[k] for k in range(_NUM_STATS, _NUM_STATS_METRICS)]
+    if has_rows and n_seqs:
+        per_seq = partials[:, 9:11].double().reshape(n_seqs, -1, 2).sum(1)
+        valid = per_seq[:, 0] > 0
+        gap = torch.where(valid, -per_seq[:, 1] / per_seq[:, 0].clamp(min=1.0), 0.0)
+        stats += [gap.sum().float(), valid.sum().float()]
+    else:
+        stats += [sums.new_zeros(()), sums.new_zeros(())]
+    return torch.stack(stats)
 
 
 def _reduce(loss_terms, loss_mask, stats, reduction, shape):
@@ -109,9 +147,10 @@ def _reduce(loss_terms, loss_mask, stats, reduction, shape):
 def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                advantages: torch.Tensor, loss_mask: Optional[torch.Tensor],
                old_logprobs: Optional[torch.Tensor], gate_low: float, gate_high: float,
-               eps_low: float, eps_high: float, reduction: str, need_grad: bool
-               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats [8] fp32)."""
+               eps_low: float, eps_high: float, reduction: str, need_grad: bool,
+               metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32: [8], or
+    [16] with ``metrics``)."""
     shape = logprobs.shape
     adv_per_seq = advantages.shape != shape
     seq_len = shape[-1] if adv_per_seq else 1
@@ -122,26 +161,28 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         adv_full = advantages.unsqueeze(-1).expand(shape) if adv_per_seq else advantages
         loss_terms, grad, stats = _token_stats_torch(
             logprobs, rollout_logprobs, adv_full, loss_mask, old_logprobs, gate_low,
-            gate_high, eps_low, eps_high, need_grad)
+            gate_high, eps_low, eps_high, need_grad, metrics)
     else:
         flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731 (inputs contiguous)
         loss_terms, grad, stats = _token_stats_triton(
             flat(logprobs), flat(rollout_logprobs), flat(advantages), flat(loss_mask),
             flat(old_logprobs), gate_low, gate_high, eps_low, eps_high, need_grad, store_loss,
-            seq_len, adv_per_seq, interpret=backend == "interpret")
+            seq_len, adv_per_seq, interpret=backend == "interpret", metrics=metrics,
+            row_len=_row_len(shape))
     loss, scale = _reduce(loss_terms, loss_mask, stats, reduction, shape)
     return loss, grad, scale, stats
 
 
 @_icepop_op.register_fake
 def _icepop_fake(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, gate_low,
-                 gate_high, eps_low, eps_high, reduction, need_grad):
+                 gate_high, eps_low, eps_high, reduction, need_grad, metrics):
     loss_shape = logprobs.shape if reduction == "none" else ()
     scale_shape = logprobs.shape[:-1] if reduction == "seq_mean_token_mean" else ()
     return (logprobs.new_empty(loss_shape, dtype=torch.float32),
             logprobs.new_empty((logprobs.numel() if need_grad else 0,), dtype=torch.float32),
             logprobs.new_empty(scale_shape, dtype=torch.float32),
-            logprobs.new_empty((_NUM_STATS,), dtype=torch.float32))
+            logprobs.new_empty((_NUM_STATS_OUT if metrics else _NUM_STATS,),
+                               dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -165,7 +206,7 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
         out = coef * (scale * grad_loss).unsqueeze(-1)
     else:
         out = coef * (scale * grad_loss)
-    return (out.to(ctx.lp_dtype),) + (None,) * 10
+    return (out.to(ctx.lp_dtype),) + (None,) * 11
 
 
 torch.library.register_autograd("glm_kernels::icepop_loss", _backward,
@@ -173,18 +214,48 @@ torch.library.register_autograd("glm_kernels::icepop_loss", _backward,
 
 
 def _metrics_from_stats(stats: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The metrics dict from a stats vector ([8]: the IcePop metrics; [16]: also the mismatch
+    metrics of ``loss/_reference.py``). Device ops only: no host sync."""
     masked = stats[1]
     denom = masked.clamp(min=1.0)
     counted = stats[7]
     nan = torch.full_like(masked, float("nan"))
     has_ratio = counted > 0
-    return {
-        "pop_frac": (stats[2] / denom).detach(),
-        "clip_frac": (stats[3] / denom).detach(),
-        "ratio_mean": torch.where(has_ratio, stats[4] / counted.clamp(min=1.0), nan).detach(),
-        "ratio_max": torch.where(has_ratio, stats[5], nan).detach(),
-        "ratio_min": torch.where(has_ratio, stats[6], nan).detach(),
+    out = {
+        "pop_frac": stats[2] / denom,
+        "clip_frac": stats[3] / denom,
+        "ratio_mean": torch.where(has_ratio, stats[4] / counted.clamp(min=1.0), nan),
+        "ratio_max": torch.where(has_ratio, stats[5], nan),
+        "ratio_min": torch.where(has_ratio, stats[6], nan),
     }
+    if stats.shape[0] == _NUM_STATS_OUT:
+        out.update(_mismatch_from_stats(stats))
+    return {k: v.detach() for k, v in out.items()}
+
+
+def _mismatch_from_stats(stats: torch.Tensor) -> Dict[str, torch.Tensor]:
+    n_m = stats[9]
+    nan = torch.full_like(n_m, float("nan"))
+    per_m = lambda x: torch.where(n_m > 0, x / n_m.clamp(min=1.0), nan)   # noqa: E731
+    k1 = per_m(-stats[10])
+    seqs = stats[15]
+    return {
+        "mismatch_k1": k1,
+        "mismatch_k3": per_m(stats[11]),
+        "mismatch_chi2": per_m(stats[12]),
+        "log_ppl_gap": k1.clone(),
+        "log_ppl_gap_seq": torch.where(seqs > 0, stats[14] / seqs.clamp(min=1.0), nan),
+        "gate_out_frac": per_m(stats[13]),
+        "nonfinite_frac": stats[8] / stats[1].clamp(min=1.0),
+    }
+
+
+def _raise_if_nonfinite(stats: torch.Tensor, what: str) -> None:
+    """raise_on_nonfinite=True: one host read of the count (a device sync on a GPU)."""
+    bad = int(stats[8].item())
+    if bad:
+        raise ValueError(f"{what}: {bad} of {int(stats[1].item())} masked tokens have a "
+                         f"non-finite (NaN/inf) train-side log-prob (raise_on_nonfinite=True)")
 
 
 def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs,
@@ -219,15 +290,8 @@ def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprob
 
 
 def _check_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high):
-    """(gate_low, gate_high, eps_low, eps_high) as validated floats."""
-    beta = _dispatch.check_finite_number("beta", beta, positive=True)
-    lo = 1.0 / beta if gate_low is None else _dispatch.check_finite_number("gate_low", gate_low)
-    hi = beta if gate_high is None else _dispatch.check_finite_number("gate_high", gate_high)
-    if lo > hi:
-        raise ValueError(f"gate interval is empty: gate_low {lo} > gate_high {hi}")
-    eps_low = _dispatch.check_finite_number("eps_low", eps_low, nonnegative=True)
-    eps_high = _dispatch.check_finite_number("eps_high", eps_high, nonnegative=True)
-    return lo, hi, eps_low, eps_high
+    """(gate_low, gate_high, eps_low, eps_high) as validated floats (``_checks``)."""
+    return _checks.check_icepop_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high)
 
 
 def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
@@ -235,7 +299,7 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                 old_logprobs: Optional[torch.Tensor] = None, beta: float = 2.0,
                 gate_low: Optional[float] = None, gate_high: Optional[float] = None,
                 eps_low: float = 0.2, eps_high: float = 0.28, reduction: str = "token_mean",
-                return_metrics: bool = False
+                return_metrics: bool = False, raise_on_nonfinite: bool = False
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
     """IcePop policy loss (GLM-5 RL; Ring-1T "IcePop"), fused forward and gradient.
 
@@ -250,10 +314,12 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         Tokens that count (nonzero). None = all tokens.
     old_logprobs : Tensor [*S], optional
         Recomputed log pi_old: switches to the decoupled mode (gate on exp(old - rollout)).
-    beta : float, default 2.0
-        Gate interval is [gate_low or 1/beta, gate_high or beta], both ends inclusive.
+    beta : float > 1, default 2.0
+        Gate interval is [gate_low or 1/beta, gate_high or beta], both ends inclusive;
+        0 <= gate_low < gate_high is required.
     eps_low, eps_high : float, default 0.2, 0.28
-        Asymmetric clip of the ratio to [1 - eps_low, 1 + eps_high].
+        Asymmetric clip of the ratio to [1 - eps_low, 1 + eps_high]; 0 <= eps_low < 1,
+        eps_high >= 0.
     reduction : {"token_mean", "seq_mean_token_mean", "sum", "none"}
         token_mean: sum(l*m) / max(sum(m), 1) (popped tokens stay in the denominator);
         seq_mean_token_mean: mean over rows with tokens of the row's token mean ([B, T] only);
@@ -261,7 +327,14 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     return_metrics : bool
         Also return detached fp32 scalars: pop_frac (popped / masked), clip_frac (masked kept
         tokens whose clipped branch is strictly active), ratio_mean / ratio_max / ratio_min of
-        the gated ratio (rho coupled, k decoupled) over masked tokens (NaN if none).
+        the gated ratio (rho coupled, k decoupled) over masked tokens (NaN if none), and the
+        train/rollout mismatch metrics, computed in the same kernel pass: mismatch_k1,
+        mismatch_k3, mismatch_chi2, log_ppl_gap, log_ppl_gap_seq (per row of the last dim),
+        gate_out_frac, nonfinite_frac (formulas: docs/icepop.md, loss/_reference.py).
+    raise_on_nonfinite : bool
+        Raise ValueError when a masked token has a NaN/inf train-side log-prob (logprobs, or
+        old_logprobs); costs one host read of a count (a device sync on a GPU). Default: such
+        tokens contribute 0 and are counted in nonfinite_frac.
 
     Returns
     -------
@@ -270,7 +343,10 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     Notes
     -----
     Log-ratios are clamped to [-20, 20] before exp. A popped or unmasked token contributes
-    exactly 0 to the loss and the gradient even when its inputs are inf or NaN.
+    exactly 0 to the loss and the gradient even when its inputs are inf or NaN. A masked token
+    with a NaN/inf train-side log-prob contributes 0 too and counts in nonfinite_frac (not in
+    pop_frac); a NaN/inf rollout log-prob pops the token. A NaN/inf advantage of a kept token
+    propagates to the loss and to that token's gradient.
     Non-contiguous inputs are copied to contiguous ones (one extra read and write).
 
     Example
@@ -288,11 +364,83 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
     lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
                                                        eps_high)
+    _checks.check_bool("return_metrics", return_metrics)
+    _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     contiguous = lambda t: None if t is None else t.contiguous()   # noqa: E731
     loss, _, _, stats = _icepop_op(
         contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
         contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high,
-        reduction, bool(logprobs.requires_grad and torch.is_grad_enabled()))
+        reduction, bool(logprobs.requires_grad and torch.is_grad_enabled()),
+        return_metrics or raise_on_nonfinite)
+    if raise_on_nonfinite:
+        _raise_if_nonfinite(stats, "icepop_loss")
     if not return_metrics:
         return loss
     return loss, _metrics_from_stats(stats)
+
+
+def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                     loss_mask: Optional[torch.Tensor] = None, *, beta: float = 2.0,
+                     gate_low: Optional[float] = None, gate_high: Optional[float] = None
+                     ) -> Dict[str, torch.Tensor]:
+    """Train/rollout mismatch metrics for trainers that keep their own loss.
+
+    The same numbers ``icepop_loss(..., return_metrics=True)`` reports, from the same kernel
+    (one read of each input, per-program partial sums reduced in a fixed order: deterministic,
+    no host sync).
+
+    Parameters
+    ----------
+    train_logprobs : Tensor [*S], float32 / bfloat16 / float16
+        log pi_train of the sampled tokens (the trainer's recompute). Not differentiated.
+    rollout_logprobs : Tensor [*S], any float dtype
+        log pi_rollout recorded by the inference engine.
+    loss_mask : Tensor [*S], bool or 0/1, optional
+        Tokens that count. None = all.
+    beta, gate_low, gate_high
+        The gate [gate_low or 1/beta, gate_high or beta] that gate_out_frac measures.
+
+    Returns
+    -------
+    dict of detached fp32 scalars; with M the masked tokens whose two log-probs are finite,
+    d = clamp(train - rollout, -20, 20), r = e^d:
+    mismatch_k1 = mean_M(-d); mismatch_k3 = mean_M(r - 1 - d); mismatch_chi2 = mean_M(r^2 - 1);
+    log_ppl_gap = mean_M(-d) (log PPL_train - log PPL_rollout); log_ppl_gap_seq = the mean
+    over rows of the last dim (sequences) with tokens in M of each row's gap; gate_out_frac =
+    share of M outside the gate; nonfinite_frac = masked tokens with a NaN/inf train log-prob
+    / masked tokens. Means over an empty set are NaN.
+
+    Example
+    -------
+    >>> import torch, glm_kernels
+    >>> train = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
+    >>> m = glm_kernels.loss.mismatch_metrics(train, train - 0.1)   # rollout 0.1 nats lower
+    >>> round(m["mismatch_k1"].item(), 4), round(m["log_ppl_gap_seq"].item(), 4)
+    (-0.1, -0.1)
+    >>> round(m["mismatch_k3"].item(), 6)                          # e^0.1 - 1 - 0.1
+    0.005171
+    """
+    check = _dispatch.check_tensor
+    check("train_logprobs", train_logprobs, dtypes=(torch.float32, torch.bfloat16,
+                                                    torch.float16))
+    check("rollout_logprobs", rollout_logprobs, floating=True)
+    _dispatch.check_same_shape("rollout_logprobs", rollout_logprobs, "train_logprobs",
+                               train_logprobs)
+    if loss_mask is not None:
+        check("loss_mask", loss_mask)
+        _dispatch.check_same_shape("loss_mask", loss_mask, "train_logprobs", train_logprobs)
+    _dispatch.check_same_device(dict(train_logprobs=train_logprobs,
+                                     rollout_logprobs=rollout_logprobs, loss_mask=loss_mask))
+    lo, hi, _, _ = _check_hyperparameters(beta, gate_low, gate_high, 0.2, 0.28)
+    # As [rows, row_len] (same sequences) with zero per-sequence advantages: the loss terms
+    # vanish and the kernel reports the metrics; nothing per token is read besides the inputs.
+    shape = train_logprobs.shape
+    rows = shape[:-1].numel() if len(shape) >= 2 else 1
+    as_2d = lambda t: t.detach().reshape(rows, _row_len(shape)).contiguous()   # noqa: E731
+    zeros = torch.zeros(rows, dtype=torch.float32, device=train_logprobs.device)
+    _, _, _, stats = _icepop_op(
+        as_2d(train_logprobs), as_2d(rollout_logprobs), zeros,
+        None if loss_mask is None else as_2d(loss_mask), None, lo, hi, 0.2, 0.28, "sum",
+        False, True)
+    metrics = _metrics_from_stats(stats)
+    return {k: metrics[k] for k in MISMATCH_KEYS}

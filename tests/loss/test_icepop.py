@@ -8,6 +8,7 @@ import torch
 import glm_kernels
 from glm_kernels.loss import _reference
 from tests._compare import assert_close
+from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
@@ -58,8 +59,9 @@ def test_kernel_matches_reference(kernel_backend, shape, reduction, with_old):
         budget = 1e-6 * terms.abs().sum().item() + 1e-7
         assert abs(got[0].item() - ref[0].item()) <= budget, (got[0].item(), ref[0].item())
     assert_close(got[1], ref[1], tol=1e-5, name="grad")
-    for key in ref[2]:
-        assert_close(got[2][key].reshape(()), ref[2][key].reshape(()), tol=1e-5, name=key)
+    scales = metric_scales(lp if old is None else old, rollout, mask,
+                           also_finite=None if old is None else lp)
+    assert_metrics_close(got[2], ref[2], scales)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -135,11 +137,13 @@ class TestHandComputed:
         assert self._one(-1.0, -2.0, 1.0) == (0.0, 0.0)
 
     @pytest.mark.parametrize("log_ratio", [math.log(2.0), -math.log(2.0)])
-    def test_gate_bounds_inclusive(self, any_backend, log_ratio):
-        # Gate [0.25, 4] with beta=4 keeps everything here; with explicit bounds equal to the
-        # ratio itself (both ends inclusive) the token is kept too.
+    @pytest.mark.parametrize("end", ["low", "high"])
+    def test_gate_bounds_inclusive(self, any_backend, log_ratio, end):
+        # A gate end equal to the ratio itself keeps the token (both ends inclusive).
         rho = torch.exp(torch.tensor(log_ratio)).item()
-        loss, _ = self._one(log_ratio - 1.0, -1.0, 1.0, gate_low=rho, gate_high=rho)
+        bounds = (dict(gate_low=rho, gate_high=4 * rho) if end == "low"
+                  else dict(gate_low=rho / 4, gate_high=rho))
+        loss, _ = self._one(log_ratio - 1.0, -1.0, 1.0, **bounds)
         expected = -min(rho, 1.28) if rho > 1 else -rho
         assert loss == pytest.approx(expected, rel=1e-6)
 
@@ -190,7 +194,61 @@ def test_popped_nonfinite_inputs_give_exact_zero(any_backend, with_old):
     loss.sum().backward()
     assert torch.all(loss[:5] == 0) and torch.all(lp_req.grad[:5] == 0)
     assert torch.isfinite(loss[5]) and loss[5] != 0 and lp_req.grad[5] != 0
-    assert metrics["pop_frac"].item() == pytest.approx(4 / 5)
+    # Tokens 0, 1: train-side NaN / inf (non-finite, not popped); 2, 3: rollout-side (popped).
+    assert metrics["pop_frac"].item() == pytest.approx(2 / 5)
+    assert metrics["nonfinite_frac"].item() == pytest.approx(2 / 5)
+    # Only token 5 has finite log-probs on both sides: the mismatch metrics are its own.
+    d = -1.0 + 1.05                                      # train (lp or old) - rollout
+    assert metrics["mismatch_k1"].item() == pytest.approx(-d, rel=1e-5)
+    assert metrics["mismatch_k3"].item() == pytest.approx(math.expm1(d) - d, rel=1e-5)
+    assert metrics["mismatch_chi2"].item() == pytest.approx(math.expm1(2 * d), rel=1e-5)
+    assert metrics["gate_out_frac"].item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_decoupled_nonfinite_logprobs_loss_and_gradient_agree(any_backend, bad):
+    """Decoupled mode, old finite and in the gate, lp non-finite: the token contributes 0 to
+    the loss and the gradient (before: NaN loss with a zero gradient), counted non-finite."""
+    lp = torch.tensor([bad, -1.0], device=DEVICE, requires_grad=True)
+    rollout = torch.tensor([-1.0, -1.1], device=DEVICE)
+    old = torch.tensor([-1.0, -1.0], device=DEVICE)
+    adv = torch.tensor([1.0, 1.0], device=DEVICE)
+    loss, metrics = glm_kernels.icepop_loss(lp, rollout, adv, old_logprobs=old, reduction="sum",
+                                            return_metrics=True)
+    loss.backward()
+    k = math.exp(0.1)
+    assert loss.item() == pytest.approx(-k, rel=1e-6)         # token 1 only: -k * r * A, r = 1
+    assert lp.grad[0].item() == 0.0 and lp.grad[1].item() == pytest.approx(-k, rel=1e-6)
+    assert metrics["nonfinite_frac"].item() == 0.5 and metrics["pop_frac"].item() == 0.0
+    with pytest.raises(ValueError, match="non-finite"):
+        glm_kernels.icepop_loss(lp, rollout, adv, old_logprobs=old, raise_on_nonfinite=True)
+
+
+def test_raise_on_nonfinite_coupled_and_clean_input(any_backend):
+    lp = torch.tensor([-1.0, float("nan"), -2.0], device=DEVICE)
+    rollout = torch.tensor([-1.0, -1.0, float("nan")], device=DEVICE)
+    adv = torch.ones(3, device=DEVICE)
+    with pytest.raises(ValueError, match="1 of 3 masked tokens"):
+        glm_kernels.icepop_loss(lp, rollout, adv, raise_on_nonfinite=True)
+    # Unmasked non-finite tokens and rollout-side NaN do not raise.
+    mask = torch.tensor([True, False, True], device=DEVICE)
+    loss = glm_kernels.icepop_loss(lp, rollout, adv, mask, raise_on_nonfinite=True)
+    assert loss.item() == pytest.approx(-0.5)      # token 0: -1 * 1, over 2 masked tokens
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_advantage_of_a_kept_token_propagates(any_backend, bad):
+    """Documented: a NaN/inf advantage of a kept token reaches the loss and that token's
+    gradient; other tokens' gradients stay finite; popped/unmasked tokens never read theirs."""
+    lp = torch.tensor([-1.0, -1.0, -1.0, -1.0], device=DEVICE, requires_grad=True)
+    rollout = torch.tensor([-1.0, -1.0, -3.0, -1.0], device=DEVICE)     # token 2 popped
+    adv = torch.tensor([bad, 1.0, bad, bad], device=DEVICE)
+    mask = torch.tensor([True, True, True, False], device=DEVICE)
+    loss = glm_kernels.icepop_loss(lp, rollout, adv, mask)
+    loss.backward()
+    assert not math.isfinite(loss.item())
+    assert not math.isfinite(lp.grad[0].item())
+    assert lp.grad[1].item() == pytest.approx(-1 / 3) and lp.grad[2:].tolist() == [0.0, 0.0]
 
 
 def test_empty_mask_and_empty_input(any_backend):
@@ -295,7 +353,7 @@ def test_opcheck_custom_op():
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(icepop._icepop_op, (lp.requires_grad_(True), rollout, adv, mask,
                                                   None, 0.5, 2.0, 0.2, 0.28, "token_mean",
-                                                  True),
+                                                  True, True),
                               test_utils=("test_schema", "test_faketensor",
                                           "test_autograd_registration"))
 
@@ -331,10 +389,35 @@ class TestBadInputs:
             glm_kernels.icepop_loss(*args, reduction="mean")
         with pytest.raises(ValueError, match="beta"):
             glm_kernels.icepop_loss(*args, beta=0.0)
-        with pytest.raises(ValueError, match="gate interval"):
+        with pytest.raises(ValueError, match="gate_low must be < gate_high"):
             glm_kernels.icepop_loss(*args, gate_low=3.0, gate_high=2.0)
         with pytest.raises(ValueError, match="eps_low"):
             glm_kernels.icepop_loss(*args, eps_low=float("nan"))
+
+    @pytest.mark.parametrize("kwargs,error,name", [
+        (dict(eps_low=1.5), ValueError, "eps_low"),        # clip band starts below 0
+        (dict(eps_low=1.0), ValueError, "eps_low"),
+        (dict(eps_high=-0.1), ValueError, "eps_high"),
+        (dict(gate_low=-1.0), ValueError, "gate_low"),     # negative gate end
+        (dict(gate_low=1.0, gate_high=1.0), ValueError, "gate_low"),   # a single point
+        (dict(gate_high=0.4), ValueError, "gate_low"),     # [1/2, 0.4]: inverted
+        (dict(beta=1.0), ValueError, "beta"),              # [1, 1]: empty
+        (dict(beta=0.5), ValueError, "beta"),              # [2, 0.5]: inverted
+        (dict(beta="2"), TypeError, "beta"),
+        (dict(gate_high=float("inf")), ValueError, "gate_high"),
+        (dict(return_metrics="yes"), TypeError, "return_metrics"),
+        (dict(raise_on_nonfinite=1), TypeError, "raise_on_nonfinite"),
+    ])
+    def test_silent_band_and_flag_errors_name_the_argument(self, kwargs, error, name):
+        args = (torch.zeros(3), torch.zeros(3), torch.zeros(3))
+        with pytest.raises(error, match=name):
+            glm_kernels.icepop_loss(*args, **kwargs)
+
+    def test_accepted_edges(self):
+        args = (torch.zeros(3), torch.zeros(3), torch.ones(3))
+        # gate_low = 0 (no lower gate, slime's --tis-clip-low 0 default) and eps_low = 0.
+        loss = glm_kernels.icepop_loss(*args, gate_low=0.0, eps_low=0.0, reduction="sum")
+        assert loss.item() == pytest.approx(-3.0)
 
     def test_forced_interpret_refuses_cuda_like_misuse(self):
         with pytest.raises(ValueError, match="backend"):

@@ -11,6 +11,7 @@ from glm_kernels.loss._logits_reference import (fused_linear_icepop_loss_referen
                                                 selective_logprobs_reference)
 from glm_kernels.loss.fused_linear import fused_linear_icepop_loss, make_fused_linear_config
 from tests._compare import assert_close
+from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE
 from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
@@ -54,8 +55,10 @@ def test_matches_reference(any_backend, reduction, chunk_size, with_old):
     assert_close(got[0], ref[0], tol=1e-5, name="loss")
     assert_close(got[1], ref[1], tol=1e-5, name="dhidden")
     assert_close(got[2], ref[2], tol=1e-5, name="dweight")
-    for key in ref[3]:
-        assert_close(got[3][key].reshape(()), ref[3][key].reshape(()), tol=1e-5, name=key)
+    lp = selective_logprobs_reference(hidden.float() @ weight.float().t(), ids, 0.9)
+    scales = metric_scales(lp if old is None else old, rollout, mask,
+                           also_finite=None if old is None else lp)
+    assert_metrics_close(got[3], ref[3], scales)
 
 
 def _bf16_logits_reference(hidden, weight, *args, **kw):
@@ -169,7 +172,7 @@ def test_opcheck_custom_op():
                                                                           seed=6)[:6])
     args = (hidden.reshape(4, 8), weight, ids.reshape(-1), rollout.reshape(-1), None,
             adv.reshape(-1), mask.reshape(-1).view(torch.uint8), torch.full((4,), 0.25), 1.0,
-            0.5, 2.0, 0.2, 0.28, 3, True, True)
+            0.5, 2.0, 0.2, 0.28, 3, True, True, True)
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(fused_linear._fused_linear_op, args,
                               test_utils=("test_schema", "test_faketensor"))

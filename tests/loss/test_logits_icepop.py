@@ -11,6 +11,7 @@ from glm_kernels.loss._logits_reference import (icepop_loss_from_logits_referenc
                                                 selective_logprobs_reference)
 from glm_kernels.loss.from_logits import icepop_loss_from_logits
 from tests._compare import assert_close
+from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE, LazyKernels
 
 _logits_kernels = LazyKernels("glm_kernels.loss._logits_kernels")
@@ -47,11 +48,16 @@ def _run(fn, logits, *args, inplace=False, **kw):
     return loss.detach(), x.grad, metrics
 
 
-def _check(got, ref, grad_tol=1e-5):
+def _check(got, ref, grad_tol=1e-5, scales=None):
     assert_close(got[0], ref[0], tol=1e-5, name="loss")
     assert_close(got[1].double(), ref[1].double(), tol=grad_tol, name="dlogits")
-    for key in ref[2]:
-        assert_close(got[2][key].reshape(()), ref[2][key].reshape(()), tol=1e-5, name=key)
+    assert_metrics_close(got[2], ref[2], scales)
+
+
+def _scales(logits, ids, rollout, mask, old=None, temperature=1.0):
+    lp = selective_logprobs_reference(logits, ids, temperature)
+    return metric_scales(lp if old is None else old, rollout, mask,
+                         also_finite=None if old is None else lp)
 
 
 # V = 200: one register tile; 300: three tiles for bf16, streamed for fp32; 517: streamed.
@@ -64,7 +70,7 @@ def test_matches_reference(any_backend, v, reduction, with_old):
     kw = dict(temperature=0.8, old_logprobs=old, reduction=reduction, eps_high=0.3)
     got = _run(icepop_loss_from_logits, logits, ids, rollout, adv, mask, **kw)
     ref = _run(icepop_loss_from_logits_reference, logits, ids, rollout, adv, mask, **kw)
-    _check(got, ref)
+    _check(got, ref, scales=_scales(logits, ids, rollout, mask, old, temperature=0.8))
 
 
 @pytest.mark.parametrize("v,dtype", [(300, torch.bfloat16), (300, torch.float32),
@@ -77,7 +83,8 @@ def test_dtypes_plans_and_inplace(any_backend, v, dtype, inplace):
     ref = _run(icepop_loss_from_logits_reference, logits, ids, rollout, adv, mask,
                temperature=1.2)
     assert got[1].dtype == dtype
-    _check(got, ref, grad_tol=1e-2 if dtype == torch.bfloat16 else 1e-3)
+    _check(got, ref, grad_tol=1e-2 if dtype == torch.bfloat16 else 1e-3,
+           scales=_scales(logits, ids, rollout, mask, temperature=1.2))
 
 
 def test_inplace_backward_writes_the_gradient_into_the_logits_buffer(any_backend):
@@ -123,7 +130,7 @@ def test_per_sequence_advantages_and_no_mask(any_backend):
         got = _run(icepop_loss_from_logits, logits, ids, rollout, adv, reduction=reduction)
         ref = _run(icepop_loss_from_logits_reference, logits, ids, rollout, adv,
                    reduction=reduction)
-        _check(got, ref)
+        _check(got, ref, scales=_scales(logits, ids, rollout, None))
 
 
 @pytest.mark.parametrize("with_old", [False, True])
@@ -210,7 +217,7 @@ class TestBadInputs:
             icepop_loss_from_logits(logits, ids + 10, ok, ok)
         with pytest.raises(ValueError, match="reduction"):
             icepop_loss_from_logits(logits, ids, ok, ok, reduction="mean")
-        with pytest.raises(ValueError, match="gate interval"):
+        with pytest.raises(ValueError, match="gate_low must be < gate_high"):
             icepop_loss_from_logits(logits, ids, ok, ok, gate_low=3.0, gate_high=2.0)
         with pytest.raises(ValueError, match="temperature"):
             icepop_loss_from_logits(logits, ids, ok, ok, temperature=-1.0)
@@ -242,7 +249,7 @@ def test_opcheck_fused_op():
     logits, ids, rollout, adv, mask = (t.cpu() for t in _inputs(1, 4, 20, seed=11)[:5])
     args = (logits.reshape(4, 20), ids.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
             mask.reshape(-1).view(torch.uint8), torch.full((4,), 0.25), 1.0, 0.5, 2.0, 0.2,
-            0.28, True)
+            0.28, True, True)
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(from_logits._fused_op, args,
                               test_utils=("test_schema", "test_faketensor"))
@@ -255,4 +262,4 @@ def test_gpu_glm5_vocab(v, inplace):
     logits, ids, rollout, adv, mask, _ = _inputs(4, 64, v, seed=12, dtype=torch.bfloat16)
     got = _run(icepop_loss_from_logits, logits, ids, rollout, adv, mask, inplace=inplace)
     ref = _run(icepop_loss_from_logits_reference, logits, ids, rollout, adv, mask)
-    _check(got, ref, grad_tol=1e-2)
+    _check(got, ref, grad_tol=1e-2, scales=_scales(logits, ids, rollout, mask))
