@@ -175,8 +175,13 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     (loss, metrics): scalar ``pg_loss - entropy_coef * entropy_loss`` with gradient to
     ``logits``; metrics of 0-dim detached tensors, each a sum over samples that slime divides
     by the step's sample count: ``loss``, ``pg_loss``, ``entropy_loss``, ``pop_frac``,
-    ``clip_frac``, ``train_rollout_logprob_abs_diff`` and ``opd_reverse_kl`` when the batch
-    carries teacher log-probs.
+    ``clip_frac``, ``train_rollout_logprob_abs_diff``, the mismatch metrics of
+    ``icepop_loss`` (``mismatch_k1``, ``mismatch_k3``, ``mismatch_chi2``, ``log_ppl_gap``,
+    ``gate_out_frac``, ``nonfinite_frac``: the kernel's micro-batch means times the
+    micro-batch's sample count, or token count with ``--calculate-per-token-loss``, split over
+    CP ranks like clip_frac), ``log_ppl_gap_seq`` (slime's per-sample mean of log pi_rollout -
+    log pi_train over finite tokens; train = the recomputed old log-probs when decoupled) and
+    ``opd_reverse_kl`` when the batch carries teacher log-probs.
     """
     if getattr(args, "use_kl_loss", False):
         raise ValueError("icepop_loss_function has no reference-KL term; for --use-kl-loss use "
@@ -218,12 +223,11 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     # metric over the micro-batches and the DP x CP ranks, then divides by the step's samples
     # (or tokens): report the clipped count (per-token loss), or the micro-batch fraction times
     # its sample count, split over the CP ranks in proportion to their clipped tokens.
-    clipped = m["clip_frac"] * (mask != 0).sum().clamp(min=1)
-    if getattr(args, "calculate_per_token_loss", False):
-        clip_metric = clipped
-    else:
+    weight = (mask != 0).sum().clamp(min=1)
+    if not getattr(args, "calculate_per_token_loss", False):
         full_masked = (_cat(batch["loss_masks"], device) != 0).sum().clamp(min=1)
-        clip_metric = clipped * len(batch["response_lengths"]) / full_masked
+        weight = weight * len(batch["response_lengths"]) / full_masked
+    clip_metric = m["clip_frac"] * weight
     metrics = {
         "loss": loss.detach().clone(),
         "pg_loss": pg_loss.detach().clone(),
@@ -233,6 +237,17 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
         "train_rollout_logprob_abs_diff":
             sum_of_sample_mean((logprobs.detach() - rollout).abs()).detach(),
     }
+    # The kernel's mismatch metrics are micro-batch means, weighted like clip_frac so that
+    # slime's sum / samples (or / tokens) gives their sample- (token-) weighted average
+    # (a NaN mean over no tokens counts 0). The per-sequence gap is slime's own per-sample
+    # mean: sum_of_sample_mean of log pi_rollout - log pi_train (train = old when decoupled).
+    for key in ("mismatch_k1", "mismatch_k3", "mismatch_chi2", "log_ppl_gap",
+                "gate_out_frac", "nonfinite_frac"):
+        metrics[key] = (torch.nan_to_num(m[key], nan=0.0) * weight).detach()
+    train = (old if old is not None else logprobs.detach()).float()
+    finite = torch.isfinite(train) & torch.isfinite(rollout)
+    metrics["log_ppl_gap_seq"] = sum_of_sample_mean(
+        torch.where(finite, rollout - train, 0.0)).detach()
     if batch.get("teacher_log_probs"):
         teacher = _cat(batch["teacher_log_probs"], device)
         metrics["opd_reverse_kl"] = sum_of_sample_mean(logprobs.detach() - teacher).detach()
