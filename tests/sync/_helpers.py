@@ -127,3 +127,59 @@ def gloo_rank(rank, world, init_file, encoding, drift_at, report_q):
         dist.destroy_process_group()
     except BaseException:
         pass
+
+
+def gloo_faults(rank, world, init_file, report_q):
+    """Rank 0: v1; v2 dies half-way through encoding; v3; then a restarted Sender (new
+    epoch, numbering from 1 again). Rank 1 polls once per publish and reports each outcome."""
+    try:
+        torch.set_num_threads(1)
+        import datetime
+        import torch.distributed as dist
+        from glm_kernels import sync
+        from glm_kernels.sync import sender as sender_mod
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        link = sync.BroadcastTransport(src=0)
+        state = make_state()
+        if rank == 0:
+            sender = sync.Sender(link, delta=True, bucket_bytes=300)
+            sender.publish(state)
+            real, calls = sender_mod.encode, []
+
+            def dies(*a, **k):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("trainer died mid-update")
+                return real(*a, **k)
+            sender_mod.encode = dies
+            sparse_step(state, 2)
+            try:
+                sender.publish(state)
+            except RuntimeError:
+                pass
+            sender_mod.encode = real
+            sparse_step(state, 3)
+            report_q.put((0, "v3", sender.publish(state), sender.last_stats.full,
+                          plain_bytes(state)))
+            restarted = sync.Sender(link, delta=True, bucket_bytes=300)
+            state = make_state(seed=7)
+            report_q.put((0, "restart", restarted.publish(state), plain_bytes(state)))
+        else:
+            params = blank_like(state)
+            receiver = sync.Receiver(link, params)
+            for step in range(4):
+                error = None
+                try:
+                    receiver.poll()
+                except sync.SyncError as exc:
+                    error = str(exc)
+                report_q.put((1, step, receiver.version, plain_bytes(params), error))
+    except BaseException:
+        report_q.put(("crash", rank, traceback.format_exc()))
+        os._exit(1)
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        pass

@@ -40,3 +40,32 @@ def test_gloo_broadcast_twenty_steps_with_resync(tmp_path):
         assert error is None and held == version
         for k in sender_bytes:
             assert receiver_bytes[k] == sender_bytes[k], f"step {step}: {k} differs"
+
+
+def test_gloo_aborted_publish_and_restarted_sender_keep_lock_step(tmp_path):
+    """A publish that dies half-way is discarded whole by the receiver (one poll per publish
+    still matches: nothing blocks until the group timeout), and a restarted sender's full
+    snapshot v1 is accepted at once by a receiver holding v3."""
+    from tests.sync._helpers import gloo_faults
+    ctx = mp.get_context("spawn")
+    report_q = ctx.Queue()
+    procs = [ctx.Process(target=gloo_faults, args=(r, 2, str(tmp_path / "pg"), report_q),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        msgs = [report_q.get(timeout=120) for _ in range(6)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert not [m for m in msgs if m[0] == "crash"], msgs
+    sent = {m[1]: m[2:] for m in msgs if m[0] == 0}
+    got = {m[1]: m[2:] for m in msgs if m[0] == 1}
+    assert got[0][0] == 1 and got[0][2] is None
+    assert got[1][0] == 1 and "aborted by its sender" in got[1][2]
+    v3, was_full, v3_bytes = sent["v3"]
+    assert v3 == 3 and was_full and got[2][0] == 3 and got[2][1] == v3_bytes and got[2][2] is None
+    v1, restart_bytes = sent["restart"]
+    assert v1 == 1 and got[3][0] == 1 and got[3][1] == restart_bytes and got[3][2] is None
