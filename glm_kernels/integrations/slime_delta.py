@@ -58,7 +58,7 @@ from ..delta.packet import parse_payload
 logger = logging.getLogger(__name__)
 
 __all__ = ["install", "DeviceSnapshotDiff", "ByteChanges", "encode_sync", "device_budget",
-           "xor_payload", "overwrite_payload", "ENV_DEVICE_BYTES"]
+           "xor_payload", "overwrite_payload", "read_delta", "ENV_DEVICE_BYTES"]
 
 ENV_DEVICE_BYTES = "GLM_KERNELS_SLIME_DELTA_DEVICE_BYTES"
 _UPDATER_MODULE = "slime.backends.megatron_utils.update_weight.update_weight_from_disk_delta"
@@ -104,6 +104,40 @@ def overwrite_payload(changes: ByteChanges) -> np.ndarray:
         new = changes.new_full[positions]
     count = np.array([positions.size], dtype="<u4").view(np.uint8)
     return np.concatenate([count, positions.astype("<u4").view(np.uint8), new])
+
+
+def read_delta(blob, nbytes: int, encoding: str) -> np.ndarray:
+    """One tensor's slime delta file decompressed, with the output bounded *before* anything
+    is decompressed (zstd decompression bombs, issue 17): the frame must declare its content
+    size (every frame written here does) and that size must fit the tensor's ``nbytes``:
+    exactly ``nbytes`` for ``xor``, at most ``4 + 5 * nbytes`` for ``overwrite`` (u32 count,
+    u32 position and a byte per changed byte). For engine-side readers of these files;
+    slime's own ``/pull_weights`` reader is slime's code. Raises ValueError."""
+    import zstandard
+
+    if encoding not in ("xor", "overwrite"):
+        raise ValueError(f"encoding must be 'xor' or 'overwrite', got {encoding!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise TypeError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    data = memoryview(np.ascontiguousarray(blob)).cast("B") if isinstance(blob, np.ndarray) \
+        else memoryview(blob)
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"corrupt slime delta: {exc}") from None
+    bound = nbytes if encoding == "xor" else 4 + 5 * nbytes
+    if declared < 0 or declared > bound or (encoding == "xor" and declared != nbytes):
+        what = "no content size" if declared < 0 else f"{declared} bytes"
+        raise ValueError(f"slime {encoding} delta declares {what}; a tensor of {nbytes} bytes "
+                         f"allows {'exactly' if encoding == 'xor' else 'at most'} {bound} "
+                         f"(refused before decompressing)")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=bound)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"corrupt slime delta: {exc}") from None
+    if len(out) != declared:
+        raise ValueError(f"corrupt slime delta: {len(out)} bytes, the frame declares {declared}")
+    return np.frombuffer(out, np.uint8)
 
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:

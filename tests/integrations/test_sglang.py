@@ -117,3 +117,36 @@ def test_registered_views_route_unfused_names_into_a_fused_weight():
                                                           hf["v_proj.weight"]]))
     with pytest.raises(RuntimeError, match="before the first"):
         plug.register_delta_params(engine, {"x": qkv[:1]})
+
+
+def test_zstd_bomb_in_a_delta_update_refused_with_bounded_memory():
+    """A sealed delta for the 16-element ``norm`` whose zstd frame declares 32 MiB (issue 17):
+    refused before decompressing, weights unchanged, no allocation of the declared size."""
+    import struct
+    import tracemalloc
+
+    zstandard = pytest.importorskip("zstandard")
+    from glm_kernels.delta import DeltaPacket
+    from glm_kernels.sync.protocol import delta_entry, pack
+
+    engine, w = Engine(), trainer_weights(2)
+    sender = plug.SGLangDeltaSender()
+    engine_call(engine, sender.publish(w)[1])
+    zc = zstandard.ZstdCompressor(level=1)
+    streams = [b"", zc.compress(bytes(32 << 20))] + [zc.compress(bytes(16)) for _ in range(3)]
+    payload = struct.pack("<5Q", *map(len, streams)) + b"".join(streams)
+    bomb = DeltaPacket(torch.bfloat16, 16, "zstd", 16, 0, bytes(8), b"", payload)
+    frames = pack(2, 1, iter([delta_entry("norm", (16,), bomb)]), 1 << 20,
+                  epoch=sender._sender.epoch)
+    named = plug.frames_to_named_tensors(list(frames))
+    before = snapshot(engine)
+    tracemalloc.start()
+    try:
+        with pytest.raises(sync.SyncError, match="declares"):
+            engine_call(engine, named)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    assert all(torch.equal(p, before[n]) for n, p in engine.named_parameters())
+    assert plug.delta_version(engine) == 1

@@ -275,3 +275,42 @@ def test_percent_budget_is_a_share_of_device_memory():
     total = torch.cuda.mem_get_info(device)[1]
     assert slime_delta.device_budget("10%", device) == int(total * 0.1)
     assert slime_delta.device_budget("0%", device) == 0
+
+
+def test_written_frames_declare_their_size_and_read_delta_bounds_bombs(fake_slime, tmp_path,
+                                                                      monkeypatch):
+    """Issue 17: every file this module writes declares its content size (so a reader can
+    bound it before decompressing), and ``read_delta`` refuses a frame that declares more
+    than the tensor allows, or nothing, without allocating it."""
+    import tracemalloc
+
+    monkeypatch.setenv(slime_delta.ENV_DEVICE_BYTES, "0")
+    weights = model_weights(0)
+    for encoding in ("xor", "overwrite"):
+        ours = slime_delta.install()(weights, encoding, tmp_path / encoding)
+        new = optimizer_step(weights, 1)
+        ours.tensors, ours.weight_version = dict(new), 1
+        ours._encode_delta()
+        for name, blob in ours._delta.items():
+            nbytes = weights[name].numel() * weights[name].element_size()
+            raw = slime_delta.read_delta(blob, nbytes, encoding)
+            assert zstandard.frame_content_size(blob.tobytes()) == raw.size
+            base = weights[name].contiguous().view(torch.uint8).reshape(-1).numpy()
+            np.testing.assert_array_equal(
+                engine_apply(base, blob, encoding),
+                new[name].contiguous().view(torch.uint8).reshape(-1).numpy())
+    zc = zstandard.ZstdCompressor(level=1)
+    bomb = zc.compress(bytes(64 << 20))
+    obj = zc.compressobj()
+    undeclared = obj.compress(bytes(64 << 20)) + obj.flush()
+    tracemalloc.start()
+    try:
+        for blob, encoding in ((bomb, "xor"), (bomb, "overwrite"), (undeclared, "xor")):
+            with pytest.raises(ValueError, match="refused before decompressing"):
+                slime_delta.read_delta(blob, 1000, encoding)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    with pytest.raises(ValueError, match="encoding"):
+        slime_delta.read_delta(bomb, 1000, "lz4")
