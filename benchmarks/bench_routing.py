@@ -11,8 +11,8 @@ Tables:
             sigmoid + bias; every replayed result checked (ids bitwise, weights bitwise when
             the ids are the normal path's own).
 On GPU the kernels run compiled (do_bench medians); with --cpu the torch reference path is
-timed (labelled) and the Triton interpreter is only checked, never timed: interpreter
-numbers say nothing about GPU speed.
+timed (labelled) and the Triton interpreter is checked and timed on 64 tokens (labelled:
+the interpreter runs each program in Python, so its numbers say nothing about GPU speed).
 
     python benchmarks/bench_routing.py [--quick] [--cpu] [--json out.json]
 """
@@ -139,8 +139,12 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
               "fallbacks": _dispatch.fallbacks_logged(), "env": _common.environment()}
     if not on_gpu and _dispatch.interpreter_active() and _dispatch.triton_available():
         with glm_kernels.force_backend("interpret"):
-            check = bench_replay(64, "cpu", notes, timed=False)
-        print(f"\ninterpreter check (Triton kernel, 64 tokens; not timed): {check}")
+            check = bench_replay(64, "cpu", notes)
+        _common.print_table("moe_route in the Triton INTERPRETER (64 tokens; Python-simulated "
+                            "programs: a check, not a speed figure)", [check],
+                            ["tokens", "route_us", "replay_us", "replay_mismatch_us",
+                             "replay/route", "replay_mismatch/route", "own_ids_bitwise",
+                             "replay_ids_bitwise", "replay_weights_rel_err", "mismatch_rate"])
         result["interpreter_check"] = check
     for key, note in notes.items():
         print(f"note: {key}: {note}")

@@ -76,17 +76,18 @@ def _check_replay_values(replay2d: torch.Tensor, n_experts: int) -> None:
     ``torch.compile`` sees no data-dependent branch)."""
     if replay2d.numel() == 0:
         return
-    low, high = int(replay2d.min()), int(replay2d.max())
+    ordered = replay2d.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+    first_repeat = torch.where(repeated, torch.arange(len(repeated), device=repeated.device),
+                               len(repeated)).min()
+    low, high, token = torch.stack([ordered[:, 0].min().long(), ordered[:, -1].max().long(),
+                                    first_repeat.long()]).tolist()
     if low < 0 or high >= n_experts:
         raise ValueError(f"replay_ids must lie in [0, {n_experts}) (n_experts), got values in "
                          f"[{low}, {high}]")
-    if replay2d.shape[1] > 1:
-        ordered = replay2d.sort(dim=1).values
-        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
-        if bool(repeated.any()):
-            token = int(repeated.nonzero()[0, 0])
-            raise ValueError(f"replay_ids must list k distinct experts per token; token "
-                             f"{token} has {replay2d[token].tolist()}")
+    if token < len(repeated):
+        raise ValueError(f"replay_ids must list k distinct experts per token; token "
+                         f"{token} has {replay2d[token].tolist()}")
 
 
 def _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize, scaling_factor,
