@@ -16,6 +16,11 @@ than 2 dims are treated as [shape[0], prod(rest)].
 AdamW (decoupled weight decay, bias-corrected, as torch.optim.AdamW) for groups with
 ``use_muon=False``; their learning rate is the group's ``lr``, which defaults to
 ``adamw_lr`` (or ``lr`` when ``adamw_lr`` is None).
+
+Sharded parameters (FSDP2 ``fully_shard``, DTensor ``Shard(0)`` or ``Replicate()`` on a 1-D
+mesh): state stays sharded like the parameter, AdamW runs on the local shards, and Muon groups
+go through ``sharded.sharded_muon_step`` -- whole heads inside a shard are orthogonalized
+locally, everything else once by an owner rank -- with results bitwise equal to one process.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import torch
 from .. import _dispatch
 from .coefficients import resolve_coefficients
 from .ns import METHODS, NSConfig, head_block_views, orthogonalize
+from .sharded import is_dtensor, local, shard_like, sharded_muon_step
 from .split import HeadSplit, PRESETS, head_splits_from_config
 
 _MLA_NAMES = ("q_b_proj", "kv_b_proj", "linear_q_up_proj", "linear_kv_up_proj")
@@ -68,6 +74,13 @@ class MuonSplit(torch.optim.Optimizer):
     adamw_betas, adamw_eps, adamw_lr
         AdamW's (0.9, 0.95), 1e-8 and learning rate (default: ``lr``).
 
+    Sharded training: parameters may be DTensors (FSDP2 ``fully_shard``, ``Shard(0)`` or
+    ``Replicate()`` on a 1-D mesh); build the groups with ``muon_param_groups`` after
+    ``fully_shard``. Every rank must call ``step()`` (Muon groups exchange rows with
+    ``all_to_all_single`` when a matrix or head spans shards). ``comm_stats`` holds the bytes
+    this rank sent and received and the collectives of the last step. See docs/muon.md,
+    "Sharded training".
+
     Example
     -------
     >>> import torch
@@ -102,6 +115,7 @@ class MuonSplit(torch.optim.Optimizer):
                         betas=betas, eps=check("adamw_eps", adamw_eps, positive=True),
                         head_split=None, ns_coefficients="jordan", ns_method="standard")
         super().__init__(params, defaults)
+        self.comm_stats = {"bytes_sent": 0, "bytes_received": 0, "collectives": 0}
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict) -> None:
@@ -141,10 +155,20 @@ class MuonSplit(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict) -> None:
+        """Also loads an unsharded checkpoint into sharded parameters: a plain state tensor
+        with the full shape of a DTensor parameter is cut to this rank's rows (no
+        communication). The other way: ``sharded.full_state_dict(opt.state_dict())``."""
         super().load_state_dict(state_dict)
         for i, group in enumerate(self.param_groups):
             group["head_split"] = _as_head_split(group.get("head_split"),
                                                  f"param group {i} head_split")
+            for p in group["params"]:
+                if not is_dtensor(p):
+                    continue
+                for key, value in self.state.get(p, {}).items():
+                    if torch.is_tensor(value) and not is_dtensor(value) and value.dim() \
+                            and tuple(value.shape) == tuple(p.shape):
+                        self.state[p][key] = shard_like(value, p)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -153,6 +177,7 @@ class MuonSplit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.comm_stats = {"bytes_sent": 0, "bytes_received": 0, "collectives": 0}
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)
@@ -163,6 +188,9 @@ class MuonSplit(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
+            return
+        if any(is_dtensor(p) for p in params):
+            sharded_muon_step(group, params, self.state, self.comm_stats)
             return
         lr, momentum, split = group["lr"], group["momentum"], group["head_split"]
         schedule = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
@@ -223,9 +251,11 @@ class MuonSplit(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(p.grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            # DTensors: the same elementwise math on the local shards (no DTensor dispatch)
+            exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+            grad, p = local(p.grad), local(p)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             bias1 = 1 - beta1 ** state["step"]
             bias2 = 1 - beta2 ** state["step"]
             p.mul_(decay)

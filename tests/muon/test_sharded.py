@@ -1,0 +1,341 @@
+"""MuonSplit on FSDP2 (DTensor Shard(0)) parameters, gloo on CPU, world sizes 2, 3, 4.
+
+One spawn per world size runs everything on one model (aligned heads, straddling heads, lone
+heads, plain and 3-D matrices, uneven and empty shards, AdamW parameters): five steps against
+one-process MuonSplit fed the same full gradients (bitwise), the state round trip (sharded ->
+sharded, full -> sharded, sharded -> full), and the bytes moved by the step, counted by
+wrapping torch.distributed's collectives and by DTensor's CommDebugMode.
+"""
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import glm_kernels
+from glm_kernels.muon import HeadSplit, sharded
+from glm_kernels.muon.ns import NSConfig, head_block_views, orthogonalize
+from glm_kernels.muon.coefficients import resolve_coefficients
+from glm_kernels.optim import MuonSplit, muon_param_groups
+from tests._gloo import run_ranks
+
+API = sharded.dtensor_api()
+needs_fsdp2 = pytest.mark.skipif(
+    API.fully_shard is None or not dist.is_available() or not dist.is_gloo_available(),
+    reason="needs torch.distributed with gloo and FSDP2 fully_shard (torch >= 2.4)")
+STEPS, SAVE_AFTER = 5, 3
+
+
+class Attention(nn.Module):
+    def __init__(self, heads_q, heads_kv, q_rank=12, kv_rank=8, hidden=13):
+        super().__init__()
+        self.q_b_proj = nn.Linear(q_rank, heads_q * (6 + 2), bias=False)
+        self.kv_b_proj = nn.Linear(kv_rank, heads_kv * (6 + 4), bias=False)
+        self.o_proj = nn.Linear(heads_kv * 4, hidden, bias=True)
+
+
+class Model(nn.Module):
+    """layer 0: q_b 2W heads (aligned, 2 per rank), kv_b W+1 heads (straddling, uneven);
+    layer 1: q_b W heads (aligned, one lone head per rank), kv_b 3 heads; plain matrices
+    [13, 4(W+1)], [24, 13], [2, 5] (empty ranks for W > 2), a 3-D [2W+1, 3, 4]; AdamW:
+    embedding, norm, biases."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.embed = nn.Embedding(11, 13)
+        self.layers = nn.ModuleList([Attention(2 * world, world + 1), Attention(world, 3)])
+        self.norm = nn.LayerNorm(13)
+        self.mlp = nn.Linear(13, 24)
+        self.tiny = nn.Linear(5, 2, bias=False)
+        self.conv = nn.Parameter(torch.randn(2 * world + 1, 3, 4))
+
+    @staticmethod
+    def head_splits(world):
+        return {"layers.0.q_b_proj.weight": HeadSplit(2 * world, [6, 2]),
+                "layers.0.kv_b_proj.weight": HeadSplit(world + 1, [6, 4]),
+                "layers.1.q_b_proj.weight": HeadSplit(world, [6, 2]),
+                "layers.1.kv_b_proj.weight": HeadSplit(3, [6, 4])}
+
+
+class BigModel(nn.Module):
+    """Blocks big enough that a batch-of-one gemm runs on 2 threads (64 x 1024 is): q_b of
+    3 heads [64, 16] x 1024 over 2 ranks (a lone local head on each rank, head 1 straddles)
+    and a plain 128 x 1024 matrix."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.q_b_proj = nn.Linear(1024, 3 * 80, bias=False)
+        self.o_proj = nn.Linear(1024, 128, bias=False)
+
+    @staticmethod
+    def head_splits(world):
+        return {"q_b_proj": HeadSplit(3, [64, 16])}
+
+
+def _make(world, mesh=None, cls=Model):
+    torch.manual_seed(0)
+    model = cls(world)
+    if mesh is not None:
+        API.fully_shard(model, mesh=mesh)
+    opt = MuonSplit(muon_param_groups(model, cls.head_splits(world)), lr=0.02, adamw_lr=3e-3)
+    return model, opt
+
+
+def _grads(model, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {name: torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
+
+
+def _step(model, opt, step, mesh=None):
+    grads = _grads(model, step)
+    for name, p in model.named_parameters():
+        g = grads[name]
+        p.grad = g if mesh is None else API.DTensor.from_local(
+            g[slice(*sharded.chunk_ranges(g.shape[0], mesh.size())[mesh.get_local_rank()])],
+            mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    opt.step()
+
+
+def _rows(p):
+    """The rows of the full parameter that this rank's shard of ``p`` holds (all if plain)."""
+    if not sharded.is_dtensor(p):
+        return slice(None)
+    mesh = p.device_mesh
+    return slice(*sharded.chunk_ranges(p.shape[0], mesh.size())[mesh.get_local_rank()])
+
+
+def _mismatches(model, reference):
+    """Names of parameters of ``model`` whose local rows are not bitwise equal to the same
+    rows of ``reference``'s (one-process) parameters; no communication."""
+    ref = dict(reference.named_parameters())
+    return [name for name, p in model.named_parameters()
+            if not torch.equal(sharded.local(p).detach(), ref[name].detach()[_rows(p)])]
+
+
+class _ByteCounter:
+    """Wraps torch.distributed's collectives: counts calls and bytes of the tensors passed in
+    (what the optimizer hands to the transport, whoever calls it)."""
+    NAMES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
+             "all_reduce", "broadcast", "reduce_scatter_tensor", "scatter", "gather", "send",
+             "recv", "isend", "irecv")
+
+    def __init__(self):
+        self.calls, self.bytes = 0, 0
+
+    def __enter__(self):
+        self.saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def _wrap(self, name, fn):
+        def wrapped(*args, **kwargs):
+            self.calls += 1
+            tensors = [a for a in args if torch.is_tensor(a)]
+            source = tensors[1] if name == "all_to_all_single" else tensors[0]
+            self.bytes += source.numel() * source.element_size()
+            return fn(*args, **kwargs)
+        return wrapped
+
+
+def _movable_bounds(model, world):
+    """[lower, upper] bytes the in-direction must move in total: each plain matrix or
+    straddling head moves all but its owner's rows; the owner is unknown here."""
+    splits = Model.head_splits(world)
+    lower = upper = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name == "embed.weight":
+            continue
+        cols = math.prod(p.shape[1:]) * 4
+        ranges = sharded.chunk_ranges(p.shape[0], world)
+        split = splits.get(name)
+        unit = split.rows_per_head if split else p.shape[0]
+        for start in range(0, p.shape[0], unit):
+            held = [min(start + unit, b) - max(start, a) for a, b in ranges]
+            held = [h for h in held if h > 0]
+            if len(held) > 1:
+                lower += (unit - max(held)) * cols
+                upper += (unit - (min(held) if split else 0)) * cols
+    return lower, upper
+
+
+def _body(rank, world, out_dir):
+    from torch.distributed.tensor.debug import CommDebugMode
+    mesh = API.init_device_mesh("cpu", (world,))
+    verdicts = {}
+    with glm_kernels.force_backend("torch"):
+        ref, ref_opt = _make(world)
+        model, opt = _make(world, mesh)
+        sent, received = [], []
+        for step in range(1, SAVE_AFTER + 1):
+            _step(ref, ref_opt, step)
+            with _ByteCounter() as counter, CommDebugMode() as comm:
+                _step(model, opt, step, mesh)
+            verdicts[f"step{step}_counter"] = [counter.calls, counter.bytes]
+            verdicts[f"step{step}_debug_mode"] = comm.get_total_counts()
+            verdicts[f"step{step}_stats"] = dict(opt.comm_stats)
+            sent.append(opt.comm_stats["bytes_sent"])
+            received.append(opt.comm_stats["bytes_received"])
+        verdicts["mismatch_after_3"] = _mismatches(model, ref)
+        verdicts["sent"], verdicts["received"] = sent, received
+        verdicts["bounds"] = _movable_bounds(model, world)
+
+        # state round trips: sharded -> sharded (torch.save), full -> sharded, sharded -> full
+        path = os.path.join(out_dir, f"opt{rank}.pt")
+        torch.save(opt.state_dict(), path)
+        from_sharded, from_sharded_opt = _make(world, mesh)
+        from_full, from_full_opt = _make(world, mesh)
+        to_full, to_full_opt = _make(world)
+        with torch.no_grad():
+            for copy in (from_sharded, from_full, to_full):
+                for p, source in zip(copy.parameters(), model.parameters()):
+                    if sharded.is_dtensor(p):
+                        p.to_local().copy_(source.to_local())
+                for p, source in zip(to_full.parameters(), ref.parameters()):
+                    p.copy_(source)
+        from_sharded_opt.load_state_dict(torch.load(path, weights_only=False))
+        from_full_opt.load_state_dict(ref_opt.state_dict())
+        to_full_opt.load_state_dict(sharded.full_state_dict(opt.state_dict()))
+        momentum = next(iter(from_full_opt.state.values()))["momentum_buffer"]
+        verdicts["full_to_sharded_is_dtensor"] = sharded.is_dtensor(momentum)
+        for step in range(SAVE_AFTER + 1, STEPS + 1):
+            _step(ref, ref_opt, step)
+            _step(to_full, to_full_opt, step)
+            for m, o in ((model, opt), (from_sharded, from_sharded_opt),
+                         (from_full, from_full_opt)):
+                _step(m, o, step, mesh)
+        for label, m in (("mismatch", model), ("mismatch_from_sharded", from_sharded),
+                         ("mismatch_from_full", from_full), ("mismatch_to_full", to_full)):
+            verdicts[label] = _mismatches(m, ref)
+        verdicts["max_abs_diff"] = max(
+            float((sharded.local(p).detach() - q.detach()[_rows(p)]).abs().sum(0).max())
+            if sharded.local(p).numel() else 0.0
+            for p, q in zip(model.parameters(), ref.parameters()))
+
+        # an aligned head-split matrix alone (64 heads over 8 ranks in GLM-5): nothing moves
+        aligned = model.layers[0].q_b_proj.weight
+        aligned_opt = MuonSplit([{"params": [aligned],
+                                  "head_split": HeadSplit(2 * world, [6, 2])}], lr=0.02)
+        aligned.grad = _step_grad(aligned, mesh)
+        with _ByteCounter() as counter, CommDebugMode() as comm:
+            aligned_opt.step()
+        verdicts["aligned"] = [counter.calls, counter.bytes, comm.get_total_counts(),
+                               aligned_opt.comm_stats["collectives"]]
+
+        # bad input: a placement other than Shard(0) / Replicate is refused, named
+        bad = nn.Parameter(API.distribute_tensor(torch.randn(4, 6), mesh, [API.Shard(1)]))
+        bad.grad = torch.zeros_like(bad)
+        try:
+            MuonSplit([bad], lr=0.02).step()
+            verdicts["bad_placement"] = "no error"
+        except ValueError as exc:
+            verdicts["bad_placement"] = str(exc)
+    return verdicts
+
+
+def _step_grad(p, mesh):
+    g = torch.randn(p.shape, generator=torch.Generator().manual_seed(7))
+    return API.DTensor.from_local(
+        g[slice(*sharded.chunk_ranges(g.shape[0], mesh.size())[mesh.get_local_rank()])],
+        mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _big_body(rank, world, out_dir):
+    torch.set_num_threads(2)              # a batch-of-one gemm is threaded: the hazard
+    mesh = API.init_device_mesh("cpu", (world,))
+    with glm_kernels.force_backend("torch"):
+        ref, ref_opt = _make(world, cls=BigModel)
+        model, opt = _make(world, mesh, cls=BigModel)
+        for step in range(1, 3):
+            _step(ref, ref_opt, step)
+            _step(model, opt, step, mesh)
+        return {"mismatch": _mismatches(model, ref), "collectives": opt.comm_stats["collectives"]}
+
+
+def _check(per_rank, world):
+    for rank, v in enumerate(per_rank):
+        where = f"world {world} rank {rank}"
+        for key in ("mismatch_after_3", "mismatch", "mismatch_from_sharded",
+                    "mismatch_from_full", "mismatch_to_full"):
+            assert v[key] == [], f"{where}: {key} {v[key]} (max abs diff {v['max_abs_diff']})"
+        assert v["full_to_sharded_is_dtensor"], where
+        assert "Shard(0)" in v["bad_placement"] and "Shard(dim=1)" in v["bad_placement"], \
+            v["bad_placement"]
+        # aligned head-split matrix: no collective, no byte, no DTensor redistribution
+        assert v["aligned"] == [0, 0, 0, 0], f"{where}: aligned head split moved {v['aligned']}"
+        for step in range(1, SAVE_AFTER + 1):
+            calls, nbytes = v[f"step{step}_counter"]
+            stats = v[f"step{step}_stats"]
+            # every collective of the step is one of ours: nothing implicit, nothing hidden
+            assert calls == stats["collectives"] == v[f"step{step}_debug_mode"], (where, step)
+            assert nbytes >= stats["bytes_sent"], (where, step)
+    lower, upper = per_rank[0]["bounds"]
+    for step in range(SAVE_AFTER):
+        sent = sum(v["sent"][step] for v in per_rank)
+        received = sum(v["received"][step] for v in per_rank)
+        assert sent == received, (world, step, sent, received)
+        # once in, once out (fp32 both ways on the torch path)
+        assert 2 * lower <= sent <= 2 * upper, (world, step, lower, upper, sent)
+        assert lower > 0
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fsdp2_bitwise_state_and_bytes(tmp_path, world):
+    _check(run_ranks(_body, world, tmp_path, f"sharded MuonSplit world {world}"), world)
+
+
+@needs_fsdp2
+def test_fsdp2_bitwise_with_threaded_gemms(tmp_path):
+    """Blocks big enough that torch's CPU gemm of a batch of one uses 2 threads: a lone head
+    must not be computed as a batch of one where one process batches it with others."""
+    for rank, v in enumerate(run_ranks(_big_body, 2, tmp_path, "sharded MuonSplit big blocks")):
+        assert v["mismatch"] == [] and v["collectives"] == 4, (rank, v)
+
+
+# --------------------------------------------------------------------------- no processes
+def test_plan_balances_and_keeps_aligned_heads_local():
+    """64 heads over 8 ranks: every head local. 4 plain matrices over 3 ranks: each owned once,
+    FLOPs balanced; 5 heads over 2 ranks: only the straddling head moves, to a holder."""
+    ranges8 = sharded.chunk_ranges(64 * 256, 8)
+    split = HeadSplit(64, [192, 64])
+    for rank in range(8):
+        plan = sharded.plan_group(((64 * 256, 2048, ranges8),), split, 5, rank, 8)
+        assert plan.items == () and plan.local == ((8 * rank, 8 * rank + 8),)
+        assert not plan.moves and len(set(plan.loads)) == 1
+    mats = tuple((r, 64, sharded.chunk_ranges(r, 3)) for r in (64, 64, 32, 32))
+    plan = sharded.plan_group(mats, None, 5, 0, 3)
+    assert sorted(item.index for item in plan.items) == [0, 1, 2, 3]
+    assert sorted(plan.loads)[0] > 0                             # nobody idle
+    plan = sharded.plan_group(((50, 7, sharded.chunk_ranges(50, 2)),), HeadSplit(5, [6, 4]),
+                              5, 0, 2)
+    (item,) = plan.items
+    assert (item.start, item.stop) == (20, 30) and item.owner in (0, 1)
+    assert plan.local == ((0, 2),)                  # heads 0, 1 on rank 0; head 2 straddles
+    assert len(item.pieces) == 1 and item.pieces[0][0] != item.owner
+
+
+def test_lone_head_batch_is_bitwise_the_full_batch():
+    """The property the sharded path relies on, at this process's thread count: a head
+    computed in a batch of >= 2 (another head, or a copy of itself) equals the same head in
+    the one-process batch of all heads. Large blocks, so multi-threaded gemms would show."""
+    gen = torch.Generator().manual_seed(5)
+    heads, rows, cols = 3, (192, 64), 2048
+    U = torch.randn(heads * sum(rows), cols, generator=gen)
+    schedule = resolve_coefficients("jordan", 5)
+
+    def ns(sources):
+        return orthogonalize(sources, schedule, method="standard", eps=1e-7,
+                             config=NSConfig(), backend="torch")
+    full = ns(head_block_views(U, heads, rows))
+    one = U[sum(rows):2 * sum(rows)]
+    for part, view in enumerate(head_block_views(one, 1, rows)):
+        doubled = ns([torch.cat([view, view])])[0]
+        assert torch.equal(doubled[0], full[part][1]), part
+        assert torch.equal(doubled[1], full[part][1]), part
