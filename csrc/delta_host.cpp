@@ -197,6 +197,10 @@ void py_apply(py::array target, bool gap16, bool diff, bool planar, const py::ar
     throw std::invalid_argument("checksums must be 8 bytes (base: 8 or empty)");
   py::buffer_info t = target.request(write);
   const int64_t size = t.itemsize, numel = static_cast<int64_t>(t.size);
+  // Before any size arithmetic: 0 <= count <= numel keeps 8 * count far from overflow.
+  if (count < 0 || count > numel)
+    throw std::invalid_argument("corrupt delta packet: " + std::to_string(count) +
+                                " changes for " + std::to_string(numel) + " elements");
   const py::buffer_info pi = contiguous(positions, "positions");
   const py::buffer_info ei = contiguous(escapes, "escapes");
   const py::buffer_info vi = contiguous(values, "values");
@@ -204,8 +208,6 @@ void py_apply(py::array target, bool gap16, bool diff, bool planar, const py::ar
   const int64_t n_esc = static_cast<int64_t>(ei.size * ei.itemsize) / 8;
   const unsigned char* e = bytes_of(ei, 8 * n_esc, "escapes");
   const unsigned char* v = bytes_of(vi, size * count, "values");
-  if (count > numel)
-    throw std::invalid_argument("corrupt delta packet: more changes than elements");
   by_size(size, [&](auto tag) {
     using U = decltype(tag);
     py::gil_scoped_release nogil;

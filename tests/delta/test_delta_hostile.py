@@ -244,3 +244,17 @@ def test_fuzz_mutants_never_accepted_wrong_never_half_applied(path, encoding):
         accepted += 1
         assert torch.equal(target.view(torch.int16), new_d.view(torch.int16))
     assert accepted < n_mutants          # the harness does produce refusals
+
+
+@pytest.mark.parametrize("count", [-1, -(1 << 62), 1 << 62])
+def test_cpp_apply_refuses_bad_counts_before_size_arithmetic(count):
+    """The extension's own guard (a caller below ``apply_``): 0 <= count <= numel is checked
+    before ``4 * count`` is formed, so no overflowed size can match an empty buffer."""
+    ext = _host_codec._ext
+    if ext is None:
+        pytest.skip("C++ host extension not built")
+    target = np.zeros(8, np.uint32)
+    with pytest.raises(ValueError, match="changes for 8 elements"):
+        ext.apply(target, False, False, False, np.zeros(0, np.int32), np.zeros(0, np.uint64),
+                  np.zeros(0, np.uint32), count, bytes(8), b"", 1, True)
+    assert not target.any()
