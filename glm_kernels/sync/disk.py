@@ -134,13 +134,15 @@ def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Dic
 _ST_REV = {v: DTYPES[k] for k, v in _ST_DTYPE.items()}
 
 
-def _read_exact(fd: int, n: int, at: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _read_exact(fd: int, n: int, at: int) -> torch.Tensor:
+    """``n`` bytes of ``fd`` from offset ``at`` into a fresh uint8 tensor (no zero fill)."""
+    buf = torch.empty(n, dtype=torch.uint8)
+    view, got = memoryview(buf.numpy()), 0
     while got < n:
-        chunk = os.preadv(fd, [view[got:]], at + got) if hasattr(os, "preadv") else None
-        if chunk is None:
-            data = os.pread(fd, n - got, at + got)
+        if hasattr(os, "preadv"):
+            chunk = os.preadv(fd, [view[got:got + _COPY_CHUNK]], at + got)
+        else:
+            data = os.pread(fd, min(n - got, _COPY_CHUNK), at + got)
             view[got:got + len(data)] = data
             chunk = len(data)
         if chunk == 0:
@@ -154,10 +156,10 @@ def _read_entries(fd: int, size: int):
     of a safetensors file, every offset checked against the file size."""
     if size < 8:
         raise SyncError(f"{size} bytes: not a safetensors file")
-    n = int.from_bytes(_read_exact(fd, 8, 0), "little")
+    n = int.from_bytes(_read_exact(fd, 8, 0).numpy().tobytes(), "little")
     if n > min(size - 8, _MAX_HEADER_BYTES):
         raise SyncError(f"header of {n} bytes in a file of {size}")
-    header = json.loads(bytes(_read_exact(fd, n, 8)))
+    header = json.loads(_read_exact(fd, n, 8).numpy().tobytes())
     if not isinstance(header, dict):
         raise SyncError("header is not a JSON object")
     meta = json.loads((header.pop("__metadata__", None) or {})["glm_sync"])
@@ -173,9 +175,8 @@ def _read_entries(fd: int, size: int):
                 and end - begin == numel * torch.empty(0, dtype=dtype).element_size()):
             raise SyncError(f"tensor {tname!r}: data_offsets {info['data_offsets']} do not fit "
                             f"{info['dtype']} {list(shape)} in {data_size} data bytes")
-        raw = _read_exact(fd, end - begin, 8 + n + begin)
-        t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        tensors[tname] = (t, info["dtype"], list(shape))
+        tensors[tname] = (_read_exact(fd, end - begin, 8 + n + begin), info["dtype"],
+                          list(shape))
     return meta, tensors
 
 
@@ -284,7 +285,7 @@ class DiskTransport(Transport):
             if size > _MAX_MANIFEST_BYTES:
                 raise TransportError(f"manifest {where} has {size} bytes (more than "
                                      f"{_MAX_MANIFEST_BYTES}): refused")
-            manifest = json.loads(bytes(_read_exact(fd, size, 0)))
+            manifest = json.loads(_read_exact(fd, size, 0).numpy().tobytes())
         except (OSError, ValueError) as exc:
             raise TransportError(f"unreadable manifest {where}: {exc}") from None
         finally:
