@@ -475,3 +475,18 @@ def test_receive_timeout_named():
     receiver = sync.Receiver(sync.LocalTransport(), {"w": torch.zeros(2)})
     with pytest.raises(ValueError, match="timeout"):
         receiver.receive(timeout=-1)
+
+
+def test_missing_zstandard_named_at_construction(monkeypatch):
+    """zstandard is optional: the default Sender (zstd deltas) says what to install when it
+    is built, not at its first delta; other encodings and full-only senders need nothing."""
+    import sys
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(ImportError, match="pip install zstandard"):
+        sync.Sender(sync.LocalTransport())
+    link = sync.LocalTransport()
+    sender = sync.Sender(link, encoding="gap16")
+    receiver = sync.Receiver(link, {"w": torch.zeros(4)})
+    sender.publish({"w": torch.ones(4)})
+    sender.publish({"w": torch.arange(4.0)})
+    assert receiver.poll() == 2 and sync.Sender(link, delta=False).delta is False
