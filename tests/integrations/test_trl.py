@@ -335,3 +335,20 @@ def test_without_engine_logprobs_is_an_error(tmp_path):
                                    train_dataset=ds, processing_class=make_tokenizer())
     with pytest.raises(ValueError, match="generate_with_logprobs"):
         trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
+
+
+def test_docs_first_example_runs(tmp_path, monkeypatch):
+    """docs/trl.md's CPU example runs as written (in a scratch directory) and prints what it
+    says."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "docs", "trl.md")).read()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(block, "docs/trl.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.icepop_calls == 3 and trainer.state.global_step == 3
+    assert sorted(k for k in trainer.state.log_history[0] if k.startswith("icepop/")) == [
+        "icepop/clip_frac", "icepop/pop_frac", "icepop/ratio_max", "icepop/ratio_mean",
+        "icepop/ratio_min"]

@@ -246,3 +246,17 @@ def test_bad_inputs_name_the_argument():
         plug.icepop_policy_loss(old, lp, adv, mask, "token-mean", actor_config(dual=0.5))
     with pytest.raises(TypeError, match="rollout_is_weights"):
         plug.icepop_policy_loss(old, lp, adv, mask, "token-mean", cfg, [1.0])
+
+
+def test_docs_example_runs():
+    """docs/verl.md's python block runs as written and prints what it says."""
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "docs", "verl.md")).read()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    namespace = {}
+    exec(compile(block, "docs/verl.md", "exec"), namespace)
+    assert round(namespace["metrics"]["actor/pop_frac"], 4) == 0.3333
+    grad = namespace["log_prob"].grad[0]
+    assert grad[1] == 0 and grad[3] == 0 and grad[0] != 0 and grad[2] != 0
