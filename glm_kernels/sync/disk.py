@@ -409,7 +409,7 @@ class DiskTransport(Transport):
         # A second publisher (where flock does not reach, e.g. NFS) moved the manifest on
         # while we wrote: refuse rather than interleave two histories.
         now = self._manifest_or_none()
-        if now is not None and now["latest"] != started_from and manifest["versions"]:
+        if now is not None and now["latest"] != started_from:
             raise SyncError(f"another publisher wrote v{now['latest']} to {self.path} while "
                             f"v{version} was being written: one publisher per directory")
         self._publish_manifest(manifest, {"v": version, "base": base, "e": epoch,
