@@ -41,13 +41,15 @@ _ALLOWED = {("torch", "Tensor"), ("torch", "Size"), ("torch", "uint8"),
             ("torch.cuda", "UntypedStorage"), ("torch.cuda", "ByteStorage"),
             ("multiprocessing.resource_sharer", "DupFd")}
 _REBUILD = "torch.multiprocessing.reductions"
+_REBUILD_FNS = {"rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage",
+                "rebuild_typed_storage_child", "rebuild_storage_fd", "rebuild_storage_filename",
+                "rebuild_storage_empty"}
 _MAX_REQUEST_BYTES = 64
 
 
 class _FrameUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if (module, name) in _ALLOWED or (module == _REBUILD and name.startswith("rebuild_")
-                                          and name not in ("rebuild_event",)):
+        if (module, name) in _ALLOWED or (module == _REBUILD and name in _REBUILD_FNS):
             return super().find_class(module, name)
         raise SyncError(f"IPC frame refused: its pickle names {module}.{name}, which is not "
                         f"part of a frame (only torch tensor sharing is unpickled)")
@@ -68,10 +70,11 @@ def _loads_frame(raw: bytes) -> Frame:
                         f"sender exited: the sending process must stay alive until receivers "
                         f"have taken its frames") from None
     if not (isinstance(obj, tuple) and len(obj) == 3 and isinstance(obj[0], bytes)
-            and isinstance(obj[1], torch.Tensor) and obj[1].dtype == torch.uint8
-            and obj[1].dim() == 1 and isinstance(obj[2], bool)):
-        raise SyncError(f"IPC frame refused: expected (bytes, 1-D uint8 tensor, bool), got "
-                        f"{type(obj).__name__}")
+            and type(obj[1]) is torch.Tensor and obj[1].layout == torch.strided
+            and obj[1].dtype == torch.uint8 and obj[1].dim() == 1
+            and obj[1].is_contiguous() and isinstance(obj[2], bool)):
+        raise SyncError(f"IPC frame refused: expected (bytes, 1-D contiguous uint8 tensor, "
+                        f"bool), got {type(obj).__name__}")
     return Frame(*obj)
 
 

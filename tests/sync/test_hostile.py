@@ -490,3 +490,32 @@ def test_missing_zstandard_named_at_construction(monkeypatch):
     sender.publish({"w": torch.ones(4)})
     sender.publish({"w": torch.arange(4.0)})
     assert receiver.poll() == 2 and sync.Sender(link, delta=False).delta is False
+
+
+def test_ipc_frame_tensor_kinds_refused():
+    """Only a dense 1-D contiguous uint8 tensor is a frame's data (a sparse or strided one
+    would reach assemble's slicing)."""
+    link = _ipc()
+    receiver = sync.Receiver(link, {"w": torch.zeros(4)})
+    link._frames.put((b"m", torch.zeros(4, dtype=torch.uint8)[::2], True))
+    link._frames.put((b"m", torch.zeros(2, 2, dtype=torch.uint8), True))
+    for _ in range(2):
+        with pytest.raises(sync.SyncError, match="IPC frame refused"):
+            receiver.receive(timeout=5)
+    assert receiver.version == 0
+
+
+def test_ipc_restarted_sender_followed_at_once():
+    link = _ipc()
+    state = make_state()
+    params = blank_like(state)
+    receiver = sync.Receiver(link, params)
+    old = sync.Sender(link, bucket_bytes=1500)
+    for step in range(3):
+        sparse_step(state, step + 1)
+        old.publish(state)
+        assert receiver.receive(timeout=5) == step + 1
+    fresh_state = make_state(seed=8)
+    assert sync.Sender(link, bucket_bytes=1500).publish(fresh_state) == 1
+    assert receiver.receive(timeout=5) == 1
+    assert plain_bytes(params) == plain_bytes(fresh_state)
