@@ -24,12 +24,14 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (dist.nn below; not imported with torch.distributed before torch 2.5)
 
 import glm_kernels
 from glm_kernels.integrations import slime as plug
 from tests._compare import assert_close
 from tests.integrations.test_slime import make_sum_of_sample_mean, slime_args, slime_batch
 from tests._gloo import run_ranks
+from tests.conftest import skip_without_kernels
 
 BACKENDS = ("torch",) if torch.cuda.is_available() else ("torch", "interpret")
 TOL = 1e-5
@@ -391,5 +393,7 @@ def process_verdicts(tmp_path_factory):
 
 @pytest.mark.parametrize("case", PROCESS_CASES)
 def test_tp_and_allgather_cp_match_single_rank(process_verdicts, case):
+    if case.endswith("[interpret]"):
+        skip_without_kernels()      # the ranks recorded why they could not run it
     failures = {rank: v[case] for rank, v in enumerate(process_verdicts) if v[case] != "ok"}
     assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())
