@@ -5,6 +5,7 @@ the trainer), records every sampled token's log-prob in fp32 at sampling time (t
 never recomputes them: coupled IcePop, the asynchronous TITO case) and puts one ``Sample``
 dict per trajectory on the sample queue.
 """
+import multiprocessing
 import queue
 import signal
 from typing import Dict, List
@@ -94,10 +95,14 @@ def rollout_worker(cfg, stage_seed: int, mix: Dict[str, float], group_size: int,
 
     ``weight_rx`` is the receiving end of the weight-sync channel (see ``weight_sync.py``);
     every group of ``group_size`` samples shares one ``prompt_id`` (the Data Buffer key);
-    ``generated`` (a shared counter) counts the samples put on ``sample_q``.
+    ``generated`` (a shared counter) counts the samples put on ``sample_q`` (each is counted
+    before its put: one cut off by a crash shows up as dropped, never as negative).
+    The process stops at ``stop_ev``, and by itself within about a second when the trainer
+    is gone (even killed with SIGKILL, which leaves it no chance to stop this process).
     """
     # The trainer owns this process's lifetime (stop_ev): a terminal Ctrl-C goes to it alone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop_ev = _StopOrOrphaned(stop_ev, sample_q)
     setup_logging()
     torch.set_num_threads(1)
     torch.manual_seed(stage_seed)
@@ -124,11 +129,28 @@ def rollout_worker(cfg, stage_seed: int, mix: Dict[str, float], group_size: int,
             key = f"{id_prefix}/{prompt_id + pid}"
             for j, s in enumerate(groups[pid]):
                 s.update(prompt_id=key, sample_id=f"{key}.{j}", version=version)
-                if not _put(sample_q, s, stop_ev):
-                    return
                 with generated.get_lock():
                     generated.value += 1
+                if not _put(sample_q, s, stop_ev):
+                    with generated.get_lock():
+                        generated.value -= 1
+                    return
         prompt_id += len(prompts)
+
+
+class _StopOrOrphaned:
+    """``stop_ev.is_set()`` that is also true once the parent (trainer) process has exited;
+    then nobody will read ``sample_q`` again, so the process exits without flushing it."""
+
+    def __init__(self, stop_ev, sample_q):
+        self._stop, self._q = stop_ev, sample_q
+        self._parent = multiprocessing.parent_process()
+
+    def is_set(self) -> bool:
+        if self._parent is not None and not self._parent.is_alive():
+            self._q.cancel_join_thread()
+            return True
+        return self._stop.is_set()
 
 
 def _put(q, item, stop_ev) -> bool:

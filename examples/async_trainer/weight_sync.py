@@ -14,13 +14,18 @@ from .log import logger
 
 
 class WeightSender:
-    """Training side: one per rollout process (created before the process starts)."""
+    """Training side: one per rollout process (created before the process starts).
 
-    def __init__(self, ctx, dtype: torch.dtype):
+    ``version``: the last version published to an earlier rollout process of the same stage
+    (a restart); numbering goes on from it, and the new channel's first publish is a full
+    snapshot that the new receiver (holding nothing) accepts.
+    """
+
+    def __init__(self, ctx, dtype: torch.dtype, version: int = 0):
         self.link = sync.IpcTransport(ctx)
-        self._sender = sync.Sender(self.link, delta=True, encoding="zstd")
+        self._sender = sync.Sender(self.link, delta=True, encoding="zstd", version=version)
         self.dtype = dtype
-        self.version = 0
+        self.version = version
 
     def receiver(self) -> "WeightReceiver":
         return WeightReceiver(self.link)
