@@ -1,10 +1,13 @@
 """``python -m examples.async_trainer [--rl-steps 60 ...]``: every TrainerConfig field is a flag."""
 import argparse
+import re
 import sys
 from dataclasses import fields
 
+from .checkpoint import CheckpointError
 from .config import TrainerConfig
 from .log import logger, setup_logging
+from .supervisor import RolloutError
 from .trainer import train
 
 
@@ -28,20 +31,41 @@ def parse(argv=None) -> TrainerConfig:
     return TrainerConfig(**vars(ap.parse_args(argv)))
 
 
+def _error(err: Exception) -> str:
+    """``error: config.<field> ...`` plus the flag that sets the field."""
+    text = str(err)
+    named = re.search(r"config\.(\w+)", text)
+    if named and named.group(1) in {f.name for f in fields(TrainerConfig)}:
+        text += f" (flag --{named.group(1).replace('_', '-')})"
+    return f"error: {text}"
+
+
 def main(argv=None) -> int:
+    """Exit status: 0 done; 2 bad configuration or resume file; 1 the rollout process kept
+    dying (after a checkpoint); 130 / 143 stopped by SIGINT / SIGTERM (after a checkpoint)."""
     setup_logging()
     cfg = parse(argv)
     try:
         cfg.validate()
     except (TypeError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(_error(err), file=sys.stderr)
         return 2
-    out = train(cfg)
+    try:
+        out = train(cfg)
+    except CheckpointError as err:
+        print(_error(err), file=sys.stderr)
+        return 2
+    except RolloutError as err:
+        logger.error(str(err))
+        return 1
     ev = out["evals"]
-    logger.info("held-out greedy pass rate: " + "; ".join(
-        f"{stage}: " + ", ".join(f"{t}={v:.3f}" for t, v in r.items()) for stage, r in ev.items()))
-    logger.info(f"outputs in {cfg.out_dir}: metrics.jsonl, metrics.png, checkpoint.pt")
-    return 130 if out["interrupted"] else 0
+    if ev:
+        logger.info("held-out greedy pass rate: " + "; ".join(
+            f"{stage}: " + ", ".join(f"{t}={v:.3f}" for t, v in r.items())
+            for stage, r in ev.items()))
+    if out["exit_code"]:
+        logger.warning(f"exit status {out['exit_code']} (interrupted)")
+    return out["exit_code"]
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ class TrainerConfig:
     seed: int = 0
     out_dir: str = "runs/async_trainer"
     resume: str = ""                 # path of a checkpoint.pt to continue from
+    checkpoint_every: int = 10       # optimizer steps between checkpoints (0: only at stage
+                                     # ends and on exit); always also on Ctrl-C/SIGTERM/failure
+    rollout_restarts: int = 3        # rollout process deaths in a row (no step between) that
+                                     # are restarted; one more stops the run (exit 1)
     progress: bool = True            # tqdm progress bars
 
     def task_list(self) -> List[str]:
@@ -92,7 +96,8 @@ class TrainerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("sft_steps", "rl_steps", "opd_steps", "weight_decay", "balance_bias_rate"):
+        for name in ("sft_steps", "rl_steps", "opd_steps", "weight_decay", "balance_bias_rate",
+                     "checkpoint_every", "rollout_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config.{name} must be >= 0, got {getattr(self, name)!r}")
         names = self.task_list()

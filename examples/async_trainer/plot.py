@@ -1,6 +1,7 @@
 """metrics.png: reward, IcePop pop fraction, staleness, the OPD reverse KL and the routing
 mismatch rate (train vs rollout experts; replay on or off, named in the panel) over steps."""
 import os
+from typing import Optional
 
 from .log import warn_once
 
@@ -9,17 +10,19 @@ PANELS = (("reward", "sampled reward"), ("pop_frac", "IcePop pop fraction"),
           ("routing_mismatch", "routing mismatch"))
 
 
-def plot(cfg, records) -> None:
+def plot(cfg, records) -> Optional[str]:
+    """Write ``metrics.png`` into ``cfg.out_dir``; returns its path, or None when nothing was
+    written (no matplotlib, or no RL/OPD step recorded yet)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         warn_once("plot", "matplotlib not installed: skipping metrics.png")
-        return
+        return None
     train = [r for r in records if r.get("kind") == "train" and r["stage"] != "sft"]
     if not train:
-        return
+        return None
     stages = list(dict.fromkeys(r["stage"] for r in train))
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 11), sharex=True)
     for ax, (key, label) in zip(axes, PANELS):
@@ -36,5 +39,7 @@ def plot(cfg, records) -> None:
     axes[0].legend(fontsize=7)
     axes[-1].set_xlabel("optimizer step (all stages)")
     fig.tight_layout()
-    fig.savefig(os.path.join(cfg.out_dir, "metrics.png"), dpi=90)
+    path = os.path.join(cfg.out_dir, "metrics.png")
+    fig.savefig(path, dpi=90)
     plt.close(fig)
+    return path

@@ -52,7 +52,12 @@ class RolloutProcess:
         return self.proc.is_alive()
 
     def get(self, timeout: float):
-        """The next sample, or None after ``timeout`` seconds."""
+        """The next sample, or None after ``timeout`` seconds.
+
+        Safe to call while the process may be dying: a sample is one small message (about
+        500 bytes pickled, one write under PIPE_BUF, which a pipe takes whole), so a kill
+        never leaves half of one to block on. Samples far larger than 4 KiB would need a
+        framed transport instead."""
         try:
             sample = self.queue.get(timeout=timeout)
         except queue.Empty:

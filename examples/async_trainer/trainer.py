@@ -3,15 +3,19 @@ teacher), then on-policy distillation (OPD) of both teachers into the SFT studen
 
 RL and OPD stages run rollout in a separate process (``rollout.rollout_worker``) that keeps
 generating with the newest weights it holds while the trainer steps; samples meet the trainer
-in a Data Buffer keyed by prompt instance id. Ctrl-C at any point writes ``checkpoint.pt``
-(model, optimizer, stage, step and every finished stage's weights); ``resume=<path>``
-continues from it.
+in a Data Buffer keyed by prompt instance id.
+
+Recovery (docs/trainer.md, "Recovery"): ``checkpoint.pt`` (tensors and plain data only) is
+written every ``checkpoint_every`` steps, at every stage end and on every exit (normal,
+SIGINT, SIGTERM, a failure); ``resume=<path>`` continues from it. An optimizer step and its
+bookkeeping are one unit that no signal splits (``stopping.py``); a rollout process that dies
+is restarted from a full weight snapshot (``supervisor.py``).
 """
+import contextlib
 import dataclasses
 import json
 import multiprocessing
 import os
-import queue
 import time
 from typing import Dict, List, Optional
 
@@ -21,7 +25,7 @@ from tqdm.auto import tqdm
 from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantages,
                          selective_logprobs)
 
-from . import kernels, task
+from . import checkpoint, kernels, task
 from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, policy_step,
                     routing_metrics, sft_sample)
 from .buffer import DataBuffer
@@ -29,15 +33,20 @@ from .config import TrainerConfig
 from .log import logger
 from .model import TinyLM
 from .plot import plot
-from .rollout import generate, rollout_worker
-from .weight_sync import WeightSender
+from .rollout import generate
+from .stopping import StopGuard, exit_code
+from .supervisor import RolloutError, RolloutProcess
 
 
 class Run:
-    """Everything a checkpoint holds, plus the open metrics file."""
+    """Everything a checkpoint holds, the open metrics file, and the guard that keeps signals
+    out of units of work (``stopping.py``)."""
 
-    def __init__(self, cfg: TrainerConfig, ckpt: Optional[dict] = None):
+    def __init__(self, cfg: TrainerConfig, ckpt: Optional[dict] = None,
+                 guard: Optional[StopGuard] = None, on_rollout=None):
         self.cfg = cfg
+        self.guard = guard if guard is not None else StopGuard()
+        self.on_rollout = on_rollout
         ckpt = ckpt or {}
         self.records: List[dict] = ckpt.get("records", [])
         self.finished: Dict[str, dict] = ckpt.get("finished", {})   # stage -> model state
@@ -48,30 +57,62 @@ class Run:
         self.resume_point = (ckpt["stage"], ckpt["step"], ckpt["model"], ckpt["optimizer"]) \
             if "stage" in ckpt else None
         self.current = None                                         # (stage, model, opt, step)
-        path = os.path.join(cfg.out_dir, "metrics.jsonl")
-        self._file = open(path, "a" if ckpt else "w")
+        self.stepping = False       # inside an optimizer step: the live state may be torn
+        self.saved: Optional[str] = None      # where the last checkpoint of this run stands
+        self.path = os.path.join(cfg.out_dir, "checkpoint.pt")
+        # Rewritten from the checkpoint's records on resume: steps logged after the last
+        # checkpoint are run again and must not appear twice.
+        self._file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
+        self._file.writelines(json.dumps(rec) + "\n" for rec in self.records)
+        self._file.flush()
 
     def log(self, rec: dict) -> None:
         self.records.append(rec)
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
-        if not self.cfg.progress or rec.get("kind") == "eval":
+        if not self.cfg.progress or rec.get("kind") != "train":
             logger.info(" ".join(f"{k}={_fmt(v)}" for k, v in rec.items()))
 
-    def save(self, path: Optional[str] = None) -> str:
-        path = path or os.path.join(self.cfg.out_dir, "checkpoint.pt")
+    def where(self) -> str:
+        if self.current is None:
+            return "between stages"
+        return f"stage {self.current[0]}, step {self.current[3]}"
+
+    def save(self) -> Optional[str]:
+        """Write ``checkpoint.pt`` atomically from the live state; None (and the last one
+        stays) when the trainer failed inside an optimizer step, whose state may be torn."""
+        if self.stepping:
+            return None
         state = {"config": dataclasses.asdict(self.cfg), "records": self.records,
                  "finished": self.finished, "trained": self.trained,
                  "accounting": self.accounting, "global_step": self.global_step,
                  "rollout_procs": self.rollout_procs}
         if self.current is not None:
             stage, model, opt, step = self.current
-            state.update(stage=stage, step=step, model=model.state_dict(),
+            state.update(stage=stage, step=step, model=checkpoint.tensors(model.state_dict()),
                          optimizer=opt.state_dict() if opt is not None else None)
-        tmp = path + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, path)          # a Ctrl-C during the write cannot leave half a file
-        return path
+        checkpoint.save(self.path, state)
+        self.saved = self.where()
+        return self.path
+
+    @contextlib.contextmanager
+    def step(self):
+        """One optimizer step with all its bookkeeping (step counters, trained ids, weight
+        publish, metrics record, ``run.current``) as a unit: no signal lands inside it, and
+        a checkpoint falls due at its end (``checkpoint_every``)."""
+        with self.guard.atomic():
+            self.stepping = True
+            yield
+            self.stepping = False
+            every = self.cfg.checkpoint_every
+            if every and self.current is not None and self.current[3] % every == 0:
+                self.save()
+
+    def finish(self, stage: str, model) -> None:
+        """Mark ``stage`` finished with ``model``'s weights, as one unit."""
+        with self.guard.atomic():
+            self.finished[stage] = checkpoint.tensors(model.state_dict())
+            self.current = None
 
     def close(self) -> None:
         self._file.close()
@@ -123,107 +164,131 @@ def sft_stage(run, on_step) -> TinyLM:
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     names = cfg.task_list()
+    run.current = ("sft", model, opt, start)
     for step in tqdm(range(start, cfg.sft_steps), desc="sft", disable=not cfg.progress,
                      initial=start, total=cfg.sft_steps):
-        run.current = ("sft", model, opt, step)
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        prompts = [task.make_prompt(cfg, names[i % len(names)], gen) for i in range(cfg.sft_batch)]
-        batch = collate([sft_sample(cfg, p) for p in prompts], model.emb.weight.device)
-        lp = selective_logprobs(model(batch.inputs), batch.targets)
-        loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        model.update_balance_bias(cfg.balance_bias_rate)
-        run.global_step += 1
-        run.current = ("sft", model, opt, step + 1)
-        run.log({"kind": "train", "stage": "sft", "step": step + 1,
-                 "global_step": run.global_step, "sft_loss": float(loss.detach())})
+        with run.step():
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            prompts = [task.make_prompt(cfg, names[i % len(names)], gen)
+                       for i in range(cfg.sft_batch)]
+            batch = collate([sft_sample(cfg, p) for p in prompts], model.emb.weight.device)
+            lp = selective_logprobs(model(batch.inputs), batch.targets)
+            loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            model.update_balance_bias(cfg.balance_bias_rate)
+            run.global_step += 1
+            run.current = ("sft", model, opt, step + 1)
+            run.log({"kind": "train", "stage": "sft", "step": step + 1,
+                     "global_step": run.global_step, "sft_loss": float(loss.detach())})
         if on_step:
             on_step("sft", step + 1)
-    run.current = None
     return model
-
-
-def _drain(q) -> int:
-    n = 0
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return n
-        n += 1
 
 
 def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: int,
                 prompts_per_step: int, steps: int, start: int, step_fn, on_step) -> None:
-    """Consume ready groups from a rollout process, step, push weights; ``steps`` in all."""
-    cfg = run.cfg
+    """Consume ready groups from a rollout process, step, push weights; ``steps`` in all.
+
+    A rollout process that dies is replaced by a new one that starts from a full weight
+    snapshot; ``cfg.rollout_restarts`` deaths in a row (no optimizer step between) are
+    replaced, one more raises ``RolloutError``. Whatever happens, the process is stopped and
+    every sample it generated is accounted for (trained, unconsumed or dropped) on the way out.
+    """
+    cfg, guard = run.cfg, run.guard
+    run.current = (stage, model, opt, start)
+    if start >= steps:
+        return
     ctx = multiprocessing.get_context("spawn")
-    sender = WeightSender(ctx, cfg.rollout_torch_dtype())
     # Back-pressure: the rollout may run at most ``max_ahead_steps`` steps' worth of samples
     # ahead of the trainer, which bounds staleness (weight versions behind) near that number.
-    sample_q = ctx.Queue(maxsize=max(1, cfg.max_ahead_steps) * prompts_per_step * group_size)
-    stop, generated = ctx.Event(), ctx.Value("q", 0)
-    run.rollout_procs += 1
-    proc = ctx.Process(target=rollout_worker, daemon=True,
-                       args=(cfg, cfg.seed * 7919 + run.rollout_procs, mix, group_size,
-                             sender.receiver(), sample_q, stop, generated,
-                             f"{stage}/{run.rollout_procs}"))
-    proc.start()
-    _, first = sender.send(model)             # version 1: the full snapshot
-    logger.info(f"{stage}: weight sync v1 (full snapshot) {first.payload_bytes} bytes; later "
-                f"versions are zstd deltas")
-    buf, received, held = DataBuffer(group_size), 0, []
+    queue_size = max(1, cfg.max_ahead_steps) * prompts_per_step * group_size
+    buf, held, deaths, rollout = DataBuffer(group_size), [], 0, None
     trained = run.trained.setdefault(stage, [])
+    acc = run.accounting.setdefault(stage, {})
+    for key in ("generated", "trained", "unconsumed", "dropped"):
+        acc.setdefault(key, 0)
+
+    def launch(version: int) -> None:       # inside a unit: the handle exists before start()
+        nonlocal rollout
+        run.rollout_procs += 1
+        tag = f"{stage}/{run.rollout_procs}"
+        rollout = RolloutProcess(cfg, ctx, tag, cfg.seed * 7919 + run.rollout_procs, mix,
+                                 group_size, queue_size, version)
+        first = rollout.start(guard, model)
+        logger.info(f"{stage}: rollout process {tag} (pid {rollout.pid}); weight sync "
+                    f"v{first.version} (full snapshot) {first.payload_bytes} bytes, later "
+                    f"versions are zstd deltas")
+        if run.on_rollout:
+            run.on_rollout(stage, rollout.pid)
+
+    def retire() -> None:
+        nonlocal rollout
+        counts, rollout = rollout.shutdown(), None
+        for key, n in counts.items():
+            acc[key] += n
+
     try:
+        with guard.atomic():
+            launch(0)
         bar = tqdm(range(start, steps), desc=stage, disable=not cfg.progress, initial=start,
                    total=steps)
         for step in bar:
-            run.current = (stage, model, opt, step)
             t0 = time.perf_counter()
             groups = held = []              # popped from the buffer, not trained yet
             while len(groups) < prompts_per_step:
-                if not proc.is_alive():
-                    raise RuntimeError(f"{stage}: the rollout process died (exit code "
-                                       f"{proc.exitcode})")
-                try:
-                    buf.add(sample_q.get(timeout=1.0))
-                except queue.Empty:
+                if not rollout.alive():
+                    with guard.atomic():
+                        deaths += 1
+                        pid, code = rollout.pid, rollout.proc.exitcode
+                        version = rollout.sender.version
+                        retire()
+                        if deaths > cfg.rollout_restarts:
+                            raise RolloutError(
+                                f"{stage}: the rollout process died {deaths} times in a row "
+                                f"(last: pid {pid}, exit code {code}) with no optimizer step "
+                                f"between; stopping (config.rollout_restarts="
+                                f"{cfg.rollout_restarts})")
+                        logger.warning(f"{stage}: rollout process pid {pid} died (exit code "
+                                       f"{code}) at step {step}; restarting it from a full "
+                                       f"weight snapshot (restart {deaths} of "
+                                       f"{cfg.rollout_restarts} in a row)")
+                        run.log({"kind": "event", "event": "rollout_restart", "stage": stage,
+                                 "step": step, "global_step": run.global_step,
+                                 "exit_code": code})
+                        launch(version)
                     continue
-                received += 1
-                groups += buf.pop_ready(prompts_per_step - len(groups))
+                with guard.atomic():        # taken off the queue and buffered: one unit
+                    sample = rollout.get(timeout=0.25)
+                    if sample is not None:
+                        buf.add(sample)
+                        groups += buf.pop_ready(prompts_per_step - len(groups))
             samples = [s for g in groups for s in g]
-            rec = step_fn(samples)
-            trained += [s["sample_id"] for s in samples]
-            held = []
-            trained_on = sender.version         # the weights this step's gradient was taken on
-            version, stats = sender.send(model)
-            run.global_step += 1
-            run.current = (stage, model, opt, step + 1)
-            rec.update(kind="train", stage=stage, step=step + 1, global_step=run.global_step,
-                       staleness=trained_on - sum(s["version"] for s in samples) / len(samples),
-                       weight_version=version, bytes_synced=stats.payload_bytes,
-                       changed_elements=stats.changed, step_s=time.perf_counter() - t0)
-            run.log(rec)
+            with run.step():
+                rec = step_fn(samples)
+                trained += [s["sample_id"] for s in samples]
+                held = []
+                trained_on = rollout.sender.version  # the weights this gradient was taken on
+                version, stats = rollout.sender.send(model)
+                run.global_step += 1
+                run.current = (stage, model, opt, step + 1)
+                rec.update(kind="train", stage=stage, step=step + 1, global_step=run.global_step,
+                           staleness=trained_on - sum(s["version"] for s in samples) / len(samples),
+                           weight_version=version, bytes_synced=stats.payload_bytes,
+                           changed_elements=stats.changed, step_s=time.perf_counter() - t0)
+                run.log(rec)
+            deaths = 0
             bar.set_postfix(reward=f"{rec['reward']:.2f}", pop=f"{rec['pop_frac']:.3f}",
                             stale=f"{rec['staleness']:.1f}", refresh=False)
             if on_step:
                 on_step(stage, step + 1)
     finally:
-        stop.set()
-        unconsumed = buf.pending() + sum(len(g) for g in held)
-        deadline = time.time() + 30
-        while proc.is_alive() and time.time() < deadline:
-            unconsumed += _drain(sample_q)     # keep the pipe open so the worker can exit
-            proc.join(timeout=0.05)
-        if proc.is_alive():
-            proc.terminate()
-        unconsumed += _drain(sample_q)
-        acc = run.accounting.setdefault(stage, {"generated": 0, "trained": 0, "unconsumed": 0})
-        acc["generated"] += generated.value
-        acc["trained"] = len(trained)
-        acc["unconsumed"] += unconsumed
+        with guard.atomic():                # stopping the process and the accounting: one unit
+            if rollout is not None:
+                retire()
+            acc["unconsumed"] += buf.pending() + sum(len(g) for g in held)
+            acc["trained"] = len(trained)
 
 
 def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
@@ -244,7 +309,6 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
 
     async_stage(run, stage, model, opt, {task_name: 1.0}, cfg.group_size, cfg.prompts_per_step,
                 cfg.rl_steps, start, grpo_step, on_step)
-    run.current = None
     return model
 
 
@@ -293,58 +357,113 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
 
     async_stage(run, stage, model, opt, cfg.opd_mix(), 1, cfg.opd_prompts_per_step,
                 cfg.opd_steps, start, distill_step, on_step)
-    run.current = None
     return model
 
 
-def train(cfg: TrainerConfig, *, on_step=None) -> dict:
+def _stages(run, on_step) -> None:
+    """Every stage not finished yet, each followed by its evaluation (also run on resume for
+    a stage that finished without one: the run stopped during it)."""
+    cfg, names = run.cfg, run.cfg.task_list()
+    plan = [("sft", names, lambda: sft_stage(run, on_step))]
+    plan += [(f"rl:{n}", [n], lambda n=n: rl_stage(run, n, run.finished["sft"], on_step))
+             for n in names]
+    if cfg.opd_steps:
+        plan.append(("opd", names, lambda: opd_stage(
+            run, run.finished["sft"],
+            {n: new_model(cfg, run.finished[f"rl:{n}"]) for n in names}, on_step)))
+    for stage, eval_tasks, run_stage in plan:
+        model = None
+        if stage not in run.finished:
+            model = run_stage()
+            run.finish(stage, model)
+        if not any(r.get("kind") == "eval" and r["stage"] == stage for r in run.records):
+            model = model if model is not None else new_model(cfg, run.finished[stage])
+            _eval_record(run, stage, model, eval_tasks)
+            run.save()
+
+
+def _wrap_up(run, stop, failure) -> List[str]:
+    """The exit path (signals only noted meanwhile): checkpoint, metrics file, plot, and log
+    lines saying what was written (only that). Returns the names of the files written."""
+    outputs, path = ["metrics.jsonl"], None
+    try:
+        path = run.save()
+    except Exception as err:        # e.g. a full disk: say so, never claim the file
+        logger.error(f"checkpoint not written ({type(err).__name__}: {err})")
+    run.close()
+    try:
+        png = plot(run.cfg, run.records)
+    except Exception as err:
+        png = None
+        logger.warning(f"metrics.png not written ({type(err).__name__}: {err})")
+    if png:
+        outputs.append("metrics.png")
+    if path or run.saved:
+        outputs.append("checkpoint.pt")
+    logger.info(f"outputs in {run.cfg.out_dir}: {', '.join(outputs)}")
+    if stop is None and failure is None:
+        return outputs
+    if stop is not None:
+        what = f"interrupted ({stop.args[0] if stop.args else 'KeyboardInterrupt'})"
+    else:
+        what = f"failed ({type(failure).__name__})"
+    if path:
+        logger.warning(f"{what}: checkpoint written to {path} ({run.saved}); continue with "
+                       f"--resume {path}")
+    elif run.saved:
+        logger.warning(f"{what} inside an optimizer step: {run.path} keeps the last consistent "
+                       f"state ({run.saved}); continue with --resume {run.path}")
+    else:
+        logger.warning(f"{what}: no checkpoint written")
+    return outputs
+
+
+def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
     """Run every stage (or what is left of them when resuming); returns the run's summary.
 
-    ``on_step(stage, step)`` is called after every optimizer step (tests use it to interrupt).
+    Every exit path writes ``checkpoint.pt``: a normal finish; SIGINT / SIGTERM (handled
+    between units of work: the summary has ``interrupted`` and ``exit_code`` 130 / 143); a
+    failure (``RolloutError`` or any exception: re-raised after the checkpoint). Rollout
+    processes are stopped on every path. ``on_step(stage, step)`` is called after every
+    optimizer step and ``on_rollout(stage, pid)`` after every rollout process start (tests
+    use them to interrupt the run and to kill rollout processes).
     """
     ckpt = None
     if cfg.resume:
-        if not os.path.isfile(cfg.resume):
-            raise FileNotFoundError(f"config.resume: no checkpoint at {cfg.resume!r}")
-        ckpt = torch.load(cfg.resume, map_location="cpu", weights_only=False)
+        ckpt = checkpoint.load(cfg.resume)
         keep = {"resume": cfg.resume, "out_dir": cfg.out_dir, "progress": cfg.progress,
                 "device": cfg.device}
+        known = {f.name for f in dataclasses.fields(TrainerConfig)}
+        unknown = sorted(set(ckpt["config"]) - known)
+        if unknown:
+            raise checkpoint.CheckpointError(f"config.resume: {cfg.resume!r} has config fields "
+                                             f"this trainer does not know: {unknown}")
         cfg = TrainerConfig(**{**ckpt["config"], **keep})
     cfg.validate()
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    run = Run(cfg, ckpt)
-    names = cfg.task_list()
-    interrupted = False
+    guard = StopGuard().install()
     try:
-        if "sft" not in run.finished:
-            model = sft_stage(run, on_step)
-            run.finished["sft"] = model.state_dict()
-            _eval_record(run, "sft", model, names)
-        sft_state = run.finished["sft"]
-        for name in names:
-            stage = f"rl:{name}"
-            if stage not in run.finished:
-                model = rl_stage(run, name, sft_state, on_step)
-                run.finished[stage] = model.state_dict()
-                _eval_record(run, stage, model, [name])
-        if cfg.opd_steps and "opd" not in run.finished:
-            teachers = {n: new_model(cfg, run.finished[f"rl:{n}"]) for n in names}
-            model = opd_stage(run, sft_state, teachers, on_step)
-            run.finished["opd"] = model.state_dict()
-            _eval_record(run, "opd", model, names)
-    except KeyboardInterrupt:
-        interrupted = True
-        path = run.save()
-        logger.warning(f"interrupted: checkpoint written to {path}; continue with "
-                       f"--resume {path}")
-    else:
-        run.current = None
-        run.save()
+        run = Run(cfg, ckpt, guard, on_rollout)
+        stop = failure = None
+        try:
+            _stages(run, on_step)
+            guard.stopping()
+        except KeyboardInterrupt as err:        # SIGINT, SIGTERM (stopping.Interrupted)
+            guard.stopping()
+            stop = err
+        except BaseException as err:
+            guard.stopping()
+            failure = err
+        outputs = _wrap_up(run, stop, failure)
+        if failure is not None:
+            raise failure
     finally:
-        run.close()
-    plot(cfg, run.records)
+        guard.restore()
+    code = exit_code(stop) if stop is not None else \
+        (128 + guard.received if guard.received is not None else 0)
     evals = {r["stage"]: {k[5:]: v for k, v in r.items() if k.startswith("eval_")}
              for r in run.records if r.get("kind") == "eval"}
     return {"records": run.records, "trained_ids": run.trained, "evals": evals,
-            "accounting": run.accounting, "interrupted": interrupted, "config": cfg}
+            "accounting": run.accounting, "interrupted": code != 0, "exit_code": code,
+            "outputs": outputs, "config": cfg}

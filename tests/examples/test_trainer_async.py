@@ -162,6 +162,7 @@ def _check_accounting(out, cfg, stage, steps, per_step):
     assert len(ids) == len(set(ids)) == steps * per_step, stage          # none trained twice
     acc = out["accounting"][stage]
     assert acc["trained"] == len(ids)
+    assert acc["dropped"] == 0, (stage, acc)                            # no rollout died
     assert acc["generated"] == acc["trained"] + acc["unconsumed"], (stage, acc)   # none lost
 
 
@@ -199,8 +200,8 @@ def test_ctrl_c_leaves_a_checkpoint_that_resumes(tmp_path):
             raise KeyboardInterrupt
 
     out = train(cfg, on_step=interrupt)
-    assert out["interrupted"]
-    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert out["interrupted"] and out["exit_code"] == 130
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)     # tensors and plain data
     assert (ckpt["stage"], ckpt["step"]) == ("rl:tool", 2)
     assert set(ckpt["finished"]) == {"sft", "rl:reverse"}
     model = TinyLM(cfg, task.vocab_size(cfg))
