@@ -6,6 +6,11 @@ bandwidth measured in the same run.
 
     python benchmarks/bench_icepop.py            # GPU sizes 64K, 1M, 16M tokens
     python benchmarks/bench_icepop.py --cpu      # CPU sizes, plus an interpreter check
+
+``glm_kernels_metrics`` is the same call with ``return_metrics=True`` (the mismatch metrics
+fused into the pass); ``metrics_overhead`` = its time over ``glm_kernels``'s. With ``--cpu``
+the two are also timed side by side in Triton's interpreter (labelled: CPU interpreter
+figures, not GPU timing).
 """
 from __future__ import annotations
 
@@ -84,6 +89,7 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
     reference = lambda lp, r, a, m: _reference.icepop_loss_reference(lp, r, a, m)  # noqa: E731
     compiled = torch.compile(reference)
     providers = {"glm_kernels": lambda lp, r, a, m: glm_kernels.icepop_loss(lp, r, a, m),
+                 "glm_kernels_metrics": _with_metrics,
                  "torch_eager": reference, "torch_compile": compiled}
     notes = {}
     if device == "cuda":
@@ -105,6 +111,8 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
                 continue
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}/floor"] = seconds / floor_s
+        if "glm_kernels_metrics_us" in row and "glm_kernels_us" in row:
+            row["metrics_overhead"] = row["glm_kernels_metrics_us"] / row["glm_kernels_us"]
         if "torch_eager_us" in row and "glm_kernels_us" in row:
             row["speedup_vs_eager"] = row["torch_eager_us"] / row["glm_kernels_us"]
         if "torch_compile_us" in row and "glm_kernels_us" in row:
@@ -112,7 +120,7 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
         rows.append(row)
     backend = _dispatch.select_backend("icepop_loss", make_inputs(1, device)[0])
     columns = ["tokens", "floor_us"] + [c for p in providers for c in (f"{p}_us", f"{p}/floor")]
-    columns += ["speedup_vs_eager", "speedup_vs_compile"]
+    columns += ["metrics_overhead", "speedup_vs_eager", "speedup_vs_compile"]
     _common.print_table(f"icepop_loss fwd+bwd on {device} (glm_kernels backend: {backend}; "
                         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s measured)", rows, columns)
     result = {"benchmark": "icepop", "device": device, "glm_kernels_backend": backend,
@@ -121,9 +129,37 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
               "env": _common.environment()}
     if device == "cpu" and _dispatch.interpreter_active() and _dispatch.triton_available():
         result["interpreter_check"] = interpreter_check()
+        result["interpreter_metrics_side_by_side"] = interpreter_metrics_side_by_side()
     for key, note in notes.items():
         print(f"note: {key}: {note}")
     return result
+
+
+def _with_metrics(lp, rollout, adv, mask):
+    """The loss with the mismatch metrics requested (the metrics themselves are dropped)."""
+    return glm_kernels.icepop_loss(lp, rollout, adv, mask, return_metrics=True)[0]
+
+
+def interpreter_metrics_side_by_side(n_tokens: int = 1 << 14) -> dict:
+    """return_metrics False vs True, fwd+bwd, in Triton's interpreter on the CPU: the
+    metrics' extra per-token arithmetic as the interpreter runs it. CPU interpreter figures:
+    they say nothing about GPU time (not measured on GPU)."""
+    lp, rollout, adv, mask = make_inputs(n_tokens, "cpu", seed=2)
+    rows = []
+    with glm_kernels.force_backend("interpret"):
+        for label, shape in (("flat", (n_tokens,)), ("rows of 2048", (-1, 2048))):
+            inputs = [t.reshape(shape) for t in (lp, rollout, adv, mask)]
+            row = {"input": f"{label} ({n_tokens} tokens)"}
+            for name, fn in (("off", lambda a, b, c, d: glm_kernels.icepop_loss(a, b, c, d)),
+                             ("on", _with_metrics)):
+                row[f"metrics_{name}_ms"] = 1e3 * _common.time_fn(
+                    _fwd_bwd(fn, *inputs), device="cpu", warmup=1, repeats=5)
+            row["on/off"] = row["metrics_on_ms"] / row["metrics_off_ms"]
+            rows.append(row)
+    _common.print_table("icepop_loss fwd+bwd, return_metrics off vs on -- CPU, Triton "
+                        "interpreter (not GPU timing)", rows,
+                        ["input", "metrics_off_ms", "metrics_on_ms", "on/off"])
+    return {"label": "CPU Triton interpreter, not GPU timing", "rows": rows}
 
 
 def interpreter_check(n_tokens: int = 50_000) -> dict:

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
+import glm_kernels  # noqa: E402
 from glm_kernels import _dispatch  # noqa: E402
 from glm_kernels.loss import fused_linear_icepop_loss, icepop_loss_from_logits  # noqa: E402
 from glm_kernels.loss import _logits_reference as ref  # noqa: E402
@@ -62,14 +63,16 @@ def make_inputs(n_tokens, vocab, device, *, hidden=None, seed=0):
 
 # --------------------------------------------------------------------------- providers
 def _from_logits_providers(device, compile_reference):
-    def ours(inplace):
+    def ours(inplace, metrics=False):
         def make(inp):
             x = inp["logits"].detach().requires_grad_(True)
 
             def step():
                 x.grad = None
-                icepop_loss_from_logits(x, inp["ids"], inp["rollout"], inp["adv"], inp["mask"],
-                                        inplace_backward=inplace).backward()
+                out = icepop_loss_from_logits(x, inp["ids"], inp["rollout"], inp["adv"],
+                                              inp["mask"], inplace_backward=inplace,
+                                              return_metrics=metrics)
+                (out[0] if metrics else out).backward()
             return step
         return make
 
@@ -83,7 +86,8 @@ def _from_logits_providers(device, compile_reference):
             return step
         return make
 
-    providers = {"glm_kernels": ours(False), "glm_kernels_inplace": ours(True),
+    providers = {"glm_kernels": ours(False), "glm_kernels_metrics": ours(False, True),
+                 "glm_kernels_inplace": ours(True),
                  "torch_eager": reference(ref.icepop_loss_from_logits_reference)}
     if compile_reference:
         providers["torch_compile"] = reference(torch.compile(
@@ -124,14 +128,15 @@ def _liger_grpo(device):
 
 
 def _fused_linear_providers(device, compile_reference):
-    def ours(inp):
+    def ours(inp, metrics=False):
         h = inp["hidden"].detach().requires_grad_(True)
         w = inp["weight"].detach().requires_grad_(True)
 
         def step():
             h.grad = w.grad = None
-            fused_linear_icepop_loss(h, w, inp["ids"], inp["rollout"], inp["adv"],
-                                     inp["mask"]).backward()
+            out = fused_linear_icepop_loss(h, w, inp["ids"], inp["rollout"], inp["adv"],
+                                           inp["mask"], return_metrics=metrics)
+            (out[0] if metrics else out).backward()
         return step
 
     def unfused(inp):                         # materialized logits, our from-logits kernel
@@ -155,7 +160,9 @@ def _fused_linear_providers(device, compile_reference):
             return step
         return make
 
-    providers = {"glm_kernels": ours, "unfused_glm_kernels": unfused,
+    providers = {"glm_kernels": ours,
+                 "glm_kernels_metrics": lambda inp: ours(inp, metrics=True),
+                 "unfused_glm_kernels": unfused,
                  "torch_eager": reference(ref.fused_linear_icepop_loss_reference)}
     if compile_reference:
         providers["torch_compile"] = reference(torch.compile(
@@ -278,6 +285,7 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
               "env": _common.environment()}
     if device == "cpu" and _dispatch.interpreter_active() and _dispatch.triton_available():
         result["interpreter_check"] = interpreter_check()
+        result["interpreter_metrics_side_by_side"] = interpreter_metrics_side_by_side()
     for key, note in notes.items():
         print(f"note: {key}: {note}")
     print(f"fallbacks logged: {_dispatch.fallbacks_logged()}")
@@ -331,6 +339,27 @@ def _tuning_sweeps(n_tokens, vocabs, hidden, bandwidth, rate) -> dict:
     _common.print_table("tuning sweeps (GPU)", rows,
                         ["what", "tokens", "vocab", "ms", "time/floor", "peak_GiB"])
     return {"section": "tuning", "rows": rows}
+
+
+def interpreter_metrics_side_by_side(n_tokens=64, vocab=700, hidden=64) -> dict:
+    """return_metrics False vs True, fwd+bwd, in Triton's interpreter on the CPU (the fused
+    from-logits pass; the fused-linear loss, whose matmuls run in torch). CPU interpreter
+    figures: they say nothing about GPU time (not measured on GPU)."""
+    inp = make_inputs(n_tokens, vocab, "cpu", seed=3, hidden=hidden)
+    rows = []
+    with glm_kernels.force_backend("interpret"):
+        for section, providers in (("from_logits", _from_logits_providers("cpu", False)[0]),
+                                   ("fused_linear", _fused_linear_providers("cpu", False)[0])):
+            row = {"op": f"{section} ({n_tokens} x {vocab})"}
+            for name, key in (("glm_kernels", "metrics_off_ms"),
+                              ("glm_kernels_metrics", "metrics_on_ms")):
+                row[key] = 1e3 * _common.time_fn(providers[name](inp), device="cpu", warmup=1,
+                                                 repeats=5)
+            row["on/off"] = row["metrics_on_ms"] / row["metrics_off_ms"]
+            rows.append(row)
+    _common.print_table("return_metrics off vs on -- CPU, Triton interpreter (not GPU timing)",
+                        rows, ["op", "metrics_off_ms", "metrics_on_ms", "on/off"])
+    return {"label": "CPU Triton interpreter, not GPU timing", "rows": rows}
 
 
 def interpreter_check(n_tokens=64, vocab=700) -> dict:

@@ -75,10 +75,9 @@ def icepop_token_math(lp, rollout, base, adv, masked, train_ok, gate_low, gate_h
         gate_log_ratio = base - rollout
     else:
         gate_log_ratio = lp - rollout
-    # tl.clamp may turn NaN into an end of the range (min/max ignore NaN on the GPU): keep a
-    # NaN log-ratio NaN, as torch.clamp does. NaN ratios fail both comparisons: popped.
-    gate_ratio = tl.where(gate_log_ratio == gate_log_ratio,
-                          tl.exp(tl.clamp(gate_log_ratio, -20.0, 20.0)), float("nan"))
+    # A NaN log-ratio stays NaN through the clamp, as with torch.clamp (by default tl.clamp
+    # may return an end of the range for NaN). NaN ratios fail both comparisons: popped.
+    gate_ratio = tl.exp(tl.clamp(gate_log_ratio, -20.0, 20.0, propagate_nan=tl.PropagateNan.ALL))
     in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
     keep = masked & in_gate & train_ok
     # Popped tokens take zeros before any arithmetic: inf/NaN never reach loss or gradient.
@@ -116,15 +115,22 @@ def _icepop_fwd_kernel(
 ):
     """IcePop forward and per-token gradient in one pass; one stats row per program.
 
-    Program p covers columns [c BLOCK, (c + 1) BLOCK) of row p // col_blocks (c = p mod
-    col_blocks), so with METRICS the per-row (per-sequence) sums are the sums of that row's
-    programs. METRICS adds the mismatch columns, from values already in registers.
+    With METRICS, program p covers columns [c BLOCK, (c + 1) BLOCK) of row p // col_blocks
+    (c = p mod col_blocks), so the per-row (per-sequence) sums are the sums of that row's
+    programs, and the stats row gets the mismatch columns, from values already in registers.
+    Without, the input is one flat row of row_len = N tokens.
     """
     pid = tl.program_id(0)
-    row = (pid // col_blocks).to(tl.int64)
-    cols = (pid % col_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_bounds = cols < row_len
-    offs = row * row_len + cols
+    if METRICS:
+        row = (pid // col_blocks).to(tl.int64)
+        cols = (pid % col_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_bounds = cols < row_len
+        offs = row * row_len + cols
+    else:
+        # One flat row (col_blocks = programs): the index math of the metrics-free kernel
+        # stays the plain one, which the compiler vectorizes and keeps at fewer registers.
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_bounds = offs < row_len
 
     lp = tl.load(logprobs_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
     rollout = tl.load(rollout_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)

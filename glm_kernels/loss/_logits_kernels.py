@@ -250,19 +250,6 @@ def _icepop_logits_kernel(
         tl.store(stats + 5, tl.where(counted, gate_ratio, float("-inf")))
         tl.store(stats + 6, tl.where(counted, gate_ratio, float("inf")))
         tl.store(stats + 7, counted.to(tl.float32))
-        if METRICS:
-            if HAS_OLD:
-                train = base_lp
-            else:
-                train = lp
-            nonfinite, in_m, d, k3, chi2, gate_out = mismatch_token_math(
-                train, rollout, gate_ratio, in_gate, masked, train_ok)
-            tl.store(stats + 8, nonfinite.to(tl.float32))
-            tl.store(stats + 9, in_m.to(tl.float32))
-            tl.store(stats + 10, d)
-            tl.store(stats + 11, k3)
-            tl.store(stats + 12, chi2)
-            tl.store(stats + 13, gate_out.to(tl.float32))
 
         if STORE_GRAD:
             coef = dl_dlp * tl.load(scale_ptr + row) * inv_temp
@@ -280,6 +267,21 @@ def _icepop_logits_kernel(
                 if ROW_TILES >= 3:
                     _store_grad_tile(out, x2.to(tl.float32) * inv_temp, cols2, V, tid, lse,
                                      coef)
+        if METRICS:
+            # After the gradient: the row's register tiles are dead by now (a per-row scalar
+            # tail; computed earlier it spilled next to three resident bf16 tiles).
+            if HAS_OLD:
+                train = base_lp
+            else:
+                train = lp
+            nonfinite, in_m, d, k3, chi2, gate_out = mismatch_token_math(
+                train, rollout, gate_ratio, in_gate, masked, train_ok)
+            tl.store(stats + 8, nonfinite.to(tl.float32))
+            tl.store(stats + 9, in_m.to(tl.float32))
+            tl.store(stats + 10, d)
+            tl.store(stats + 11, k3)
+            tl.store(stats + 12, chi2)
+            tl.store(stats + 13, gate_out.to(tl.float32))
 
 
 @triton.jit
