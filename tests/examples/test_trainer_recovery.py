@@ -23,6 +23,7 @@ from examples.async_trainer import checkpoint, trainer
 from examples.async_trainer.config import TrainerConfig
 from examples.async_trainer.log import setup_logging
 
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and /proc")
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(tasks="reverse", sft_steps=2, rl_steps=4, opd_steps=0, prompts_per_step=2,
             group_size=2, eval_prompts=4, progress=False)
