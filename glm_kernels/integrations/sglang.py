@@ -105,7 +105,8 @@ class SGLangDeltaSender:
     packets against what was last published. Keeps one copy of the published tensors.
     """
 
-    def __init__(self, *, encoding: str = "zstd", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, *, encoding: Optional[str] = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  device=None):
         self._outbox = _Outbox(device)
         self._sender = sync.Sender(self._outbox, delta=True, encoding=encoding,

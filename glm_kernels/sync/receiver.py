@@ -246,6 +246,9 @@ class Receiver:
             verify(param.detach(), packet)
         except (ValueError, TypeError) as exc:   # codec refusals: corrupt, wrong base, ...
             raise SyncError(f"{where}: delta refused: {exc}") from exc
+        except ImportError as exc:      # a zstd packet, zstandard not installed here
+            raise SyncError(f"{where}: delta refused: {exc} (a full snapshot is requested; "
+                            f"or give the Sender encoding='gap16')") from exc
         return name, param, packet
 
 

@@ -24,6 +24,16 @@ class PublishStats:
     payload_bytes: int    # bytes of tensor data and packets (frame metadata not counted)
 
 
+def _default_encoding() -> str:
+    try:
+        require_zstd()
+    except ImportError as exc:
+        _dispatch.warn_once("sync:no_zstandard", f"glm_kernels.sync: {exc}; delta updates use "
+                            f"encoding='gap16' instead (larger packets)")
+        return "gap16"
+    return "zstd"
+
+
 class Sender:
     """Publishes versions of a set of named tensors through a transport.
 
@@ -37,8 +47,10 @@ class Sender:
         resync asked for by a receiver (or by the transport, e.g. the disk's periodic
         snapshot) and ``publish(..., full=True)`` send full tensors. Keeps one copy of every
         published tensor (on its device) as the base of the next delta.
-    encoding : {"zstd", "gap16", "int32"}, default "zstd"
-        Delta packet encoding (DESIGN 3.5).
+    encoding : {"zstd", "gap16", "int32"}, default None
+        Delta packet encoding (DESIGN 3.5). None: "zstd" when the optional ``zstandard``
+        package is installed, otherwise "gap16" (logged once). An explicit "zstd" without
+        ``zstandard`` raises ImportError here, naming the package.
     bucket_bytes : int, default 64 MiB
         Payload bytes per frame (streaming transports) or per file (disk).
     zstd_level : int, default 3
@@ -68,12 +80,15 @@ class Sender:
     True
     """
 
-    def __init__(self, transport: Transport, *, delta: bool = True, encoding: str = "zstd",
+    def __init__(self, transport: Transport, *, delta: bool = True,
+                 encoding: Optional[str] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, zstd_level: int = 3,
                  version: int = 0):
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a glm_kernels.sync transport, got "
                             f"{type(transport).__name__}")
+        if encoding is None:
+            encoding = _default_encoding() if delta else "zstd"
         _dispatch.check_choice("encoding", encoding, ENCODINGS)
         check_zstd_level(zstd_level)
         if delta and encoding == "zstd":

@@ -3,7 +3,17 @@ the spawned processes (kept here so ``spawn`` can import them by name)."""
 import os
 import traceback
 
+import pytest
 import torch
+
+try:
+    import zstandard  # noqa: F401
+    HAVE_ZSTD = True
+except ImportError:        # optional: zstd cases skip, the default encoding is gap16
+    HAVE_ZSTD = False
+ENC = "zstd" if HAVE_ZSTD else "gap16"      # the best encoding installed
+needs_zstd = pytest.mark.skipif(not HAVE_ZSTD, reason="zstandard not installed")
+ZSTD = pytest.param("zstd", marks=needs_zstd)
 
 STEPS = 20
 # Odd sizes, three dtypes (bf16 weights, fp32 norms, int64 counters), one empty tensor.

@@ -2,7 +2,7 @@
 refusal and the all_reduce-driven resync."""
 import torch.multiprocessing as mp
 
-from tests.sync._helpers import STEPS, gloo_rank
+from tests.sync._helpers import ENC, STEPS, gloo_rank
 
 DRIFT_AT = 9
 
@@ -11,7 +11,7 @@ def test_gloo_broadcast_twenty_steps_with_resync(tmp_path):
     ctx = mp.get_context("spawn")
     report_q = ctx.Queue()
     init_file = str(tmp_path / "pg_init")
-    procs = [ctx.Process(target=gloo_rank, args=(r, 2, init_file, "zstd", DRIFT_AT, report_q),
+    procs = [ctx.Process(target=gloo_rank, args=(r, 2, init_file, ENC, DRIFT_AT, report_q),
                          daemon=True) for r in range(2)]
     for p in procs:
         p.start()

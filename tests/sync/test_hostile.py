@@ -17,7 +17,7 @@ from glm_kernels.sync import disk as disk_mod
 from glm_kernels.sync import sender as sender_mod
 from glm_kernels.sync.disk import MANIFEST, REQUEST
 from glm_kernels.sync.protocol import MAGIC, _SEAL, Frame, assemble, digest, full_entry, pack
-from tests.sync._helpers import blank_like, make_state, plain_bytes, sparse_step
+from tests.sync._helpers import blank_like, make_state, needs_zstd, plain_bytes, sparse_step
 
 
 def _manifest(path):
@@ -477,15 +477,19 @@ def test_receive_timeout_named():
         receiver.receive(timeout=-1)
 
 
-def test_missing_zstandard_named_at_construction(monkeypatch):
-    """zstandard is optional: the default Sender (zstd deltas) says what to install when it
-    is built, not at its first delta; other encodings and full-only senders need nothing."""
+def test_missing_zstandard_named_at_construction(monkeypatch, caplog):
+    """zstandard is optional: an explicit encoding="zstd" says what to install when the
+    Sender is built, not at its first delta; the default falls back to gap16, logged."""
     import sys
+    from glm_kernels import _dispatch
     monkeypatch.setitem(sys.modules, "zstandard", None)
+    monkeypatch.setattr(_dispatch, "_warned", set())
     with pytest.raises(ImportError, match="pip install zstandard"):
-        sync.Sender(sync.LocalTransport())
+        sync.Sender(sync.LocalTransport(), encoding="zstd")
     link = sync.LocalTransport()
-    sender = sync.Sender(link, encoding="gap16")
+    with caplog.at_level("WARNING"):
+        sender = sync.Sender(link)
+    assert sender.encoding == "gap16" and "gap16" in caplog.text
     receiver = sync.Receiver(link, {"w": torch.zeros(4)})
     sender.publish({"w": torch.ones(4)})
     sender.publish({"w": torch.arange(4.0)})
@@ -519,3 +523,24 @@ def test_ipc_restarted_sender_followed_at_once():
     assert sync.Sender(link, bucket_bytes=1500).publish(fresh_state) == 1
     assert receiver.receive(timeout=5) == 1
     assert plain_bytes(params) == plain_bytes(fresh_state)
+
+
+@needs_zstd
+def test_zstd_delta_at_a_receiver_without_zstandard_is_a_refusal(monkeypatch):
+    """A receiver without the optional package refuses a zstd delta like any other (one
+    SyncError, full snapshot requested) instead of letting ImportError escape poll()."""
+    import sys
+    link = sync.LocalTransport()
+    sender = sync.Sender(link, encoding="zstd")
+    params = {"w": torch.zeros(64)}
+    receiver = sync.Receiver(link, params)
+    sender.publish({"w": torch.ones(64)})
+    assert receiver.poll() == 1
+    sender.publish({"w": torch.arange(64.0)})
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(sync.SyncError, match="zstandard"):
+        receiver.poll()
+    assert torch.equal(params["w"], torch.ones(64))
+    monkeypatch.delitem(sys.modules, "zstandard")
+    sender.publish({"w": torch.arange(64.0)})
+    assert sender.last_stats.full and receiver.poll() == 3

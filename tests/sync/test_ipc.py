@@ -11,7 +11,7 @@ from tests.sync._helpers import STEPS, ipc_receiver, make_state, plain_bytes, sp
 DRIFT_AT = 11   # the receiver damages its own copy before this step: refusal, then resync
 
 
-def _run(device, encoding="zstd"):
+def _run(device, encoding=None):
     ctx = mp.get_context("spawn")
     link = sync.IpcTransport(ctx, device=device)
     report_q = ctx.Queue()

@@ -13,7 +13,8 @@ from glm_kernels import sync
 from glm_kernels.delta import DeltaPacket, encode
 from glm_kernels.sync import receiver as receiver_mod
 from glm_kernels.sync.protocol import Update, delta_entry
-from tests.sync._helpers import blank_like, damage, make_state, raw_bytes, sparse_step
+from tests.sync._helpers import (ENC, ZSTD, blank_like, damage, make_state, raw_bytes,
+                                 sparse_step)
 
 
 def assert_same_bytes(a, b):
@@ -32,7 +33,7 @@ class TamperTransport(sync.LocalTransport):
         super().send(version, base, entries, bucket_bytes, epoch)
 
 
-def _synced(bucket_bytes=300, encoding="zstd"):
+def _synced(bucket_bytes=300, encoding=None):
     link = TamperTransport()
     state = make_state()
     sender = sync.Sender(link, encoding=encoding, bucket_bytes=bucket_bytes)
@@ -56,7 +57,7 @@ def _resealed_bad_value(entry):
     return delta_entry(entry.name, entry.shape, bad)
 
 
-@pytest.mark.parametrize("encoding", ["zstd", "gap16"])
+@pytest.mark.parametrize("encoding", [ZSTD, "gap16"])
 @pytest.mark.parametrize("where", ["layer.1.w", "step"])     # middle, last delta entry
 def test_poisoned_packet_refuses_the_whole_update(encoding, where):
     link, state, sender, receiver, params = _synced(encoding=encoding)
@@ -93,8 +94,8 @@ def test_two_entries_for_one_tensor_refused():
     w = state["layer.0.w"]
     w1 = w.clone(); w1.view(torch.int16)[3] += 1
     w2 = w1.clone(); w2.view(torch.int16)[5] += 1
-    entries = [delta_entry("layer.0.w", w.shape, encode(w1, w, encoding="zstd")),
-               delta_entry("layer.0.w", w.shape, encode(w2, w1, encoding="zstd"))]
+    entries = [delta_entry("layer.0.w", w.shape, encode(w1, w, encoding=ENC)),
+               delta_entry("layer.0.w", w.shape, encode(w2, w1, encoding=ENC))]
     before = raw_bytes(params)
     with pytest.raises(sync.SyncError, match="twice"):
         receiver.apply_update(Update(2, 1, entries))
@@ -119,7 +120,7 @@ def _python_peak(fn):
         tracemalloc.stop()
 
 
-@pytest.mark.parametrize("encoding", ["zstd", "gap16"])
+@pytest.mark.parametrize("encoding", [ZSTD, "gap16"])
 def test_no_tensor_sized_copy_while_applying_deltas(encoding):
     """Three 1 MiB tensors, 0.1 % of elements change: the receiver's allocations while it
     verifies and applies an update stay far below one tensor (the old receiver cloned every
@@ -152,7 +153,7 @@ def test_tied_tensors_written_once():
     verified against the same bytes and applied once (a base-relative packet applied twice
     would find the wrong base)."""
     link = sync.LocalTransport()
-    sender = sync.Sender(link, encoding="zstd")
+    sender = sync.Sender(link, encoding=ENC)
     shared = torch.randn(64, 9).bfloat16()
     state = {"embed": shared, "lm_head": shared, "norm": torch.randn(9)}
     tied = torch.empty_like(shared)
@@ -172,8 +173,8 @@ def test_tied_tensors_with_different_deltas_refused():
     wa, wb = w.clone(), w.clone()
     wa.view(torch.int16)[1] += 1
     wb.view(torch.int16)[2] += 1
-    entries = [delta_entry("a", w.shape, encode(wa, w, encoding="zstd")),
-               delta_entry("b", w.shape, encode(wb, w, encoding="zstd"))]
+    entries = [delta_entry("a", w.shape, encode(wa, w, encoding=ENC)),
+               delta_entry("b", w.shape, encode(wb, w, encoding=ENC))]
     with pytest.raises(sync.SyncError, match="share memory"):
         receiver.apply_update(Update(2, 1, entries))
     assert torch.equal(tied.view(torch.int16), w.view(torch.int16))
