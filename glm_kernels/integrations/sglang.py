@@ -54,7 +54,12 @@ def frames_to_named_tensors(frames: Sequence[Frame]) -> List[Tuple[str, torch.Te
 def named_tensors_to_frames(named_tensors) -> List[Frame]:
     """Inverse of :func:`frames_to_named_tensors`; raises SyncError on anything else."""
     parts: Dict[int, Dict[str, torch.Tensor]] = {}
-    for name, t in named_tensors:
+    for item in named_tensors:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise sync.SyncError(f"a delta update is a list of (name, uint8 tensor) pairs, "
+                                 f"got an item of type {type(item).__name__}")
+        name, t = item
         if not name.startswith(_PREFIX):
             raise sync.SyncError(f"unexpected tensor {name!r} in a delta update (expected "
                                  f"{_PREFIX}<i>/meta and /data)")

@@ -150,3 +150,10 @@ def test_zstd_bomb_in_a_delta_update_refused_with_bounded_memory():
     assert peak < 4 << 20, peak
     assert all(torch.equal(p, before[n]) for n, p in engine.named_parameters())
     assert plug.delta_version(engine) == 1
+
+
+def test_malformed_named_tensors_are_a_sync_error():
+    engine = Engine()
+    for bad in ([("glm_kernels.sync/0/meta", [1, 2])], [("glm_kernels.sync/0/meta",)], [7]):
+        with pytest.raises(sync.SyncError, match="pairs"):
+            plug.load_delta_frames(engine, bad)
