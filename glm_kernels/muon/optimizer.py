@@ -298,7 +298,8 @@ def _resolve_head_splits(model, head_splits) -> Dict[str, HeadSplit]:
 def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None] = "auto", *,
                       output_head: str = "adamw",
                       output_head_names: Sequence[str] = OUTPUT_HEAD_NAMES,
-                      decay_vectors: bool = False) -> List[dict]:
+                      decay_vectors: bool = False,
+                      adamw_lr: Optional[float] = None) -> List[dict]:
     """Param groups for :class:`MuonSplit` by the Muon Split routing rules.
 
     * vectors and scalars (biases, RMSNorm / LayerNorm scales): AdamW, weight decay 0 unless
@@ -313,14 +314,20 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
     names; no MLA projections -> no splits), "glm5" / "deepseek_v3" presets, None, or a dict
     from a parameter name, dotted suffix or module-name component (``"q_b_proj"``) to a
     HeadSplit or (num_heads, block_rows). Tensor-parallel shards are handled by MuonSplit.
-    Each group carries ``param_names``. Empty groups are left out.
+    Each group carries ``param_names``. Empty groups are left out. ``adamw_lr`` (optional)
+    is written into the AdamW groups as their ``lr``: needed where a wrapper fills every
+    group's ``lr`` before MuonSplit sees it (``ZeroRedundancyOptimizer(groups,
+    optimizer_class=MuonSplit, lr=..., adamw_lr=...)``). Call it after ``fully_shard``
+    for FSDP2 models: the groups then hold the DTensor parameters.
     """
     _dispatch.check_choice("output_head", output_head, ("adamw", "muon"))
+    adamw = {} if adamw_lr is None else {
+        "lr": _dispatch.check_finite_number("adamw_lr", adamw_lr, nonnegative=True)}
     splits = _resolve_head_splits(model, head_splits)
     embedding_ids = {id(p) for module in model.modules()
                      if "Embedding" in type(module).__name__
                      for p in module.parameters(recurse=False)}
-    muon, adamw, vectors = [], [], []
+    muon, adamw_params, vectors = [], [], []
     by_split: Dict[HeadSplit, list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -329,9 +336,9 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
         if p.dim() < 2:
             vectors.append((name, p))
         elif id(p) in embedding_ids:
-            adamw.append((name, p))
+            adamw_params.append((name, p))
         elif any(part in output_head_names for part in module_path) and output_head == "adamw":
-            adamw.append((name, p))
+            adamw_params.append((name, p))
         else:
             split = next((s for key, s in splits.items() if _matches(name, key)), None)
             (by_split.setdefault(split, []) if split is not None else muon).append((name, p))
@@ -342,9 +349,9 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
     groups = [group(muon, use_muon=True)] if muon else []
     groups += [group(entries, use_muon=True, head_split=split)
                for split, entries in by_split.items()]
-    if adamw:
-        groups.append(group(adamw, use_muon=False))
+    if adamw_params:
+        groups.append(group(adamw_params, use_muon=False, **adamw))
     if vectors:
-        groups.append(group(vectors, use_muon=False,
+        groups.append(group(vectors, use_muon=False, **adamw,
                             **({} if decay_vectors else {"weight_decay": 0.0})))
     return groups

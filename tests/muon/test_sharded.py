@@ -4,8 +4,9 @@ One spawn per world size runs everything on one model (aligned heads, straddling
 heads, plain and 3-D matrices, uneven and empty shards, AdamW parameters): five steps against
 one-process MuonSplit fed the same full gradients (bitwise), the state round trip (sharded ->
 sharded, full -> sharded, sharded -> full), the bytes moved by the step, counted by wrapping
-torch.distributed's collectives and DTensor's functional ones, a bad placement; world 2 also
-runs blocks big enough for threaded gemms.
+torch.distributed's collectives and DTensor's functional ones, a bad placement, and plain data
+parallelism through torch's ZeroRedundancyOptimizer; world 2 also runs blocks big enough for
+threaded gemms.
 """
 import math
 import os
@@ -241,9 +242,39 @@ def _body(rank, world, out_dir):
             verdicts["bad_placement"] = "no error"
         except ValueError as exc:
             verdicts["bad_placement"] = str(exc)
+        verdicts["zero"] = _zero_check(world)
     if world == 2:          # in the same spawn: starting processes costs more than the check
         verdicts["big"] = _big_check(world, mesh)
+        verdicts["docs_example"] = _docs_example(rank, world)
     return verdicts
+
+
+def _docs_example(rank, world):
+    """docs/muon.md's FSDP2 example (real forward/backward through fully_shard), run here."""
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "muon.md")
+    with open(doc) as f:
+        text = f.read()
+    start = text.index("# sharded_muon_example.py")
+    namespace = {"__name__": "sharded_muon_example"}
+    exec(compile(text[start:text.index("```", start)], doc, "exec"), namespace)
+    return namespace["train"](rank, world)
+
+
+def _zero_check(world):
+    """Plain data parallelism, ZeRO-1 style: torch's ZeroRedundancyOptimizer gives each rank
+    whole parameters, MuonSplit steps them, ZeRO broadcasts them: bitwise one process too."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    ref, ref_opt = _make(world)
+    torch.manual_seed(0)
+    model = Model(world)
+    opt = ZeroRedundancyOptimizer(muon_param_groups(model, Model.head_splits(world),
+                                                    adamw_lr=3e-3),
+                                  optimizer_class=MuonSplit, lr=0.02, adamw_lr=3e-3)
+    for step in range(1, 4):
+        _step(ref, ref_opt, step)
+        _step(model, opt, step)
+    owned = sum(len(g["params"]) for g in opt.optim.param_groups)
+    return {"mismatch": _mismatches(model, ref), "owned": owned}
 
 
 def _step_grad(p, mesh):
@@ -292,6 +323,15 @@ def _check(per_rank, world):
             assert nbytes >= stats["bytes_sent"], (where, step)
         if world == 2:
             assert v["big"] == {"mismatch": [], "collectives": 4}, (where, v["big"])
+        assert v["zero"]["mismatch"] == [], (where, v["zero"])
+    if world == 2:
+        # the docs example: kv_b's head 1 straddles (5 rows x 16 moved), o_proj 8 rows x 12;
+        # q_b's 4 heads align: in and out, fp32, over both ranks
+        stats = [v["docs_example"] for v in per_rank]
+        assert sum(s["bytes_sent"] for s in stats) == 2 * (5 * 16 + 8 * 12) * 4, stats
+        assert all(s["collectives"] == 4 for s in stats), stats
+    params = sum(1 for _ in Model(world).parameters())
+    assert sum(v["zero"]["owned"] for v in per_rank) == params      # each stepped by one rank
     lower, upper = per_rank[0]["bounds"]
     for step in range(SAVE_AFTER):
         sent = sum(v["sent"][step] for v in per_rank)
