@@ -9,7 +9,7 @@ import torch
 from .. import _dispatch
 from ..delta import DeltaPacket, apply_, verify
 from .protocol import (SyncError, Transport, TransportError, Update, VersionError, byte_view,
-                       digest, dtype_name)
+                       check_epoch, check_versions, digest, dtype_name)
 
 _KEPT_REFUSALS = 8        # poll() names at most this many refusals (and counts the rest)
 _RETIRED_EPOCHS = 16      # sender epochs this receiver has moved away from
@@ -196,7 +196,8 @@ class Receiver:
         return self.version
 
     def _check_version(self, update: Update) -> None:
-        epoch = getattr(update, "epoch", None)
+        check_versions(update.version, update.base)
+        epoch = check_epoch(getattr(update, "epoch", None))
         if update.base is None and epoch is not None and epoch != self.epoch:
             if epoch in self._retired:
                 raise VersionError(f"full snapshot v{update.version} comes from sender epoch "

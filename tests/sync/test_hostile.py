@@ -544,3 +544,12 @@ def test_zstd_delta_at_a_receiver_without_zstandard_is_a_refusal(monkeypatch):
     monkeypatch.delitem(sys.modules, "zstandard")
     sender.publish({"w": torch.arange(64.0)})
     assert sender.last_stats.full and receiver.poll() == 3
+
+
+def test_apply_update_checks_versions_and_epoch_fields():
+    receiver = sync.Receiver(sync.LocalTransport(), {"w": torch.zeros(2)})
+    for update in (sync.Update(-3, None, [], "ab12"), sync.Update(2, 2, []),
+                   sync.Update(True, None, []), sync.Update(1, None, [], "../x")):
+        with pytest.raises(sync.SyncError):
+            receiver.apply_update(update)
+    assert receiver.version == 0
