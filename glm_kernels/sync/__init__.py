@@ -11,9 +11,10 @@ from .disk import DiskTransport
 from .dist import BroadcastTransport
 from .ipc import IpcTransport
 from .local import LocalTransport
-from .protocol import Entry, SyncError, Transport, Update, VersionError
+from .protocol import Entry, SyncError, Transport, TransportError, Update, VersionError
 from .receiver import Receiver
 from .sender import PublishStats, Sender
 
-__all__ = ["Sender", "Receiver", "PublishStats", "SyncError", "VersionError", "Transport",
+__all__ = ["Sender", "Receiver", "PublishStats", "SyncError", "VersionError", "TransportError",
+           "Transport",
            "Update", "Entry", "LocalTransport", "IpcTransport", "BroadcastTransport", "DiskTransport"]
