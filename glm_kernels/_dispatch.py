@@ -78,6 +78,11 @@ def triton_available() -> bool:
     return triton_unavailable_reason() is None
 
 
+def torch_version() -> tuple:
+    """(major, minor, patch) of torch, for the few places a torch release's bug is avoided."""
+    return _version(torch.__version__)
+
+
 @functools.lru_cache(maxsize=None)
 def triton_version() -> tuple:
     """(major, minor, patch) of the importable Triton, (0, 0, 0) without one. Launch parameters
@@ -105,9 +110,29 @@ def interpreter_unavailable_reason() -> Optional[str]:
     return None
 
 
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+_interpret_at_import = _interpret_env()
+
+
 def interpreter_active() -> bool:
     """True when @triton.jit kernels defined from now on run in Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    if torch.compiler.is_compiling():
+        # torch 2.4's dynamo cannot trace os.environ.get; the value set before import (the
+        # documented contract) stands in while a graph is traced.
+        return _interpret_at_import
+    return _interpret_env()
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1), in plain integer steps that torch.compile
+    traces on every supported torch (torch 2.4's dynamo cannot trace int.bit_length)."""
+    power = 1
+    while power < n:
+        power *= 2
+    return power
 
 
 def _forced() -> Optional[str]:

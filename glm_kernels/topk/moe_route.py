@@ -61,8 +61,8 @@ class MoeRouteConfig:
 
 
 def make_moe_route_config(n_tokens: int, n_experts: int) -> MoeRouteConfig:
-    block = 1 << max(n_experts - 1, 0).bit_length()
-    rows = max(1, min(1 << max(n_tokens - 1, 0).bit_length(), 2048 // block))
+    block = _dispatch.next_power_of_2(n_experts)
+    rows = max(1, min(_dispatch.next_power_of_2(n_tokens), 2048 // block))
     return MoeRouteConfig(rows_per_program=rows, num_warps=4 if rows * block <= 2048 else 8)
 
 

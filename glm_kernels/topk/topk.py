@@ -68,8 +68,7 @@ class TopkConfig:
     num_warps: int = 8
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+_next_pow2 = _dispatch.next_power_of_2
 
 
 def _sm_count(device: torch.device) -> int:

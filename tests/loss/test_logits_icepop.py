@@ -13,9 +13,9 @@ from glm_kernels.loss.from_logits import icepop_loss_from_logits
 from tests._compare import assert_close
 from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE, LazyKernels
+from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 _logits_kernels = LazyKernels("glm_kernels.loss._logits_kernels")
-from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),

@@ -4,14 +4,15 @@ import pytest
 import torch
 
 import glm_kernels
+from glm_kernels import _dispatch
 from glm_kernels.loss import reverse_kl
 from glm_kernels.loss._logits_reference import reverse_kl_reference
 from glm_kernels.loss.reverse_kl import reverse_kl_from_logits
-from tests._compare import assert_close
+from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE, LazyKernels
+from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 _reverse_kl_kernels = LazyKernels("glm_kernels.loss._reverse_kl_kernels")
-from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
               pytest.mark.filterwarnings("ignore:divide by zero encountered")]
@@ -109,7 +110,18 @@ def test_torch_compile_fullgraph(any_backend):
 
     def step(x):
         return reverse_kl_from_logits(x, teacher, temperature=1.5).mean() * 3.0
-    check_compiled_matches_eager(step, student)
+    if _dispatch.torch_version() >= (2, 5):
+        check_compiled_matches_eager(step, student)
+        return
+    # torch 2.4: the op refuses to enter a graph (its dynamo gets the gradient wrong): a
+    # fullgraph compile raises, a plain compile breaks the graph and matches eager exactly.
+    with pytest.raises(Exception, match="disable"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(student.clone())
+    eager_x, compiled_x = student.clone().requires_grad_(), student.clone().requires_grad_()
+    step(eager_x).backward()
+    torch._dynamo.reset()
+    torch.compile(step, backend="aot_eager")(compiled_x).backward()
+    assert_close(compiled_x.grad, eager_x.grad, tol=TOLERANCES[torch.float32], name="grad")
 
 
 def test_opcheck_custom_ops():
