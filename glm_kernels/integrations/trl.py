@@ -60,6 +60,10 @@ INSTALL_HINT = "pip install 'trl==1.16.0' 'transformers==5.10.4'"
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 MODES = ("coupled", "decoupled")
 DECOUPLED_IS_MODES = ("token_mask", "token_truncate")
+# The [chunk, V] logits chunk of the fused loss. fused_linear_icepop_loss's own default is
+# 512 MiB; at V = 151,936 the CPU (torch) path then peaked above TRL's whole step (measured,
+# benchmarks/notes/trl.md), and 64 MiB still gives GEMMs of >= 128 tokens x V.
+DEFAULT_MEMORY_BUDGET = 64 << 20
 
 _classes: Dict[str, type] = {}
 
@@ -100,6 +104,11 @@ def generate_with_logprobs(prompts: List[Any], trainer) -> Dict[str, List[List[A
         if not isinstance(prompt, str):
             raise TypeError(f"prompts[{i}] must be a string (generate_with_logprobs does not "
                             f"apply chat templates), got {type(prompt).__name__}")
+    generation_config = getattr(trainer, "generation_config", None)
+    if generation_config is None:
+        raise ValueError("generate_with_logprobs samples with transformers' generate and needs "
+                         "the trainer's generation_config: use it without use_vllm and without "
+                         "use_transformers_continuous_batching")
     tokenizer = trainer.processing_class
     model = trainer.accelerator.unwrap_model(trainer.model)
     prompt_ids = tokenizer(text=list(prompts))["input_ids"]
@@ -114,7 +123,7 @@ def generate_with_logprobs(prompts: List[Any], trainer) -> Dict[str, List[List[A
             attention[row, width - len(ids):] = 1
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attention,
-                             generation_config=trainer.generation_config,
+                             generation_config=generation_config,
                              output_scores=True, return_dict_in_generate=True)
     generated = out.sequences[:, width:]
     if generated.shape[1] == 0:
@@ -168,8 +177,9 @@ def _build_classes() -> None:
             default=None, metadata={"help": "Tokens per [chunk, V] logits chunk (default: "
                                     "from icepop_memory_budget)."})
         icepop_memory_budget: Optional[int] = dataclasses.field(
-            default=None, metadata={"help": "Bytes for the [chunk, V] logits chunk (default "
-                                    "512 MiB)."})
+            default=DEFAULT_MEMORY_BUDGET,
+            metadata={"help": "Bytes for the [chunk, V] logits chunk (default 64 MiB; the "
+                      "torch path on CPU holds about five fp32 chunks at once)."})
         # TRL's default is sequence_mask; IcePop is token level.
         vllm_importance_sampling_mode: str = dataclasses.field(default="token_mask")
 
