@@ -188,8 +188,10 @@ def test_periodic_checkpoints_a_dead_rollout_is_restarted_and_a_failure_checkpoi
     assert (ckpt["stage"], ckpt["step"]) == ("rl:reverse", 5)      # written on the way out
     assert _adam_steps(ckpt) == {5}
     (event,) = [r for r in ckpt["records"] if r["kind"] == "event"]
-    died_at = event["step"]       # 2, or 3 when the kill took effect after the next step began
-    assert event["event"] == "rollout_restart" and died_at in (2, 3), event
+    # Seen dead after step 2, or a step or two later: a killed process is reaped only once all
+    # its threads are gone, and the trainer keeps training on the samples already queued.
+    died_at = event["step"]
+    assert event["event"] == "rollout_restart" and died_at in (2, 3, 4), event
     err = capsys.readouterr().err
     assert (f"rollout process pid {pids[0]} died (exit code -9) at step {died_at}; "
             f"restarting") in err
