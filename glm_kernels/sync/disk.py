@@ -509,4 +509,10 @@ class DiskTransport(Transport):
             return
         if self._delivered is not None:
             self._refused.add(self._delivered["v"])
-        self._atomic_write(REQUEST, lambda f: f.write(str(version).encode()))
+        try:
+            self._atomic_write(REQUEST, lambda f: f.write(str(version).encode()))
+        except OSError as exc:      # e.g. a read-only mount on the rollout host
+            _dispatch.warn_once(f"sync.disk.request:{self.path}",
+                                f"glm_kernels.sync: cannot ask for a full snapshot in "
+                                f"{self.path} ({exc}); the receiver waits for the sender's "
+                                f"periodic one (full_every)")

@@ -553,3 +553,16 @@ def test_apply_update_checks_versions_and_epoch_fields():
         with pytest.raises(sync.SyncError):
             receiver.apply_update(update)
     assert receiver.version == 0
+
+
+def test_refusal_on_a_read_only_directory_is_still_one_sync_error(tmp_path, monkeypatch):
+    state, sender, receiver, params = _disk_pair(tmp_path)
+    sender.publish(state)
+    receiver.poll()
+    _write_manifest(tmp_path, "{not json")
+
+    def read_only(*a, **k):
+        raise PermissionError("read-only file system")
+    monkeypatch.setattr(receiver.transport, "_atomic_write", read_only)
+    out = _poll_within(receiver)
+    assert isinstance(out.get("exc"), sync.SyncError) and "manifest" in str(out["exc"])
