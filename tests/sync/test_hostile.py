@@ -566,3 +566,20 @@ def test_refusal_on_a_read_only_directory_is_still_one_sync_error(tmp_path, monk
     monkeypatch.setattr(receiver.transport, "_atomic_write", read_only)
     out = _poll_within(receiver)
     assert isinstance(out.get("exc"), sync.SyncError) and "manifest" in str(out["exc"])
+
+
+def test_disk_directory_restarted_from_scratch_followed(tmp_path):
+    """The directory was wiped and a new trainer numbers from 1 again: a receiver holding v3
+    takes the new epoch's full snapshot at once."""
+    import shutil
+    d = tmp_path / "d"
+    state, sender, receiver, params = _disk_pair(d)
+    for step in range(3):
+        sparse_step(state, step + 1)
+        sender.publish(state)
+    assert receiver.poll() == 3
+    sender.transport.close()
+    shutil.rmtree(d)
+    fresh = make_state(seed=6)
+    assert sync.Sender(sync.DiskTransport(d), bucket_bytes=1500).publish(fresh) == 1
+    assert receiver.poll() == 1 and plain_bytes(params) == plain_bytes(fresh)
