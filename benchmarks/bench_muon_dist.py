@@ -16,6 +16,10 @@ sharded MuonSplit vs the gather-everything baseline (all_gather of every gradien
 runs one-process MuonSplit on the full matrices) vs one process alone on the full matrices.
 
     python benchmarks/bench_muon_dist.py [--quick] [--cpu] [--json out.json] [--world N]
+
+``--quick``: world 4, 3 repeats (default world 8, 7 repeats). ``--cpu`` is accepted like every
+bench's; the timing here is always CPU gloo (a GPU step time needs two or more GPUs and NCCL:
+not measured).
 """
 import math
 import os
@@ -195,8 +199,8 @@ def run(quick=False, cpu=False, world=None):
                          "sharded_bytes_sent_all_ranks"])
     met = all(r["ratio"] <= r["goal_ratio"] + 1e-12 for r in table)
     print(f"goals: {GOALS}: {'met' if met else 'NOT met'}")
-    return {"bytes": table, "balance": balance, "cpu_timing": timing, "goals": GOALS, "goals_met": met,
-            "env": _common.environment()}
+    return {"bytes": table, "balance": balance, "cpu_timing": timing, "goals": GOALS,
+            "goals_met": met, "env": _common.environment()}
 
 
 def main():

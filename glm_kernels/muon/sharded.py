@@ -371,9 +371,8 @@ def sharded_muon_step(group: dict, params: List[torch.Tensor], state, stats: dic
         lone = blocks.shape[0] == 1 and plan.heads[members[0][0].index] > 1
         uses.append(("owned", key, members, len(sources)))
         sources.append(torch.cat([blocks, blocks]) if lone else blocks)
-    for i, l in enumerate(layouts):
-        count, parts = _units(l.rows, split)
-        reference_ms += [min(r, l.cols) for r in parts]
+    for l in layouts:           # the blocks one process would batch (Triton tile choice)
+        reference_ms += [min(r, l.cols) for r in _units(l.rows, split)[1]]
     results = _run_ns(sources, reference_ms, schedule, method, backend) if sources else []
     out_dtype = _result_dtype(backend, method)
     for result in results:

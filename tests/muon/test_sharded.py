@@ -28,6 +28,10 @@ needs_fsdp2 = pytest.mark.skipif(
     API.fully_shard is None or not dist.is_available() or not dist.is_gloo_available(),
     reason="needs torch.distributed with gloo and FSDP2 fully_shard (torch >= 2.4)")
 STEPS, SAVE_AFTER = 5, 3
+# FSDP2's forward needs CUDA before torch 2.6 ("FSDP requires CUDA for streams" in 2.4 and
+# 2.5.1): the docs example (a real forward/backward) runs from 2.6; the optimizer runs on
+# FSDP2 parameters from 2.4 (tested with 2.4.1).
+FSDP2_CPU_FORWARD = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)
 
 
 class Attention(nn.Module):
@@ -245,7 +249,8 @@ def _body(rank, world, out_dir):
         verdicts["zero"] = _zero_check(world)
     if world == 2:          # in the same spawn: starting processes costs more than the check
         verdicts["big"] = _big_check(world, mesh)
-        verdicts["docs_example"] = _docs_example(rank, world)
+        if FSDP2_CPU_FORWARD:
+            verdicts["docs_example"] = _docs_example(rank, world)
     return verdicts
 
 
@@ -324,7 +329,7 @@ def _check(per_rank, world):
         if world == 2:
             assert v["big"] == {"mismatch": [], "collectives": 4}, (where, v["big"])
         assert v["zero"]["mismatch"] == [], (where, v["zero"])
-    if world == 2:
+    if world == 2 and FSDP2_CPU_FORWARD:
         # the docs example: kv_b's head 1 straddles (5 rows x 16 moved), o_proj 8 rows x 12;
         # q_b's 4 heads align: in and out, fp32, over both ranks
         stats = [v["docs_example"] for v in per_rank]
