@@ -13,11 +13,12 @@ so H = log s - t / s never subtracts two large numbers.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .._aot import AotSpec
-from ._kernels import icepop_token_math, is_finite, mismatch_token_math
+from ._kernels import icepop_token_math, is_finite
 
 NEG_INF = float("-inf")
 
@@ -175,8 +176,7 @@ def _store_grad_tile(out, z, cols, V, tid, lse, coef):
 def _icepop_logits_kernel(
     # inputs: logits [N, V]; per token [N]: ids, rollout, old, advantages, mask, reduction scale
     logits_ptr, ids_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr, scale_ptr,
-    # outputs: dL/dlogits [N, V] (may alias logits_ptr), IcePop stats rows [N, 8 or 14],
-    # flag [1]
+    # outputs: dL/dlogits [N, V] (may alias logits_ptr), IcePop stats rows [N, 8], flag [1]
     grad_ptr, rows_ptr, flag_ptr,
     # shapes and runtime floats
     n_rows, V, stride_row, stride_grad, inv_temp, gate_low, gate_high, clip_low, clip_high,
@@ -238,17 +238,27 @@ def _icepop_logits_kernel(
             clip_high, HAS_OLD)
 
         counted = masked & (gate_ratio == gate_ratio)
-        if METRICS:
-            stats = rows_ptr + row * 14
-        else:
-            stats = rows_ptr + row * 8
+        stats = rows_ptr + row * 8
         tl.store(stats + 0, loss)
         tl.store(stats + 1, masked.to(tl.float32))
         tl.store(stats + 2, (masked & train_ok & ~in_gate).to(tl.float32))
         tl.store(stats + 3, (keep & branch_cut).to(tl.float32))
-        tl.store(stats + 4, tl.where(counted, gate_ratio, 0.0))
-        tl.store(stats + 5, tl.where(counted, gate_ratio, float("-inf")))
-        tl.store(stats + 6, tl.where(counted, gate_ratio, float("inf")))
+        if METRICS:
+            # Per token, columns 4-6 (the ratio as sum / max / min candidates) follow from the
+            # gate's log-ratio train - rollout and column 7: with metrics the kernel stores
+            # that raw log-ratio in column 4 and the train-side non-finite flag in column 5,
+            # and ``expand_metric_rows`` builds the 14-column rows: no extra store or math in
+            # the kernel. (The three-tile plan, at 64 registers, still gets a stack frame with
+            # these stores: a metrics launch streams those rows, LogitsLaunchConfig.row_plan.)
+            if HAS_OLD:
+                tl.store(stats + 4, base_lp - rollout)
+            else:
+                tl.store(stats + 4, lp - rollout)
+            tl.store(stats + 5, (masked & ~train_ok).to(tl.float32))
+        else:
+            tl.store(stats + 4, tl.where(counted, gate_ratio, 0.0))
+            tl.store(stats + 5, tl.where(counted, gate_ratio, float("-inf")))
+            tl.store(stats + 6, tl.where(counted, gate_ratio, float("inf")))
         tl.store(stats + 7, counted.to(tl.float32))
 
         if STORE_GRAD:
@@ -267,21 +277,6 @@ def _icepop_logits_kernel(
                 if ROW_TILES >= 3:
                     _store_grad_tile(out, x2.to(tl.float32) * inv_temp, cols2, V, tid, lse,
                                      coef)
-        if METRICS:
-            # After the gradient: the row's register tiles are dead by now (a per-row scalar
-            # tail; computed earlier it spilled next to three resident bf16 tiles).
-            if HAS_OLD:
-                train = base_lp
-            else:
-                train = lp
-            nonfinite, in_m, d, k3, chi2, gate_out = mismatch_token_math(
-                train, rollout, gate_ratio, in_gate, masked, train_ok)
-            tl.store(stats + 8, nonfinite.to(tl.float32))
-            tl.store(stats + 9, in_m.to(tl.float32))
-            tl.store(stats + 10, d)
-            tl.store(stats + 11, k3)
-            tl.store(stats + 12, chi2)
-            tl.store(stats + 13, gate_out.to(tl.float32))
 
 
 @triton.jit
@@ -334,11 +329,11 @@ def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag,
                   gate_low, gate_high, clip_low, clip_high, block_v, row_tiles, num_warps,
                   max_programs, metrics=False):
     """row_tiles 0: streamed rows (tile block_v); 1..3: rows held in that many register
-    tiles of block_v columns (V <= row_tiles * block_v). ``rows`` is [N, 8], or [N, 14] with
-    ``metrics``."""
+    tiles of block_v columns (V <= row_tiles * block_v). ``rows`` [N, 8] receives the stats;
+    returns them, or with ``metrics`` the [N, 14] rows built from them."""
     n, v = logits.shape
     if n == 0:
-        return
+        return expand_metric_rows(rows) if metrics else rows
     store_grad = grad is not None
     _icepop_logits_kernel[(min(n, max_programs),)](
         logits, ids, rollout, rollout if old is None else old, adv,
@@ -347,6 +342,31 @@ def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag,
         gate_high, clip_low, clip_high, HAS_OLD=old is not None, HAS_MASK=mask is not None,
         STORE_GRAD=store_grad, METRICS=metrics, ROW_TILES=row_tiles, BLOCK_V=block_v,
         num_warps=num_warps)
+    return expand_metric_rows(rows) if metrics else rows
+
+
+def expand_metric_rows(rows):
+    """[N, 8] rows of a METRICS launch -> the [N, 14] stats rows of loss/_kernels.py's layout.
+
+    Column 4 holds the gate's raw log-ratio x = train - rollout, column 5 the train-side
+    non-finite flag (column 6 is unused). With masked (1), popped (2) and counted (7): the
+    ratio e^clamp(x, -20, 20) for columns 4-6; M = masked & ~nonfinite & finite(x);
+    d = clamp(x, -20, 20) on M; gate_out = M & popped (on M, popped = outside the gate);
+    r - 1 - d = expm1(d) - d and r^2 - 1 = expm1(2 d) in fp64 (no cancellation). Device
+    elementwise ops on the O(tokens) rows the kernel wrote: no input is read again, no sync.
+    """
+    counted = rows[:, 7] != 0
+    raw = rows[:, 4]
+    ratio = torch.exp(raw.clamp(-20.0, 20.0))
+    nonfinite = rows[:, 5] != 0
+    in_m = (rows[:, 1] != 0) & ~nonfinite & torch.isfinite(raw)
+    d = torch.where(in_m, raw.double().clamp(-20.0, 20.0), 0.0)
+    inf = float("inf")
+    return torch.stack([
+        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], torch.where(counted, ratio, 0.0),
+        torch.where(counted, ratio, -inf), torch.where(counted, ratio, inf), rows[:, 7],
+        nonfinite.float(), in_m.float(), d.float(), (torch.expm1(d) - d).float(),
+        torch.expm1(2.0 * d).float(), (in_m & (rows[:, 2] != 0)).float()], -1)
 
 
 def scale_inplace(x, factor, *, block=4096, num_warps=4):
@@ -394,7 +414,8 @@ def _aot_specs():
                    "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32",
                    "HAS_OLD": "constexpr", "HAS_MASK": "constexpr", "STORE_GRAD": "constexpr",
                    "METRICS": "constexpr", "ROW_TILES": "constexpr", "BLOCK_V": "constexpr"}
-            for metrics in (False, True):
+            # A metrics launch never takes the three-tile plan (LogitsLaunchConfig.row_plan).
+            for metrics in ((False,) if row_tiles == 3 else (False, True)):
                 specs.append(AotSpec(
                     f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block},"
                     f"metrics={metrics}]",

@@ -81,10 +81,9 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
             grad.copy_(full_grad)
     else:
         cfg = config or cfg
-        rows = torch.empty((n, STATS_COLS[metrics]), dtype=torch.float32,
-                           device=logits.device)
-        row_tiles, block_v, num_warps = cfg.row_plan(v, logits.element_size())
-        kernels.icepop_logits(
+        rows = torch.empty((n, _NUM_STATS), dtype=torch.float32, device=logits.device)
+        row_tiles, block_v, num_warps = cfg.row_plan(v, logits.element_size(), metrics)
+        rows = kernels.icepop_logits(
             logits, token_ids, rollout, old, adv, mask, scale, grad, rows, flag,
             inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, block_v=block_v, row_tiles=row_tiles,

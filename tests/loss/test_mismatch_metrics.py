@@ -233,20 +233,36 @@ def test_logits_kernel_writes_every_metric_column(kernel_backend):
     g = torch.Generator().manual_seed(6)
     n, v = 10, 300
     logits = torch.randn(n, v, generator=g).to(DEVICE)
-    ids = torch.randint(0, v, (n,), generator=g).to(DEVICE)
-    rollout = (selective_logprobs_reference(logits, ids) + 0.3).to(DEVICE)
+    ids_all = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     cfg = logprobs.make_launch_config("interpret")
-    for dtype in (torch.float32, torch.bfloat16):
-        x = logits.to(dtype)
-        row_tiles, block_v, warps = cfg.row_plan(v, x.element_size())
-        rows = torch.full((n, _kernels.NUM_STATS_METRICS), NAN, device=DEVICE)
-        _logits_kernels.icepop_logits(
+    # 300 columns: streamed (fp32) and, with metrics, streamed instead of three bf16 tiles;
+    # 200: one register tile.
+    for dtype, v in ((torch.float32, 300), (torch.bfloat16, 300), (torch.float32, 200)):
+        x = logits[:, :v].to(dtype)
+        ids = ids_all % v
+        rollout = selective_logprobs_reference(x, ids) + 0.3
+        row_tiles, block_v, warps = cfg.row_plan(v, x.element_size(), metrics=True)
+        rows = torch.full((n, _kernels.NUM_STATS), NAN, device=DEVICE)
+        full = _logits_kernels.icepop_logits(
             x, ids, rollout, None, torch.ones(n, device=DEVICE), None,
             torch.full((n,), 0.1, device=DEVICE), None, rows,
             torch.zeros(1, dtype=torch.int32, device=DEVICE), inv_temp=1.0, gate_low=0.5,
             gate_high=2.0, clip_low=0.8, clip_high=1.28, block_v=block_v, row_tiles=row_tiles,
             num_warps=warps, max_programs=3, metrics=True)
-        assert not torch.isnan(rows[:, :5]).any() and not torch.isnan(rows[:, 7:]).any()
+        # Every column the kernel owns was written (4, 5 carry the metric terms; 6 unused).
+        assert not torch.isnan(rows[:, [0, 1, 2, 3, 4, 5, 7]]).any()
+        assert full.shape == (n, _kernels.NUM_STATS_METRICS)
+        assert not torch.isnan(full[:, :5]).any() and not torch.isnan(full[:, 7:]).any()
+        d = full[:, 10].double()
+        assert torch.equal(full[:, 11], (torch.expm1(d) - d).float())
+
+
+def test_metrics_launch_streams_instead_of_three_tiles():
+    from glm_kernels.loss import logprobs
+    cfg = logprobs.LogitsLaunchConfig()
+    assert cfg.row_plan(19360, 2) == (3, 8192, 32)
+    assert cfg.row_plan(19360, 2, metrics=True)[0] == 0          # no spill-free variant yet
+    assert cfg.row_plan(1000, 2, metrics=True) == cfg.row_plan(1000, 2)
 
 
 def test_reductions_are_deterministic(kernel_backend):
@@ -307,3 +323,14 @@ class TestArgumentsNameThemselves:
 
     def test_icepop_module_exports(self):
         assert icepop.mismatch_metrics is mismatch_metrics
+
+
+def test_docs_icepop_examples_run():
+    """docs/icepop.md's example (metrics included) runs as written on the torch backend."""
+    import doctest
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "icepop.md")
+    with glm_kernels.force_backend("torch"):
+        result = doctest.testfile(path, module_relative=False,
+                                  optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0, result
