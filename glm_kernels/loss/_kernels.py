@@ -222,9 +222,10 @@ def _icepop_aot_specs():
         for has_old in (False, True):
             for metrics in (False, True):
                 sig = dict(signature, logprobs_ptr=f"*{lp_dtype}")
+                # With metrics a launch uses at most 2048 tokens per program (icepop.py).
                 constexprs = dict(HAS_OLD=has_old, HAS_MASK=True, ADV_PER_SEQ=False,
                                   STORE_LOSS=False, STORE_GRAD=True, METRICS=metrics,
-                                  BLOCK=4096)
+                                  BLOCK=2048 if metrics else 4096)
                 for name in constexprs:
                     sig[name] = "constexpr"
                 specs.append(AotSpec(f"icepop_fwd[{lp_dtype},old={has_old},metrics={metrics}]",

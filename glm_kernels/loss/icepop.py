@@ -25,6 +25,7 @@ from . import _checks, _reference
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8
+_BLOCK_GPU_METRICS = 2048
 _BLOCK_INTERPRET = 1024
 _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max / min / count
 _NUM_STATS_METRICS = 14        # + nonfinite, |M|, sums over M of d, k3, chi2, gate_out
@@ -72,8 +73,11 @@ def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, 
     n = logprobs.numel()
     block = _BLOCK_INTERPRET if interpret else _BLOCK_GPU
     if metrics:
-        # Rows of row_len tokens, each covered by its own programs (per-sequence sums).
-        block = min(block, max(16, 1 << max(row_len - 1, 0).bit_length()))
+        # Rows of row_len tokens, each covered by its own programs (per-sequence sums). On
+        # the GPU at most 2048 tokens per program: with the metric sums a 4096-token program
+        # needs 146-186 registers a thread at 8 warps (one program per SM, sm_90 AOT).
+        cap = block if interpret else _BLOCK_GPU_METRICS
+        block = min(cap, max(16, 1 << max(row_len - 1, 0).bit_length()))
     else:
         row_len = max(n, 1)                   # one flat row
     warps = _WARPS_GPU if block >= 2048 else 4
