@@ -130,6 +130,17 @@ def _topk_desc(x, K: tl.constexpr):
 
 # --------------------------------------------------------------------------- short rows
 @triton.jit
+def _fill_like(zeros, fill, IS_FLOAT: tl.constexpr):
+    """``fill`` in the dtype of the zero tile ``zeros``. Floats go through fp32 (the fill is
+    +-inf, exact in every float type) because Triton 3.6's interpreter has no bf16 scalar
+    constants; the compiled code folds either form to one constant."""
+    if IS_FLOAT:
+        return (zeros.to(tl.float32) + fill).to(zeros.dtype)
+    else:
+        return zeros + fill
+
+
+@triton.jit
 def _topk_short_kernel(
     # tensors: x [rows, row_stride], lengths [rows] (int32/int64), outputs [rows, k]
     x_ptr, lengths_ptr, values_ptr, indices_ptr,
@@ -176,7 +187,8 @@ def _topk_short_kernel(
         tl.store(indices_ptr + dst, cols[None, :].to(tl.int64), mask=chosen)
         count = tl.sum(chosen_i, axis=1)
         empty = row_ok[:, None] & (slot >= count[:, None]) & (slot < k)
-        fill_value = tl.zeros([ROWS, K_POW2], values_ptr.dtype.element_ty) + fill
+        fill_value = _fill_like(tl.zeros([ROWS, K_POW2], values_ptr.dtype.element_ty), fill,
+                                IS_FLOAT)
         tl.store(values_ptr + out_offs, fill_value, mask=empty)
         tl.store(indices_ptr + out_offs, tl.zeros([ROWS, K_POW2], tl.int64) - 1, mask=empty)
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .._aot import AotSpec
 from .._dispatch import triton_version
-from ._kernels import PAD, _order_key, _pack, _topk_desc, _unpack_index
+from ._kernels import PAD, _fill_like, _order_key, _pack, _topk_desc, _unpack_index
 
 
 @triton.jit
@@ -206,7 +206,8 @@ def _topk_radix_kernel(
                                          KEY_BITS, LARGEST, TILE)
             for base in range(taken, k, TILE):           # slots no entry filled
                 slots = base + tl.arange(0, TILE)
-                fill_value = tl.zeros([TILE], values_ptr.dtype.element_ty) + fill
+                fill_value = _fill_like(tl.zeros([TILE], values_ptr.dtype.element_ty), fill,
+                                        IS_FLOAT)
                 tl.store(values_ptr + out_row + slots, fill_value, mask=slots < k)
                 tl.store(indices_ptr + out_row + slots, tl.zeros([TILE], tl.int64) - 1,
                          mask=slots < k)
