@@ -6,7 +6,7 @@ one-process MuonSplit fed the same full gradients (bitwise), the state round tri
 sharded, full -> sharded, sharded -> full), the bytes moved by the step, counted by wrapping
 torch.distributed's collectives and DTensor's functional ones, a bad placement, and plain data
 parallelism through torch's ZeroRedundancyOptimizer; world 2 also runs blocks big enough for
-threaded gemms.
+threaded gemms, a torch.distributed.checkpoint round trip and the docs example.
 """
 import math
 import os
@@ -249,9 +249,35 @@ def _body(rank, world, out_dir):
         verdicts["zero"] = _zero_check(world)
     if world == 2:          # in the same spawn: starting processes costs more than the check
         verdicts["big"] = _big_check(world, mesh)
+        verdicts["dcp_mismatch"] = _dcp_check(world, mesh)
         if FSDP2_CPU_FORWARD:
             verdicts["docs_example"] = _docs_example(rank, world)
     return verdicts
+
+
+def _dcp_check(world, mesh):
+    """torch.distributed.checkpoint's full optimizer state_dict (keyed by name, gathered) out
+    of a sharded MuonSplit and back into a fresh one: two more steps still bitwise."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True)
+    with glm_kernels.force_backend("torch"):
+        ref, ref_opt = _make(world)
+        model, opt = _make(world, mesh)
+        for step in range(1, 3):
+            _step(ref, ref_opt, step)
+            _step(model, opt, step, mesh)
+        saved = get_optimizer_state_dict(model, opt, options=options)
+        fresh, fresh_opt = _make(world, mesh)
+        with torch.no_grad():
+            for p, source in zip(fresh.parameters(), model.parameters()):
+                p.to_local().copy_(source.to_local())
+        set_optimizer_state_dict(fresh, fresh_opt, saved, options=options)
+        for step in range(3, 5):
+            _step(ref, ref_opt, step)
+            _step(fresh, fresh_opt, step, mesh)
+        return _mismatches(fresh, ref)
 
 
 def _docs_example(rank, world):
@@ -329,6 +355,9 @@ def _check(per_rank, world):
         if world == 2:
             assert v["big"] == {"mismatch": [], "collectives": 4}, (where, v["big"])
         assert v["zero"]["mismatch"] == [], (where, v["zero"])
+    if world == 2:
+        assert all(v["dcp_mismatch"] == [] for v in per_rank), [v["dcp_mismatch"]
+                                                               for v in per_rank]
     if world == 2 and FSDP2_CPU_FORWARD:
         # the docs example: kv_b's head 1 straddles (5 rows x 16 moved), o_proj 8 rows x 12;
         # q_b's 4 heads align: in and out, fp32, over both ranks
