@@ -345,11 +345,13 @@ def interpreter_metrics_side_by_side(n_tokens=64, vocab=700, hidden=64) -> dict:
     """return_metrics False vs True, fwd+bwd, in Triton's interpreter on the CPU (the fused
     from-logits pass; the fused-linear loss, whose matmuls run in torch). CPU interpreter
     figures: they say nothing about GPU time (not measured on GPU)."""
-    inp = make_inputs(n_tokens, vocab, "cpu", seed=3, hidden=hidden)
     rows = []
     with glm_kernels.force_backend("interpret"):
-        for section, providers in (("from_logits", _from_logits_providers("cpu", False)[0]),
-                                   ("fused_linear", _fused_linear_providers("cpu", False)[0])):
+        for section, providers, inp in (
+                ("from_logits", _from_logits_providers("cpu", False)[0],
+                 make_inputs(n_tokens, vocab, "cpu", seed=3)),
+                ("fused_linear", _fused_linear_providers("cpu", False)[0],
+                 make_inputs(n_tokens, vocab, "cpu", seed=3, hidden=hidden))):
             row = {"op": f"{section} ({n_tokens} x {vocab})"}
             for name, key in (("glm_kernels", "metrics_off_ms"),
                               ("glm_kernels_metrics", "metrics_on_ms")):
