@@ -80,12 +80,13 @@ class BigModel(nn.Module):
         return {"q_b_proj": HeadSplit(3, [64, 16])}
 
 
-def _make(world, mesh=None, cls=Model):
+def _make(world, mesh=None, cls=Model, ns_steps=5):
     torch.manual_seed(0)
     model = cls(world)
     if mesh is not None:
         API.fully_shard(model, mesh=mesh)
-    opt = MuonSplit(muon_param_groups(model, cls.head_splits(world)), lr=0.02, adamw_lr=3e-3)
+    opt = MuonSplit(muon_param_groups(model, cls.head_splits(world)), lr=0.02, adamw_lr=3e-3,
+                    ns_steps=ns_steps)
     return model, opt
 
 
@@ -250,9 +251,38 @@ def _body(rank, world, out_dir):
     if world == 2:          # in the same spawn: starting processes costs more than the check
         verdicts["big"] = _big_check(world, mesh)
         verdicts["dcp_mismatch"] = _dcp_check(world, mesh)
+        verdicts["interpret"] = _interpret_check(world, mesh)
         if FSDP2_CPU_FORWARD:
             verdicts["docs_example"] = _docs_example(rank, world)
     return verdicts
+
+
+class KernelModel(nn.Module):
+    """Aligned q_b (4 heads over 2 ranks), straddling kv_b (3 heads), a plain matrix."""
+
+    def __init__(self, world):
+        super().__init__()
+        self.attn = Attention(2 * world, world + 1)
+
+    @staticmethod
+    def head_splits(world):
+        return {"q_b_proj": HeadSplit(2 * world, [6, 2]),
+                "kv_b_proj": HeadSplit(world + 1, [6, 4])}
+
+
+def _interpret_check(world, mesh):
+    """The Triton kernels (interpreter: bf16 results, 2-byte rows on the way back) in the
+    sharded step against one process running the same kernels: bitwise."""
+    from glm_kernels import _dispatch
+    reason = _dispatch.interpreter_unavailable_reason()
+    if reason is not None or os.environ.get("TRITON_INTERPRET") != "1":
+        return f"skipped: {reason or 'TRITON_INTERPRET is not set'}"
+    with glm_kernels.force_backend("interpret"):     # one NS step: the interpreter is slow
+        ref, ref_opt = _make(world, cls=KernelModel, ns_steps=1)
+        model, opt = _make(world, mesh, cls=KernelModel, ns_steps=1)
+        _step(ref, ref_opt, 1)
+        _step(model, opt, 1, mesh)
+    return _mismatches(model, ref)
 
 
 def _dcp_check(world, mesh):
@@ -358,6 +388,9 @@ def _check(per_rank, world):
     if world == 2:
         assert all(v["dcp_mismatch"] == [] for v in per_rank), [v["dcp_mismatch"]
                                                                for v in per_rank]
+        interpret = [v["interpret"] for v in per_rank]
+        if not str(interpret[0]).startswith("skipped"):
+            assert interpret == [[]] * world, interpret
     if world == 2 and FSDP2_CPU_FORWARD:
         # the docs example: kv_b's head 1 straddles (5 rows x 16 moved), o_proj 8 rows x 12;
         # q_b's 4 heads align: in and out, fp32, over both ranks
