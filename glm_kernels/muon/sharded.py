@@ -25,7 +25,7 @@ goes to a threaded gemm (bitwise different with 2+ threads). So a block is never
 batch of one here where one process runs it in a batch of num_heads >= 2: a lone head is
 paired with a copy of itself. On the Triton path each block is computed by its own programs;
 the row tile of the left products is pinned to the one-process choice (it depends on the
-batch), so results are expected to agree bitwise there too (not measured on GPU).
+batch): bitwise under the interpreter (tested), expected on GPU (not measured there).
 """
 import functools
 import math
