@@ -89,7 +89,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- layouts
 def chunk_ranges(rows: int, world: int) -> Tuple[Tuple[int, int], ...]:
     """Rows [start, stop) of each rank under Shard(0) / FSDP2 / torch.chunk: ceil(rows / world)
-    per rank, the last ranks fewer or none (10 rows over 4: 3, 3, 3, 1)."""
+    per rank, the last ranks fewer or none.
+
+    >>> chunk_ranges(10, 4)
+    ((0, 3), (3, 6), (6, 9), (9, 10))
+    >>> chunk_ranges(2, 3)
+    ((0, 1), (1, 2), (2, 2))
+    """
     size = -(-rows // world)
     return tuple((min(r * size, rows), min((r + 1) * size, rows)) for r in range(world))
 
@@ -175,7 +181,19 @@ def _units(rows: int, split: Optional[HeadSplit]) -> Tuple[int, Tuple[int, ...]]
 @functools.lru_cache(maxsize=256)
 def plan_group(matrices: Tuple[Tuple[int, int, Tuple[Tuple[int, int], ...]], ...],
                split: Optional[HeadSplit], steps: int, rank: int, world: int) -> GroupPlan:
-    """The plan of one Muon group: ``matrices`` = (rows, cols, ranges) per parameter."""
+    """The plan of one Muon group: ``matrices`` = (rows, cols, ranges) per parameter.
+
+    GLM-5 q_b (64 heads of [192, 64] rows, 2048 columns) over 8 ranks: each rank's 8 heads
+    are local, nothing moves. Over 6 ranks, the heads cut by a shard boundary get an owner:
+
+    >>> q_b = HeadSplit(64, [192, 64])
+    >>> plan = plan_group(((16384, 2048, chunk_ranges(16384, 8)),), q_b, 5, rank=3, world=8)
+    >>> plan.local, plan.items, plan.moves
+    (((24, 32),), (), False)
+    >>> plan = plan_group(((16384, 2048, chunk_ranges(16384, 6)),), q_b, 5, rank=0, world=6)
+    >>> [(item.start // 256, item.owner, item.pieces) for item in plan.items][:2]
+    [(10, 0, ((1, 2731, 2816),)), (21, 2, ((1, 5376, 5462),))]
+    """
     loads = [0] * world
     local, pending, heads = [], [], []
     for index, (rows, cols, ranges) in enumerate(matrices):

@@ -437,6 +437,12 @@ def test_plan_balances_and_keeps_aligned_heads_local():
     assert len(item.pieces) == 1 and item.pieces[0][0] != item.owner
 
 
+def test_docstring_examples():
+    import doctest
+    failed, attempted = doctest.testmod(sharded, verbose=False)
+    assert attempted > 0 and failed == 0, f"{failed} of {attempted}"
+
+
 def test_lone_head_batch_is_bitwise_the_full_batch():
     """The property the sharded path relies on, at this process's thread count: a head
     computed in a batch of >= 2 (another head, or a copy of itself) equals the same head in
