@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.delta import DeltaKernelConfig, DeltaPacket, apply_, encode, verify
+from glm_kernels.delta import DeltaPacket, apply_, encode, verify
 from glm_kernels.delta import _host_codec
 from glm_kernels.delta import _reference as ref
 from glm_kernels.delta.packet import HEADER_BYTES
-from tests.conftest import DEVICE, KERNEL_BACKEND, skip_without_kernels
 from tests.delta._cases import random_pair
+from tests.delta.conftest import path_kwargs
 
 try:
     import zstandard
@@ -23,26 +23,10 @@ except ImportError:            # optional: only the zstd cases skip
     zstandard = None
 needs_zstd = pytest.mark.skipif(zstandard is None, reason="zstandard not installed")
 
-SMALL = DeltaKernelConfig(block=1024, apply_block=1024)
 
 
-@pytest.fixture(params=["cpp", "numpy", "kernels"])
-def path(request, monkeypatch):
-    if request.param == "kernels":
-        skip_without_kernels()
-        backend, device = KERNEL_BACKEND, DEVICE
-    else:
-        if request.param == "cpp" and _host_codec._ext is None:
-            pytest.skip("C++ host extension not built")
-        if request.param == "numpy":
-            monkeypatch.setattr(_host_codec, "_ext", None)
-        backend, device = "torch", "cpu"
-    with glm_kernels.force_backend(backend):
-        yield request.param, device
 
 
-def _kw(path):
-    return dict(config=SMALL) if path[0] == "kernels" else {}
 
 
 def _bomb(numel: int, declared: int, with_size: bool = True) -> DeltaPacket:
@@ -75,7 +59,7 @@ def test_zstd_bomb_refused_before_decompressing(path, with_size):
     tracemalloc.start()
     try:
         with pytest.raises(ValueError, match="corrupt zstd delta payload"):
-            apply_(target, pkt, **_kw(path))
+            apply_(target, pkt, **path_kwargs(path))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -164,9 +148,9 @@ def test_in_memory_packet_checked_before_any_kernel(path, case):
     old, cases = _memory_packets(path[1])
     target = old.clone()
     with pytest.raises((ValueError, TypeError), match="packet|payload"):
-        apply_(target, cases[case], **_kw(path))
+        apply_(target, cases[case], **path_kwargs(path))
     with pytest.raises((ValueError, TypeError), match="packet|payload"):
-        verify(target, cases[case], **_kw(path))
+        verify(target, cases[case], **path_kwargs(path))
     assert torch.equal(target.view(torch.int32), old.view(torch.int32))
 
 
@@ -245,7 +229,7 @@ def test_fuzz_mutants_never_accepted_wrong_never_half_applied(path, encoding):
         target = old_d.clone()
         try:
             pkt = DeltaPacket.from_bytes(mutant)
-            apply_(target, pkt, **_kw(path))
+            apply_(target, pkt, **path_kwargs(path))
         except (ValueError, TypeError):
             assert torch.equal(target.view(torch.int16), old_d.view(torch.int16))
             continue

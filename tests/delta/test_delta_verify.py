@@ -10,43 +10,25 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.delta import ENCODINGS, DeltaKernelConfig, DeltaPacket, apply_, encode, verify
-from glm_kernels.delta import _host_codec
+from glm_kernels.delta import ENCODINGS, DeltaPacket, apply_, encode, verify
 from tests._compare import assert_bits_equal
-from tests.conftest import DEVICE, KERNEL_BACKEND, skip_without_kernels
 from tests.delta._cases import bits, random_pair
-
-SMALL = DeltaKernelConfig(block=1024, apply_block=1024)
-
-
-@pytest.fixture(params=["cpp", "numpy", "kernels"])
-def path(request, monkeypatch):
-    """The codec path under test; verify must never reach the scatter kernel."""
-    if request.param == "kernels":
-        skip_without_kernels()
-        backend, device = KERNEL_BACKEND, DEVICE
-    else:
-        if request.param == "cpp" and _host_codec._ext is None:
-            pytest.skip("C++ host extension not built")
-        if request.param == "numpy":
-            monkeypatch.setattr(_host_codec, "_ext", None)
-        backend, device = "torch", "cpu"
-    with glm_kernels.force_backend(backend):
-        yield request.param, device
+from tests.delta.conftest import path_kwargs
 
 
-def _kwargs(path):
-    return dict(config=SMALL) if path[0] == "kernels" else {}
+
+
+
 
 
 def _same_refusal(target, pkt, path, err, match):
     """verify raises what apply_ raises; neither changes a byte of target."""
     before = bits(target)
     with pytest.raises(err, match=match) as by_verify:
-        verify(target, pkt, **_kwargs(path))
+        verify(target, pkt, **path_kwargs(path))
     assert torch.equal(bits(target), before), "verify wrote into the target"
     with pytest.raises(err) as by_apply:
-        apply_(target, pkt, **_kwargs(path))
+        apply_(target, pkt, **path_kwargs(path))
     assert torch.equal(bits(target), before), "apply_ wrote into a refused target"
     assert (by_verify.type, str(by_verify.value)) == (by_apply.type, str(by_apply.value))
 
@@ -68,14 +50,14 @@ def test_verify_accepts_what_apply_accepts_and_writes_nothing(path, enc, monkeyp
     with monkeypatch.context() as m:
         # by name: the kernel module is imported only here (never where Triton is too old)
         m.setattr("glm_kernels.delta._kernels.scatter", no_scatter)
-        assert verify(target, pkt, **_kwargs(path)) is None
+        assert verify(target, pkt, **path_kwargs(path)) is None
     assert_bits_equal(target.cpu(), old.cpu())
-    apply_(target, pkt, **_kwargs(path))
+    apply_(target, pkt, **path_kwargs(path))
     assert_bits_equal(target.cpu(), new.cpu())
     if pkt.relative:          # already applied: no longer the packet's base
         _same_refusal(target, pkt, path, ValueError, "base")
     else:                     # an absolute packet re-applied to its own result: a no-op
-        verify(target, pkt, **_kwargs(path))
+        verify(target, pkt, **path_kwargs(path))
 
 
 @pytest.mark.parametrize("enc", ENCODINGS)
