@@ -244,10 +244,11 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     for key in ("mismatch_k1", "mismatch_k3", "mismatch_chi2", "log_ppl_gap",
                 "gate_out_frac", "nonfinite_frac"):
         metrics[key] = (torch.nan_to_num(m[key], nan=0.0) * weight).detach()
-    train = (old if old is not None else logprobs.detach()).float()
+    # In fp64: a signed near-zero sum, so CP ranks' parts add up to the single-rank value.
+    train = (old if old is not None else logprobs.detach()).double()
     finite = torch.isfinite(train) & torch.isfinite(rollout)
     metrics["log_ppl_gap_seq"] = sum_of_sample_mean(
-        torch.where(finite, rollout - train, 0.0)).detach()
+        torch.where(finite, rollout.double() - train, 0.0)).float().detach()
     if batch.get("teacher_log_probs"):
         teacher = _cat(batch["teacher_log_probs"], device)
         metrics["opd_reverse_kl"] = sum_of_sample_mean(logprobs.detach() - teacher).detach()
