@@ -432,6 +432,9 @@ def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
                                train_logprobs)
     if loss_mask is not None:
         check("loss_mask", loss_mask)
+        if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
+                or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
+            raise TypeError(f"loss_mask must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
         _dispatch.check_same_shape("loss_mask", loss_mask, "train_logprobs", train_logprobs)
     _dispatch.check_same_device(dict(train_logprobs=train_logprobs,
                                      rollout_logprobs=rollout_logprobs, loss_mask=loss_mask))

@@ -118,6 +118,10 @@ def test_standalone_bad_inputs():
         mismatch_metrics(torch.zeros(3, dtype=torch.int64), x)
     with pytest.raises(ValueError, match="beta"):
         mismatch_metrics(x, x, beta=1.0)
+    with pytest.raises(TypeError, match="loss_mask"):
+        mismatch_metrics(x, x, torch.ones(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="gate_low"):
+        mismatch_metrics(x, x, gate_low=-1.0)
 
 
 # --------------------------------------------------------------------------- in the losses
