@@ -62,7 +62,7 @@ MODES = ("coupled", "decoupled")
 DECOUPLED_IS_MODES = ("token_mask", "token_truncate")
 # The [chunk, V] logits chunk of the fused loss. fused_linear_icepop_loss's own default is
 # 512 MiB; at V = 151,936 the CPU (torch) path then peaked above TRL's whole step (measured,
-# benchmarks/notes/trl.md), and 64 MiB still gives GEMMs of >= 128 tokens x V.
+# benchmarks/notes/trl.md); 64 MiB still gives GEMMs of 110 (fp32) or 128 (bf16) tokens x V.
 DEFAULT_MEMORY_BUDGET = 64 << 20
 
 _classes: Dict[str, type] = {}
