@@ -91,13 +91,13 @@ class CraftedRollout:
                 "logprobs": [list(lp) for lp in self.logprobs]}
 
 
-def trainers(tmp_path, loss_type, mode, *, reward=length_reward):
+def trainers(tmp_path, loss_type, mode, *, reward=length_reward, bf16=False):
     """(TRL's GRPOTrainer, IcePopGRPOTrainer, rollout) on two identical copies of one model."""
     tokenizer = make_tokenizer()
     model = make_model()
     rollout = CraftedRollout(tokenizer)
     ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
-    common = dict(loss_type=loss_type, mask_truncated_completions=True,
+    common = dict(loss_type=loss_type, mask_truncated_completions=True, bf16=bf16,
                   vllm_importance_sampling_mode="token_mask",
                   vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
     theirs = trl.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward,
@@ -251,6 +251,21 @@ def test_token_truncate_is_tis(tmp_path):
     got = loss_and_grads(ours, ours._compute_loss, inputs)
     assert_close(got[0], ref[0], tol=TOL, name="loss")
     assert_close(got[1], ref[1], tol=TOL, name="grad")
+
+
+def test_decoupled_matches_trl_under_bf16_autocast(tmp_path):
+    """TRL's default bf16=True: both LM heads run under CPU bf16 autocast; bf16 tolerance."""
+    theirs, ours, rollout = trainers(tmp_path, "dapo", "decoupled", bf16=True)
+    with theirs.accelerator.autocast():
+        assert torch.is_autocast_enabled("cpu")
+    old = logprobs_of(theirs, generate(theirs, rollout))
+    g = torch.Generator().manual_seed(9)
+    inputs = generate(theirs, rollout, old + 0.4 * torch.randn(old.shape, generator=g))
+    perturb(theirs.model, ours.model)
+    ref = loss_and_grads(theirs, theirs._compute_loss, inputs)
+    got = loss_and_grads(ours, ours._compute_loss, inputs)
+    assert_close(got[0], ref[0], tol=1e-2, name="loss")
+    assert_close(got[1], ref[1], tol=1e-2, name="grad")
 
 
 def test_real_tiny_run_coupled_skips_old_forward(tmp_path):
