@@ -367,3 +367,11 @@ def test_docs_first_example_runs(tmp_path, monkeypatch):
     assert sorted(k for k in trainer.state.log_history[0] if k.startswith("icepop/")) == [
         "icepop/clip_frac", "icepop/pop_frac", "icepop/ratio_max", "icepop/ratio_mean",
         "icepop/ratio_min"]
+
+
+def test_missing_trl_names_the_pip_line(monkeypatch):
+    import sys
+    monkeypatch.setattr(gt, "_classes", {})
+    monkeypatch.setitem(sys.modules, "trl", None)                 # as if TRL were absent
+    with pytest.raises(ImportError, match="pip install 'trl==1.16.0'"):
+        gt.IcePopGRPOTrainer   # noqa: B018

@@ -260,3 +260,10 @@ def test_docs_example_runs():
     assert round(namespace["metrics"]["actor/pop_frac"], 4) == 0.3333
     grad = namespace["log_prob"].grad[0]
     assert grad[1] == 0 and grad[3] == 0 and grad[0] != 0 and grad[2] != 0
+
+
+def test_missing_verl_names_the_pip_line(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo", None)    # as if verl were absent
+    with pytest.raises(ImportError, match="pip install --no-deps 'verl==0.9.1'"):
+        plug.register()
