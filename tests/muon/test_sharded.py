@@ -461,3 +461,12 @@ def test_lone_head_batch_is_bitwise_the_full_batch():
         doubled = ns([torch.cat([view, view])])[0]
         assert torch.equal(doubled[0], full[part][1]), part
         assert torch.equal(doubled[1], full[part][1]), part
+
+
+def test_bad_arguments():
+    model = Model(2)
+    with pytest.raises(ValueError, match="adamw_lr"):
+        muon_param_groups(model, None, adamw_lr=float("nan"))
+    groups = muon_param_groups(model, Model.head_splits(2), adamw_lr=1e-3)
+    assert all(g["lr"] == 1e-3 for g in groups if not g["use_muon"])
+    assert all("lr" not in g for g in groups if g["use_muon"])
