@@ -33,6 +33,7 @@ def assert_metrics_close(got, ref, scales=None, *, tol=1e-5):
         assert g.dtype == r.dtype
         if key in SIGNED and scales is not None and bool(torch.isfinite(r)):
             budget = tol * scales[SIGNED[key]] + 1e-7
-            assert abs(float(g - r)) <= budget, f"{key}: {float(g)} vs {float(r)} (budget {budget:.2e})"
+            assert abs(float(g - r)) <= budget, (
+                f"{key}: {float(g)} vs {float(r)} (budget {budget:.2e})")
         else:
             assert_close(g, r, tol=tol, name=key)
