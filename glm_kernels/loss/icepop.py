@@ -14,6 +14,12 @@ dl/dlp (and the per-token loss when the reduction needs it) plus per-program sum
 loss and the metrics; backward only scales the coefficient by the reduction's factor and
 ``grad_output``. Registered as the ``glm_kernels::icepop_loss`` custom op, so it traces
 through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs.
+
+With ``return_metrics`` the kernel's METRICS variant also sums the train/rollout mismatch
+terms (k1, k3, chi2, log-ppl gaps, gate_out, non-finite; ``loss/_reference.py`` writes them
+out), its programs following the rows of the last dim so the per-sequence gap is a sum of
+whole programs. :func:`mismatch_metrics` runs the same kernel for trainers with their own
+loss.
 """
 
 from typing import Dict, Optional, Tuple, Union
