@@ -2,9 +2,11 @@
 
 Public API (see README.md and the DESIGN contracts):
     losses      icepop_loss, icepop_loss_from_logits, fused_linear_icepop_loss,
-                selective_logprobs, reverse_kl_from_logits, group_advantages, opd_advantages
+                selective_logprobs, reverse_kl_from_logits, group_advantages, opd_advantages,
+                mismatch_metrics (train-inference mismatch: k1, k3, chi2, log-ppl gap)
     Muon Split  newton_schulz, HeadSplit, muon_split_orthogonalize; glm_kernels.optim
-    top-k       topk, moe_route
+    top-k       topk, moe_route (replay_ids=, return_mismatch=: rollout routing replay);
+                glm_kernels.topk: routing_mismatch, encode_routing, decode_routing
     weight sync glm_kernels.delta (codec), glm_kernels.sync (transports)
 Backends: ``glm_kernels.force_backend("torch"|"triton"|"interpret")`` or the environment
 variable ``GLM_KERNELS_BACKEND``.
@@ -13,8 +15,8 @@ from . import _dispatch  # first: sets TRITON_INTERPRET before any kernel module
 from . import delta, optim, sync
 from ._dispatch import force_backend, select_backend
 from .loss import (fused_linear_icepop_loss, group_advantages, icepop_loss,
-                   icepop_loss_from_logits, opd_advantages, reverse_kl_from_logits,
-                   selective_logprobs)
+                   icepop_loss_from_logits, mismatch_metrics, opd_advantages,
+                   reverse_kl_from_logits, selective_logprobs)
 from .muon import HeadSplit, muon_split_orthogonalize, newton_schulz
 # After this line ``glm_kernels.topk`` is the function; the subpackage stays importable as
 # ``glm_kernels.topk.<module>`` (``from glm_kernels.topk import moe_route`` works too).
@@ -22,7 +24,7 @@ from .topk import moe_route, topk
 
 __version__ = "0.1.0"
 __all__ = ["icepop_loss", "icepop_loss_from_logits", "fused_linear_icepop_loss",
-           "selective_logprobs", "reverse_kl_from_logits", "group_advantages",
+           "selective_logprobs", "reverse_kl_from_logits", "mismatch_metrics", "group_advantages",
            "opd_advantages", "newton_schulz", "HeadSplit", "muon_split_orthogonalize",
            "optim", "topk", "moe_route", "delta", "sync", "force_backend", "select_backend",
            "__version__"]
