@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .._aot import AotSpec
+from .._dispatch import triton_version
 from ._kernels import icepop_token_math, is_finite
 
 NEG_INF = float("-inf")
@@ -325,6 +326,13 @@ def logits_grad(logits, ids, lse, entropy, coef, coef_entropy, grad, *, inv_temp
         grad.stride(0), inv_temp, ENTROPY=with_entropy, BLOCK_V=block_v, num_warps=num_warps)
 
 
+def icepop_logits_maxnreg(row_tiles: int):
+    """The register cap of a fused IcePop launch (None: ptxas's choice). Triton 3.6's code for
+    the streamed plan gets 48 registers from ptxas and one spilled value (an 8 B stack, fp32,
+    sm_90 AOT); capped at 128 it takes 64 and spills nothing. Triton >= 3.7: no cap needed."""
+    return 128 if row_tiles == 0 and triton_version() < (3, 7) else None
+
+
 def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag, *, inv_temp,
                   gate_low, gate_high, clip_low, clip_high, block_v, row_tiles, num_warps,
                   max_programs, metrics=False):
@@ -341,7 +349,7 @@ def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag,
         n, v, logits.stride(0), grad.stride(0) if store_grad else 0, inv_temp, gate_low,
         gate_high, clip_low, clip_high, HAS_OLD=old is not None, HAS_MASK=mask is not None,
         STORE_GRAD=store_grad, METRICS=metrics, ROW_TILES=row_tiles, BLOCK_V=block_v,
-        num_warps=num_warps)
+        num_warps=num_warps, maxnreg=icepop_logits_maxnreg(row_tiles))
     return expand_metric_rows(rows) if metrics else rows
 
 
@@ -384,6 +392,8 @@ ROW_PLANS = {
     "bf16": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (3, 8192, 32)),
     "fp32": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16)),
 }
+
+
 def _aot_specs():
     specs = []
     for dt in ("bf16", "fp32"):
@@ -422,7 +432,7 @@ def _aot_specs():
                     _icepop_logits_kernel, sig,
                     {"HAS_OLD": False, "HAS_MASK": True, "STORE_GRAD": True,
                      "METRICS": metrics, "ROW_TILES": row_tiles, "BLOCK_V": block},
-                    num_warps=warps))
+                    num_warps=warps, maxnreg=icepop_logits_maxnreg(row_tiles)))
     for dt in ("bf16", "fp32"):
         specs.append(AotSpec(f"scale_inplace[{dt}]", _scale_kernel,
                              {"x_ptr": f"*{dt}", "factor_ptr": "*fp32", "n": "i64",

@@ -173,7 +173,7 @@ def test_loss_function_logs_opd_reverse_kl_and_rejects_unsupported_flags():
         ent.append(-(p * p.log()).sum(-1))
     expected_entropy = reduce(torch.cat(ent))
     torch.testing.assert_close(m0["entropy_loss"].double(), expected_entropy, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(loss1, loss0 - 0.01 * m0["entropy_loss"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss1, loss0 - 0.01 * m0["entropy_loss"], rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="use-kl-loss"):
         plug.icepop_loss_function(slime_args(use_kl_loss=True), batch, logits, reduce)
     with pytest.raises(ValueError, match="tis-clip-low"):

@@ -7,9 +7,11 @@ import torch
 
 import glm_kernels
 from glm_kernels.loss import _reference
-from tests._compare import assert_close
+from tests._compare import TOLERANCES, assert_close
 from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE
+
+FP32 = TOLERANCES[torch.float32]
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
 
@@ -92,7 +94,7 @@ def test_reference_autograd_equals_written_out_gradient():
         terms = _reference.icepop_token_terms(lp_req, rollout, adv, mask, **kw)[0]
         autograd = torch.autograd.grad(terms.sum(), lp_req)[0]
         written = _reference.icepop_token_grad(lp, rollout, adv, mask, **kw)
-        assert_close(written, autograd, tol=1e-6, name="written-out gradient")
+        assert_close(written, autograd, tol=FP32, name="written-out gradient")
 
 
 class TestHandComputed:
@@ -110,26 +112,26 @@ class TestHandComputed:
         # rho = e^0.1 in [0.8, 1.28]: l = -rho*A, dl/dlp = -rho*A
         rho = math.exp(0.1)
         loss, grad = self._one(-1.0, -1.1, 2.0)
-        assert loss == pytest.approx(-rho * 2.0, rel=1e-6)
-        assert grad == pytest.approx(-rho * 2.0, rel=1e-6)
+        assert loss == pytest.approx(-rho * 2.0, rel=1e-5)
+        assert grad == pytest.approx(-rho * 2.0, rel=1e-5)
 
     def test_positive_advantage_clipped_above(self, any_backend):
         # rho = e^0.5 = 1.6487 > 1.28, A > 0: max(-1.6487A, -1.28A) = -1.28A, gradient cut
         loss, grad = self._one(-1.0, -1.5, 1.0)
-        assert loss == pytest.approx(-1.28, rel=1e-6)
+        assert loss == pytest.approx(-1.28, rel=1e-5)
         assert grad == 0.0
 
     def test_negative_advantage_not_clipped_above(self, any_backend):
         # rho = e^0.5, A = -1: max(1.6487, 1.28) = 1.6487, gradient -rho*A = rho
         rho = math.exp(0.5)
         loss, grad = self._one(-1.0, -1.5, -1.0)
-        assert loss == pytest.approx(rho, rel=1e-6)
-        assert grad == pytest.approx(rho, rel=1e-6)
+        assert loss == pytest.approx(rho, rel=1e-5)
+        assert grad == pytest.approx(rho, rel=1e-5)
 
     def test_negative_advantage_clipped_below(self, any_backend):
         # rho = e^-0.5 = 0.6065 < 0.8, A = -1: max(0.6065, 0.8) = 0.8, gradient cut
         loss, grad = self._one(-1.5, -1.0, -1.0)
-        assert loss == pytest.approx(0.8, rel=1e-6)
+        assert loss == pytest.approx(0.8, rel=1e-5)
         assert grad == 0.0
 
     def test_popped_above_gate(self, any_backend):
@@ -145,7 +147,7 @@ class TestHandComputed:
                   else dict(gate_low=rho / 4, gate_high=rho))
         loss, _ = self._one(log_ratio - 1.0, -1.0, 1.0, **bounds)
         expected = -min(rho, 1.28) if rho > 1 else -rho
-        assert loss == pytest.approx(expected, rel=1e-6)
+        assert loss == pytest.approx(expected, rel=1e-5)
 
     def test_exactly_on_clip_bound_keeps_gradient(self, any_backend):
         # rho exactly 1 + eps_high (as fp32): unclipped == clipped, gradient -rho*A passes
@@ -153,7 +155,7 @@ class TestHandComputed:
         lp = torch.log(rho).item()
         loss, grad = self._one(lp, 0.0, 1.0, eps_high=(torch.exp(torch.tensor(lp)) - 1).item())
         assert grad != 0.0
-        assert loss == pytest.approx(grad, rel=1e-6)
+        assert loss == pytest.approx(grad, rel=1e-5)
 
     def test_decoupled_weight(self, any_backend):
         # k = e^0.2 (gate ok), r = e^0.1 inside the band: l = -k*r*A
@@ -164,8 +166,8 @@ class TestHandComputed:
                                        old_logprobs=torch.tensor([-1.1], device=DEVICE),
                                        reduction="sum")
         loss.backward()
-        assert loss.item() == pytest.approx(-k * r * 1.5, rel=1e-6)
-        assert lp_t.grad.item() == pytest.approx(-k * r * 1.5, rel=1e-6)
+        assert loss.item() == pytest.approx(-k * r * 1.5, rel=1e-5)
+        assert lp_t.grad.item() == pytest.approx(-k * r * 1.5, rel=1e-5)
 
     def test_decoupled_popped_by_old_vs_rollout(self, any_backend):
         # k = e^1 > 2 even though r = 1: popped
@@ -217,8 +219,8 @@ def test_decoupled_nonfinite_logprobs_loss_and_gradient_agree(any_backend, bad):
                                             return_metrics=True)
     loss.backward()
     k = math.exp(0.1)
-    assert loss.item() == pytest.approx(-k, rel=1e-6)         # token 1 only: -k * r * A, r = 1
-    assert lp.grad[0].item() == 0.0 and lp.grad[1].item() == pytest.approx(-k, rel=1e-6)
+    assert loss.item() == pytest.approx(-k, rel=1e-5)         # token 1 only: -k * r * A, r = 1
+    assert lp.grad[0].item() == 0.0 and lp.grad[1].item() == pytest.approx(-k, rel=1e-5)
     assert metrics["nonfinite_frac"].item() == 0.5 and metrics["pop_frac"].item() == 0.0
     with pytest.raises(ValueError, match="non-finite"):
         glm_kernels.icepop_loss(lp, rollout, adv, old_logprobs=old, raise_on_nonfinite=True)
@@ -341,8 +343,8 @@ def test_torch_compile_matches_eager():
         compiled_lp = lp.clone().requires_grad_(True)
         compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_lp)
         compiled[0].backward()
-    assert_close(compiled[0].detach(), eager[0].detach(), tol=1e-6, name="compiled loss")
-    assert_close(compiled_lp.grad, eager_lp.grad, tol=1e-6, name="compiled grad")
+    assert_close(compiled[0].detach(), eager[0].detach(), tol=FP32, name="compiled loss")
+    assert_close(compiled_lp.grad, eager_lp.grad, tol=FP32, name="compiled grad")
     assert compiled[1].item() == eager[1].item()
 
 

@@ -39,14 +39,14 @@ def test_reference_by_hand():
     # M = {(0,0): d=0.5, (0,1): d=0, (1,0): d=-0.8}; (0,2) unmasked, (1,1) train NaN
     # (non-finite), (1,2) rollout inf (not in M, not non-finite).
     ds = [0.5, 0.0, -0.8]
-    assert m["mismatch_k1"].item() == pytest.approx(-sum(ds) / 3, rel=1e-6)
-    assert m["log_ppl_gap"].item() == pytest.approx(-sum(ds) / 3, rel=1e-6)
+    assert m["mismatch_k1"].item() == pytest.approx(-sum(ds) / 3, rel=1e-5)
+    assert m["log_ppl_gap"].item() == pytest.approx(-sum(ds) / 3, rel=1e-5)
     assert m["mismatch_k3"].item() == pytest.approx(
-        sum(math.exp(d) - 1 - d for d in ds) / 3, rel=1e-6)
+        sum(math.exp(d) - 1 - d for d in ds) / 3, rel=1e-5)
     assert m["mismatch_chi2"].item() == pytest.approx(
-        sum(math.exp(2 * d) - 1 for d in ds) / 3, rel=1e-6)
+        sum(math.exp(2 * d) - 1 for d in ds) / 3, rel=1e-5)
     # Row 0: mean(-0.5, 0) = -0.25; row 1: 0.8 -> mean over the two rows.
-    assert m["log_ppl_gap_seq"].item() == pytest.approx((-0.25 + 0.8) / 2, rel=1e-6)
+    assert m["log_ppl_gap_seq"].item() == pytest.approx((-0.25 + 0.8) / 2, rel=1e-5)
     assert m["gate_out_frac"].item() == pytest.approx(1 / 3)     # e^-0.8 = 0.449 < 0.5
     assert m["nonfinite_frac"].item() == pytest.approx(1 / 5)
 
@@ -155,8 +155,8 @@ def test_per_sequence_gap_uses_rows_of_the_last_dim(any_backend):
     mask = torch.tensor([[True, False, False], [True, True, True]], device=DEVICE)
     _, m = glm_kernels.icepop_loss(train, rollout, torch.ones(2, device=DEVICE), mask,
                                    return_metrics=True)
-    assert m["log_ppl_gap"].item() == pytest.approx((1.0 + 0.3) / 4, rel=1e-6)
-    assert m["log_ppl_gap_seq"].item() == pytest.approx((1.0 + 0.1) / 2, rel=1e-6)
+    assert m["log_ppl_gap"].item() == pytest.approx((1.0 + 0.3) / 4, rel=1e-5)
+    assert m["log_ppl_gap_seq"].item() == pytest.approx((1.0 + 0.1) / 2, rel=1e-5)
     flat = glm_kernels.icepop_loss(train.reshape(-1), rollout.reshape(-1),
                                    torch.ones(6, device=DEVICE), mask.reshape(-1),
                                    return_metrics=True)[1]
@@ -176,7 +176,7 @@ def test_metrics_off_is_the_same_loss_and_gradient(any_backend):
     # Same gradient bit for bit; the loss sum may differ in the last bit (with metrics the
     # kernel's programs follow the rows, so the fp32 partial sums group tokens differently).
     assert torch.equal(outs[0][1], outs[1][1])
-    assert outs[0][0].item() == pytest.approx(outs[1][0].item(), rel=1e-6, abs=1e-9)
+    assert outs[0][0].item() == pytest.approx(outs[1][0].item(), rel=1e-5, abs=1e-9)
 
 
 def test_from_logits_and_fused_linear_metrics(any_backend):

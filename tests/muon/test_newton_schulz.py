@@ -12,6 +12,9 @@ from glm_kernels.muon import _reference, ns
 from tests._compare import TOLERANCES, assert_close, rel_error
 from tests.conftest import DEVICE
 
+TOL32 = TOLERANCES[torch.float32]
+TOL64 = TOLERANCES[torch.float64]
+TOL_BF16 = TOLERANCES[torch.bfloat16]
 SCHEDULES = ["jordan", "polar_express"]
 FP32 = NSConfig(operand_dtype=torch.float32)
 # Shapes: wide, tall, square, m and n not multiples of any tile (16 / 32 / 64), and m past 32
@@ -55,11 +58,11 @@ def test_reference_acts_on_singular_values(coefficients):
     for a, b, c in resolve_coefficients(coefficients, 5):
         x = a * x + b * x ** 3 + c * x ** 5
     out = _reference_for(G, coefficients, "standard")
-    assert_close(torch.linalg.svdvals(out), x.sort(descending=True).values, tol=TOLERANCES[torch.float64],
+    assert_close(torch.linalg.svdvals(out), x.sort(descending=True).values, tol=TOL64,
                  name="singular values")
     # same singular vectors: out^T G is symmetric positive semi-definite
     sym = out.T @ G
-    assert_close(sym, sym.T, tol=TOLERANCES[torch.float64], name="out^T G symmetric")
+    assert_close(sym, sym.T, tol=TOL64, name="out^T G symmetric")
 
 
 def test_reference_scalar_and_transpose_and_batch():
@@ -67,12 +70,12 @@ def test_reference_scalar_and_transpose_and_batch():
     x = -3.0 / (3.0 + 1e-7)
     for a, b, c in POLAR_EXPRESS[:5]:
         x = a * x + b * x ** 3 + c * x ** 5
-    assert _reference_for(g, "polar_express", "standard").item() == pytest.approx(x, rel=TOLERANCES[torch.float64])
+    assert _reference_for(g, "polar_express", "standard").item() == pytest.approx(x, rel=TOL64)
     G = _randn((3, 5, 8), 1, torch.float64)
     wide = _reference_for(G, "jordan", "standard")
-    assert_close(_reference_for(G.mT, "jordan", "standard"), wide.mT, tol=TOLERANCES[torch.float64],
+    assert_close(_reference_for(G.mT, "jordan", "standard"), wide.mT, tol=TOL64,
                  name="tall = transposed wide")
-    assert_close(_reference_for(G[1], "jordan", "standard"), wide[1], tol=TOLERANCES[torch.float64], name="batch")
+    assert_close(_reference_for(G[1], "jordan", "standard"), wide[1], tol=TOL64, name="batch")
 
 
 @pytest.mark.parametrize("restart_every", [0, 2, 3])
@@ -80,7 +83,7 @@ def test_reference_scalar_and_transpose_and_batch():
 def test_reference_gram_equals_standard_in_fp64(coefficients, restart_every):
     G = _randn((2, 12, 30), 2, torch.float64)
     assert_close(_reference_for(G, coefficients, "gram", restart_every=restart_every),
-                 _reference_for(G, coefficients, "standard"), tol=TOLERANCES[torch.float64], name="gram vs standard")
+                 _reference_for(G, coefficients, "standard"), tol=TOL64, name="gram vs standard")
 
 
 @pytest.mark.parametrize("coefficients", SCHEDULES)
@@ -112,7 +115,7 @@ def test_kernel_fp32_matches_reference(kernel_backend, shape, method, coefficien
     quintic steps amplify those 1e-7 differences (slope up to ~8 per step), hence 5e-5."""
     G = _randn(shape, 10 + len(shape))
     out = _ns(G, coefficients=coefficients, method=method, config=FP32)
-    assert_close(out, _reference_for(G, coefficients, method), tol=TOLERANCES[torch.float32], name=method)
+    assert_close(out, _reference_for(G, coefficients, method), tol=TOL32, name=method)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -121,7 +124,7 @@ def test_kernel_standard_bf16_matches_emulated_reference(kernel_backend, shape, 
     G = _randn(shape, 20 + shape[-1])
     out = _ns(G, coefficients=coefficients)
     ref = _reference_for(G, coefficients, "standard", operand_dtype=torch.bfloat16)
-    assert_close(out, ref, tol=TOLERANCES[torch.bfloat16], name="bf16 standard")
+    assert_close(out, ref, tol=TOL_BF16, name="bf16 standard")
 
 
 @pytest.mark.parametrize("shape", [(3, 20, 45), (70, 100)])
@@ -148,7 +151,7 @@ def test_kernel_writes_every_element(kernel_backend, method, monkeypatch):
     for config in (FP32, NSConfig(operand_dtype=torch.float32, fused_max_m=0)):
         out = _ns(G, coefficients="polar_express", method=method, config=config)
         assert torch.isfinite(out).all()
-        assert_close(out, _reference_for(G, "polar_express", method), tol=TOLERANCES[torch.float32], name=method)
+        assert_close(out, _reference_for(G, "polar_express", method), tol=TOL32, name=method)
 
 
 @pytest.mark.parametrize("coefficients", SCHEDULES)
@@ -171,7 +174,7 @@ def test_kernel_edge_cases(kernel_backend):
         G = _randn(shape, 8)
         out = _ns(G, config=FP32)
         assert out.shape == G.shape and out.dtype == G.dtype
-        assert_close(out, _reference_for(G, "jordan", "standard"), tol=TOLERANCES[torch.float32], name=str(shape))
+        assert_close(out, _reference_for(G, "jordan", "standard"), tol=TOL32, name=str(shape))
     G = torch.zeros(2, 3, 4)
     assert torch.equal(_ns(G), G)                  # 0 / (0 + eps) stays 0
     G = _randn((2, 6, 9), 9)
@@ -180,9 +183,9 @@ def test_kernel_edge_cases(kernel_backend):
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
     strided = _randn((40, 30), 16).T                         # non-contiguous input
     assert_close(_ns(strided, config=FP32), _reference_for(strided, "jordan", "standard"),
-                 tol=TOLERANCES[torch.float32], name="non-contiguous")
+                 tol=TOL32, name="non-contiguous")
     out0 = _ns(G[:1], steps=0, config=FP32)        # steps=0: the normalized input
-    assert_close(out0, G[:1] / (G[:1].norm() + 1e-7), tol=TOLERANCES[torch.float32], name="steps=0")
+    assert_close(out0, G[:1] / (G[:1].norm() + 1e-7), tol=TOL32, name="steps=0")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -199,7 +202,7 @@ def test_custom_coefficient_list(any_backend):
     schedule = [(2.0, -1.5, 0.5), (1.875, -1.25, 0.375)]     # 7 steps: the last one repeats
     out = _ns(G, 7, coefficients=schedule, config=FP32)
     ref = _reference.newton_schulz_reference(G, schedule + [schedule[-1]] * 5)
-    assert_close(out, ref, tol=TOLERANCES[torch.float32], name="list")
+    assert_close(out, ref, tol=TOL32, name="list")
 
 
 @pytest.mark.gpu
@@ -258,7 +261,7 @@ def test_torch_compile_fullgraph():
     compiled = torch.compile(lambda g: newton_schulz(g, coefficients="polar_express"),
                              fullgraph=True, backend="aot_eager")
     with glm_kernels.force_backend("torch"):
-        assert_close(compiled(G), newton_schulz(G, coefficients="polar_express"), tol=TOLERANCES[torch.float32],
+        assert_close(compiled(G), newton_schulz(G, coefficients="polar_express"), tol=TOL32,
                      name="compiled")
 
 

@@ -15,6 +15,8 @@ from tests._gloo import run_ranks
 from tests.conftest import DEVICE
 from tests.muon._tiny_model import TinyMLAModel, loss_fn
 
+TOL32 = TOLERANCES[torch.float32]
+TOL_BF16 = TOLERANCES[torch.bfloat16]
 HEAD_SPLITS = {"q_b_proj": HeadSplit(2, [6, 2]), "kv_b_proj": HeadSplit(2, [6, 4])}
 
 
@@ -125,7 +127,7 @@ def test_two_steps_by_hand():
                                   mom=mom, rms=rms, step=step, splits=HEAD_SPLITS)
             opt.step()
             for name, p in model.named_parameters():
-                assert_close(p.detach(), expected[name], tol=TOLERANCES[torch.float32], name=f"{name} step {step}")
+                assert_close(p.detach(), expected[name], tol=TOL32, name=f"{name} step {step}")
                 assert not torch.equal(p.detach(), params[name]), name
 
 
@@ -143,7 +145,7 @@ def test_adamw_groups_match_torch_adamw():
             model(x).square().sum().backward()
             opt.step()
     for pa, pb in zip(a.parameters(), b.parameters()):
-        assert_close(pa.detach(), pb.detach(), tol=TOLERANCES[torch.float32], name="adamw")
+        assert_close(pa.detach(), pb.detach(), tol=TOL32, name="adamw")
 
 
 def test_state_dict_round_trip(tmp_path):
@@ -194,7 +196,7 @@ def test_kernel_backend_step_matches_reference(kernel_backend, monkeypatch):
         loss_fn(model_t).backward()
         opt_t.step()
     for (name, pt), pk in zip(model_t.named_parameters(), model_k.parameters()):
-        assert_close(pk.detach() - start[name], pt.detach() - start[name], tol=TOLERANCES[torch.bfloat16],
+        assert_close(pk.detach() - start[name], pt.detach() - start[name], tol=TOL_BF16,
                      name=f"update of {name}")
 
 
@@ -255,4 +257,4 @@ def test_tensor_parallel_shards_equal_unsharded(tmp_path):
     with glm_kernels.force_backend("torch"):
         weight, g1, g2 = _full_tensors()
         full = _run_steps(weight, [g1, g2], HeadSplit(HEADS, ROWS))
-    assert_close(sharded, full, tol=TOLERANCES[torch.float32], name="sharded vs unsharded")
+    assert_close(sharded, full, tol=TOL32, name="sharded vs unsharded")

@@ -12,6 +12,8 @@ from glm_kernels.muon import _reference
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE
 
+TOL32 = TOLERANCES[torch.float32]
+TOL_BF16 = TOLERANCES[torch.bfloat16]
 FP32 = NSConfig(operand_dtype=torch.float32)
 
 
@@ -65,9 +67,9 @@ def test_split_reference_path_matches_loop():
     import glm_kernels
     with glm_kernels.force_backend("torch"):
         out = muon_split_orthogonalize(G, split, coefficients="polar_express")
-        assert_close(out, _loop_reference(G, split, "polar_express"), tol=TOLERANCES[torch.float32], name="split")
+        assert_close(out, _loop_reference(G, split, "polar_express"), tol=TOL32, name="split")
         one = muon_split_orthogonalize(G[0], HeadSplit(1, [33]))
-        assert_close(one, newton_schulz(G[0]), tol=TOLERANCES[torch.float32], name="one block = newton_schulz")
+        assert_close(one, newton_schulz(G[0]), tol=TOL32, name="one block = newton_schulz")
 
 
 @pytest.mark.parametrize("method", ["standard", "gram"])
@@ -78,12 +80,12 @@ def test_split_kernel_unequal_blocks(kernel_backend, method):
     split = HeadSplit(3, [12, 40])
     out = muon_split_orthogonalize(G.to(DEVICE), split, coefficients="polar_express",
                                    method=method, config=FP32).cpu()
-    assert_close(out, _loop_reference(G, split, "polar_express", method), tol=TOLERANCES[torch.float32],
+    assert_close(out, _loop_reference(G, split, "polar_express", method), tol=TOL32,
                  name=f"split {method}")
     if method == "standard":
         out = muon_split_orthogonalize(G.to(DEVICE), split, coefficients="polar_express").cpu()
         ref = _loop_reference(G, split, "polar_express", operand_dtype=torch.bfloat16)
-        assert_close(out, ref, tol=TOLERANCES[torch.bfloat16], name="split bf16")
+        assert_close(out, ref, tol=TOL_BF16, name="split bf16")
 
 
 def test_split_kernel_size_classes(kernel_backend, monkeypatch):
@@ -94,7 +96,7 @@ def test_split_kernel_size_classes(kernel_backend, monkeypatch):
     G = torch.randn(2 * 52, 20, generator=torch.Generator().manual_seed(3))
     split = HeadSplit(2, [12, 40])               # m = 12 (small class) and 20 (large class)
     out = muon_split_orthogonalize(G.to(DEVICE), split, config=FP32).cpu()
-    assert_close(out, _loop_reference(G, split), tol=TOLERANCES[torch.float32], name="size classes")
+    assert_close(out, _loop_reference(G, split), tol=TOL32, name="size classes")
 
 
 def test_split_kernel_mixed_fused_and_tiled_gram(kernel_backend):
@@ -103,7 +105,7 @@ def test_split_kernel_mixed_fused_and_tiled_gram(kernel_backend):
     G = torch.randn(2 * 112, 150, generator=torch.Generator().manual_seed(2))
     split = HeadSplit(2, [72, 40])
     out = muon_split_orthogonalize(G.to(DEVICE), split, method="gram", config=FP32).cpu()
-    assert_close(out, _loop_reference(G, split, method="gram"), tol=TOLERANCES[torch.float32], name="mixed gram")
+    assert_close(out, _loop_reference(G, split, method="gram"), tol=TOL32, name="mixed gram")
 
 
 def test_docstring_and_doc_examples():
