@@ -1,5 +1,6 @@
 """Shared test set-up: the interpreter is switched on before glm_kernels is imported, so every
 Triton kernel can run on CPU tensors under the ``interpret`` backend."""
+import logging
 import os
 
 import pytest
@@ -62,3 +63,14 @@ def any_backend(request):
         skip_without_kernels()
     with glm_kernels.force_backend(request.param):
         yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _glm_kernels_logger_as_found():
+    """The example trainer's log set-up (some tests run it in-process) stops glm_kernels'
+    records at its own handler; every test gets the logger back as it was before it."""
+    logger = logging.getLogger("glm_kernels")
+    propagate, handlers, level = logger.propagate, list(logger.handlers), logger.level
+    yield
+    logger.propagate, logger.handlers[:] = propagate, handlers
+    logger.setLevel(level)
