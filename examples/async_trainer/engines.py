@@ -1,0 +1,583 @@
+"""Rollout engines as Ray actors, a session-affine router in front, a health monitor behind.
+
+* :class:`Engine` (a Ray actor): holds the policy in the rollout dtype (bf16 by default, like
+  an inference engine fed by fp32 master weights), applies ``glm_kernels.sync`` updates
+  (a full snapshot first, then zstd deltas), and generates trajectories with the fp32
+  log-probs recorded at sampling time. ``ping`` runs in its own concurrency group, so a busy
+  engine still answers and only a dead or hung one does not.
+* :class:`EngineGroup` (the driver's side, one per training run): starts the actors
+  (``ray.init()``: a local instance, or ``address=`` an existing cluster), keeps one
+  ``glm_kernels.sync.Sender`` per engine, routes every request by its session id with a
+  :class:`~.router.ConsistentHashRouter`, and replaces an engine that died or hung: the new
+  actor gets a full weight snapshot of the current version, and every request that was in
+  flight on the old one is submitted again (its samples are *re-queued*, never lost and
+  never trained twice: they are counted only when a result arrives).
+* :class:`RayRollout` (one per stage): the trainer's handle, with the interface of
+  ``supervisor.RolloutProcess``: a pump thread keeps requests in flight (bounded: the
+  back-pressure that bounds staleness), a health-monitor thread polls the engines every
+  ``health_interval`` seconds, ``get()`` hands the trainer samples, ``shutdown()`` accounts
+  for them.
+
+Nothing here imports ray at module import time: ``ray`` is optional for the rest of the
+example (``RayUnavailable`` says what to install).
+"""
+import itertools
+import os
+import queue
+import threading
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from glm_kernels import sync
+
+from . import task
+from .log import logger
+from .router import ConsistentHashRouter
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class RayUnavailable(ImportError):
+    """``ray`` is not installed (``pip install ray``)."""
+
+
+class EngineError(RuntimeError):
+    """Engines kept failing: more replacements in a row than allowed."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as err:
+        raise RayUnavailable(f"rollout engines run as Ray actors: pip install ray ({err})") \
+            from None
+    return ray
+
+
+def init_ray(address: str = "", num_cpus: Optional[int] = None):
+    """``ray.init`` once: a local instance (``address=""``, cheap: no dashboard, worker logs
+    not forwarded, this repository on the workers' ``PYTHONPATH``) or an existing cluster."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    path = os.environ.get("PYTHONPATH", "")
+    if REPO_ROOT not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + path if path else "")
+    kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+                  configure_logging=True)
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kwargs)
+    return ray
+
+
+class _EngineImpl:
+    """The actor's body (plain class: also usable in-process in tests)."""
+
+    def __init__(self, cfg, engine_id: str, seed: int):
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        from .model import TinyLM
+        self.cfg, self.engine_id = cfg, engine_id
+        self.model = TinyLM(cfg, task.vocab_size(cfg)).to(
+            cfg.resolved_device(), cfg.rollout_torch_dtype()).eval()
+        self._seed = seed
+        self._new_receiver()
+        self.requests = 0
+        self.sessions: Dict[str, int] = {}        # session -> turns served (its "KV cache")
+        self.cache_hits = 0
+        self._lock = threading.Lock()
+
+    def _new_receiver(self):
+        self.inbox = sync.LocalTransport()
+        self.receiver = sync.Receiver(self.inbox, self.model.state_dict())
+
+    def update(self, frames) -> dict:
+        """Apply one update (a list of ``(meta, data, last)`` frames); returns the version
+        held and whether the update was refused (then a full snapshot must follow)."""
+        with self._lock:
+            self.inbox.updates.append([sync.protocol.Frame(bytes(m), d, bool(last))
+                                       for m, d, last in frames])
+            refused = None
+            try:
+                self.receiver.poll()
+            except sync.SyncError as err:
+                refused = str(err)
+            return {"version": self.receiver.version, "refused": refused,
+                    "full_requested": self.inbox.full_requested()}
+
+    def generate(self, req: dict) -> dict:
+        """``req``: ``session``, ``prompts`` (one task each; batched per task), ``group_size``,
+        ``ids`` (one prompt id per prompt), ``seed``. Returns ``samples`` (prompt-major,
+        ``group_size`` each, in ``ids`` order) with ``version`` and ``engine``."""
+        from .rollout import generate
+        with self._lock:
+            version = self.receiver.version
+            if version == 0:
+                raise RuntimeError(f"engine {self.engine_id}: no weights yet")
+            self.requests += 1
+            turns = self.sessions.get(req["session"], 0)
+            self.cache_hits += turns > 0
+            self.sessions[req["session"]] = turns + 1
+            gen = torch.Generator().manual_seed(req["seed"])
+            by_task: Dict[str, list] = {}
+            for i, p in enumerate(req["prompts"]):
+                by_task.setdefault(task.task_of(p), []).append(i)
+            groups: Dict[int, list] = {}
+            for idx in by_task.values():
+                out = generate(self.cfg, self.model, [req["prompts"][i] for i in idx],
+                               req["group_size"], gen=gen)
+                for j, s in enumerate(out):
+                    groups.setdefault(idx[j // req["group_size"]], []).append(s)
+            samples = []
+            for i, pid in enumerate(req["ids"]):
+                for j, s in enumerate(groups[i]):
+                    s.update(prompt_id=pid, sample_id=f"{pid}.{j}", version=version,
+                             engine=self.engine_id)
+                    samples.append(s)
+            return {"samples": samples, "version": version}
+
+    def end_session(self, session: str) -> None:
+        self.sessions.pop(session, None)
+
+    def ping(self) -> dict:
+        return {"engine": self.engine_id, "pid": os.getpid(), "version": self.receiver.version,
+                "requests": self.requests, "cache_hits": self.cache_hits}
+
+    def hang(self, seconds: float) -> None:
+        """Tests: block the engine's request lane (a hung engine)."""
+        with self._lock:
+            time.sleep(seconds)
+
+
+_ENGINE_ACTOR = None
+
+
+def engine_actor():
+    """The Ray actor class (built on first use: ray stays optional)."""
+    global _ENGINE_ACTOR
+    if _ENGINE_ACTOR is None:
+        ray = import_ray()
+
+        @ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"health": 1, "work": 1})
+        class Engine(_EngineImpl):
+            @ray.method(concurrency_group="work")
+            def update(self, frames):
+                return _EngineImpl.update(self, frames)
+
+            @ray.method(concurrency_group="work")
+            def generate(self, req):
+                return _EngineImpl.generate(self, req)
+
+            @ray.method(concurrency_group="work")
+            def end_session(self, session):
+                return _EngineImpl.end_session(self, session)
+
+            @ray.method(concurrency_group="work")
+            def hang(self, seconds):
+                return _EngineImpl.hang(self, seconds)
+
+            @ray.method(concurrency_group="health")
+            def ping(self):
+                return _EngineImpl.ping(self)
+
+        _ENGINE_ACTOR = Engine
+    return _ENGINE_ACTOR
+
+
+class _Link:
+    """Driver side of one engine's weight channel: a Sender over an in-memory transport whose
+    frames are shipped to the actor by ``EngineGroup``."""
+
+    def __init__(self, version: int):
+        self.transport = sync.LocalTransport()
+        self.sender = sync.Sender(self.transport, delta=True, encoding="zstd", version=version)
+
+    def publish(self, weights, full: bool = False):
+        self.sender.publish(weights, full=full)
+        frames = self.transport.updates.popleft()
+        return [(bytes(f.meta), f.data, bool(f.last)) for f in frames], self.sender.last_stats
+
+
+class EngineGroup:
+    """The engines of a run, their weight channels and the router (see the module doc).
+
+    Thread-safe: the trainer thread publishes, the pump thread submits and collects, the
+    monitor thread replaces; all under one lock.
+    """
+
+    def __init__(self, cfg, n_engines: int, *, address: str = "", seed: int = 0,
+                 ping_timeout: float = 5.0, start_timeout: float = 120.0):
+        if n_engines < 1:
+            raise ValueError(f"n_engines must be >= 1, got {n_engines}")
+        self.ray = init_ray(address)
+        self.cfg, self.seed, self.ping_timeout = cfg, seed, ping_timeout
+        self.start_timeout = start_timeout
+        self._boot: Dict[str, tuple] = {}   # engine -> (start time, first ping) until it answers
+        self.ready_at: Dict[str, float] = {}
+        self.lock = threading.RLock()
+        self.router = ConsistentHashRouter()
+        self.actors: Dict[str, object] = {}
+        self.links: Dict[str, _Link] = {}
+        self.pids: Dict[str, int] = {}
+        self.weights = None               # the last published weights (rollout dtype)
+        self.version = 0
+        self.restarts = 0
+        self._ids = itertools.count()
+        self._updates: List[tuple] = []   # (engine, ref) of updates not checked yet
+        for _ in range(n_engines):
+            self._start_engine()
+
+    # -- engines ------------------------------------------------------------------------
+    def _start_engine(self) -> str:
+        eid = f"e{next(self._ids)}"
+        actor = engine_actor().options(name=None).remote(self.cfg, eid, self.seed + 7919 *
+                                                         int(eid[1:]))
+        self.actors[eid] = actor
+        self._boot[eid] = (time.monotonic(), actor.ping.remote())
+        self.links[eid] = _Link(max(self.version - 1, 0))
+        self.router.add(eid)
+        if self.weights is not None:       # a replacement: the current version, in full
+            frames, _ = self.links[eid].publish(self.weights, full=True)
+            self._updates.append((eid, actor.update.remote(frames)))
+        return eid
+
+    def wait_ready(self, timeout: float = 120.0) -> Dict[str, int]:
+        """Block until every engine answers a ping; returns engine -> pid."""
+        with self.lock:
+            refs = {eid: a.ping.remote() for eid, a in self.actors.items()}
+        for eid, ref in refs.items():
+            self.pids[eid] = self.ray.get(ref, timeout=timeout)["pid"]
+            with self.lock:
+                self._boot.pop(eid, None)
+                self.ready_at[eid] = time.monotonic()
+        return dict(self.pids)
+
+    def replace(self, eid: str, reason: str) -> Optional[str]:
+        """Kill engine ``eid`` (if still there) and start a fresh one with the current
+        weights; returns the new engine's id (None: ``eid`` was already gone)."""
+        with self.lock:
+            actor = self.actors.pop(eid, None)
+            if actor is None:
+                return None
+            self.links.pop(eid, None)
+            self.pids.pop(eid, None)
+            self._boot.pop(eid, None)
+            self.ready_at.pop(eid, None)
+            self.router.remove(eid)
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+            self.restarts += 1
+            new = self._start_engine()
+        logger.warning(f"engine {eid} replaced by {new} ({reason}); full weight snapshot "
+                       f"v{self.version}")
+        return new
+
+    def kill(self, eid: Optional[str] = None) -> str:
+        """Kill one engine actor (``ray.kill``), as a crash would; the monitor notices."""
+        with self.lock:
+            eid = eid or next(iter(self.actors))
+            self.ray.kill(self.actors[eid], no_restart=True)
+        return eid
+
+    def alive(self) -> List[str]:
+        with self.lock:
+            return list(self.actors)
+
+    # -- weights ------------------------------------------------------------------------
+    def publish(self, model, dtype: torch.dtype):
+        """Publish ``model``'s weights to every engine (each its own delta, or a full
+        snapshot where one was asked for); returns (version, PublishStats of one engine)."""
+        weights = {k: v.detach().to("cpu", dtype, copy=True) if v.is_floating_point()
+                   else v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self._check_updates()
+        stats = None
+        with self.lock:
+            for eid, link in self.links.items():
+                frames, st = link.publish(weights)
+                stats = stats or st
+                self._updates.append((eid, self.actors[eid].update.remote(frames)))
+            self.weights, self.version = weights, self.version + 1
+        return self.version, stats
+
+    def _check_updates(self) -> None:
+        """Collect finished update results: a refused one makes that engine's next publish
+        a full snapshot."""
+        with self.lock:
+            pending, self._updates = self._updates, []
+        if not pending:
+            return
+        ready, _ = self.ray.wait([r for _, r in pending], num_returns=len(pending), timeout=0)
+        ready = set(ready)
+        keep = []
+        for eid, ref in pending:
+            if ref not in ready:
+                keep.append((eid, ref))
+                continue
+            try:
+                res = self.ray.get(ref)
+            except Exception:
+                continue                       # a dead engine: the monitor replaces it
+            with self.lock:
+                link = self.links.get(eid)
+                if link is not None and (res["refused"] or res["full_requested"]):
+                    link.transport.report(res["version"], False)
+        with self.lock:
+            self._updates = keep + self._updates
+
+    # -- health ---------------------------------------------------------------------------
+    def check(self) -> List[str]:
+        """Ping every engine; returns the ids of those that are dead or did not answer
+        within ``ping_timeout`` (not replaced here). An engine still starting (its first
+        ping not answered: importing torch takes seconds) has ``start_timeout``."""
+        bad, refs = [], {}
+        with self.lock:
+            for eid, a in self.actors.items():
+                if eid in self._boot:
+                    t0, ref = self._boot[eid]
+                    done, _ = self.ray.wait([ref], timeout=0)
+                    if done:
+                        try:
+                            self.pids[eid] = self.ray.get(ref)["pid"]
+                            del self._boot[eid]
+                            self.ready_at[eid] = time.monotonic()
+                        except Exception:
+                            bad.append(eid)
+                    elif time.monotonic() - t0 > self.start_timeout:
+                        bad.append(eid)
+                    continue
+                refs[eid] = a.ping.remote()
+        for eid, ref in refs.items():
+            try:
+                info = self.ray.get(ref, timeout=self.ping_timeout)
+                self.pids[eid] = info["pid"]
+            except Exception:
+                bad.append(eid)
+        self._check_updates()
+        return bad
+
+    def shutdown(self) -> None:
+        with self.lock:
+            for eid, actor in self.actors.items():
+                self.router.remove(eid)
+                try:
+                    self.ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+            self.actors.clear()
+
+
+class RayRollout:
+    """One stage's rollout over an :class:`EngineGroup`; the interface of
+    ``supervisor.RolloutProcess`` (``start``, ``get``, ``alive``, ``shutdown``, ``sender``).
+
+    Requests: ``max(1, rollout_batch_samples // group_size // n_engines)`` prompts each, one
+    session per request (a multi-turn task sends every turn of it to the same engine).
+    At most ``queue_size`` samples are buffered or in flight (the back-pressure that bounds
+    staleness), and at least one request per engine.
+    """
+
+    def __init__(self, group: EngineGroup, cfg, tag: str, seed: int, mix: Dict[str, float],
+                 group_size: int, queue_size: int, *, health_interval: float = 1.0,
+                 request_timeout: float = 60.0, max_restarts: int = 3):
+        self.group, self.cfg, self.tag = group, cfg, tag
+        self.mix, self.group_size, self.queue_size = mix, group_size, queue_size
+        self.health_interval, self.request_timeout = health_interval, request_timeout
+        self.max_restarts = max_restarts
+        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.outbox: "queue.Queue[dict]" = queue.Queue()
+        self.inflight: Dict[object, dict] = {}        # ref -> request (with its engine)
+        self.pending: List[dict] = []                 # requests to (re)submit
+        self.generated = self.received = self.requeued = 0
+        self.restarts_in_row = 0
+        self.error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._mu = threading.Lock()                   # inflight / pending: pump and monitor
+        self._fail_mu = threading.Lock()
+        self.events: List[dict] = []                  # engine restarts, for the metrics
+        self._threads: List[threading.Thread] = []
+        self._next_prompt = 0
+        self._next_req = 0
+        self.sender = self                            # trainer code calls rollout.sender.*
+        n = len(group.alive())
+        self.prompts_per_request = max(1, cfg.rollout_batch_samples // group_size // n)
+        self.dtype = cfg.rollout_torch_dtype()
+
+    # -- the RolloutProcess interface ------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.group.version
+
+    @property
+    def pid(self):
+        return None
+
+    def send(self, model):
+        return self.group.publish(model, self.dtype)
+
+    def start(self, guard, model):
+        _, stats = self.send(model)          # full snapshot (a new stage: every link full)
+        self._threads = [threading.Thread(target=self._pump, name=f"pump {self.tag}",
+                                          daemon=True),
+                         threading.Thread(target=self._monitor, name=f"health {self.tag}",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+        return stats
+
+    def alive(self) -> bool:
+        return self.error is None
+
+    def get(self, timeout: float):
+        try:
+            sample = self.outbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self.received += 1
+        return sample
+
+    def shutdown(self, grace_s: float = 10.0) -> Dict[str, int]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=grace_s)
+        drained = 0
+        while True:
+            try:
+                self.outbox.get_nowait()
+            except queue.Empty:
+                break
+            drained += 1
+        # Requests still in flight were never counted as generated: nothing to drop.
+        return {"generated": self.generated, "unconsumed": drained,
+                "dropped": self.generated - self.received - drained}
+
+    def stats(self) -> dict:
+        with self.group.lock:
+            load, rate = self.group.router.snapshot()
+        return {"engine_load": load, "affinity_hit_rate": rate,
+                "engine_restarts": self.group.restarts, "samples_requeued": self.requeued}
+
+    # -- threads ------------------------------------------------------------------------
+    def _new_request(self) -> dict:
+        from .rollout import sample_tasks
+        names = sample_tasks(self.mix, self.prompts_per_request, self.gen)
+        prompts = [task.make_prompt(self.cfg, n, self.gen) for n in names]
+        ids = [f"{self.tag}/{self._next_prompt + i}" for i in range(len(prompts))]
+        self._next_prompt += len(prompts)
+        self._next_req += 1
+        return {"session": f"{self.tag}/r{self._next_req}", "prompts": prompts, "ids": ids,
+                "group_size": self.group_size, "seed": self.seed * 1_000_003 + self._next_req}
+
+    def _budget_left(self) -> bool:
+        with self._mu:
+            expected = sum(len(r["ids"]) for r in self.inflight.values()) * self.group_size
+            n_inflight = len(self.inflight)
+        return (self.outbox.qsize() + expected < self.queue_size
+                or n_inflight < len(self.group.alive()) and self.outbox.qsize() == 0)
+
+    def _submit(self, req: dict) -> None:
+        with self.group.lock:
+            if not len(self.group.router):
+                raise EngineError(f"rollout {self.tag}: no engine left")
+            eid = self.group.router.route(req["session"])
+            ref = self.group.actors[eid].generate.remote(req)
+        with self._mu:
+            self.inflight[ref] = dict(req, engine=eid, t0=time.monotonic())
+
+    def _pump(self) -> None:
+        ray = self.group.ray
+        try:
+            while not self._stop.is_set():
+                while not self._stop.is_set():
+                    with self._mu:
+                        req = self.pending.pop(0) if self.pending else None
+                    if req is None:
+                        break
+                    self._submit(req)
+                while self._budget_left() and not self._stop.is_set():
+                    self._submit(self._new_request())
+                with self._mu:
+                    refs = list(self.inflight)
+                if not refs:
+                    time.sleep(0.02)
+                    continue
+                ready, _ = ray.wait(refs, num_returns=1, timeout=0.1)
+                for ref in ready:
+                    with self._mu:
+                        req = self.inflight.pop(ref, None)
+                    if req is None:
+                        continue
+                    try:
+                        res = ray.get(ref)
+                    except Exception as err:      # the engine died under it: run it again
+                        self._requeue(req, type(err).__name__)
+                        self._fail_engine(req["engine"], f"{type(err).__name__} in generate")
+                        continue
+                    for s in res["samples"]:
+                        self.generated += 1
+                        self.outbox.put(s)
+                    with self.group.lock:
+                        actor = self.group.actors.get(req["engine"])
+                    if actor is not None:
+                        actor.end_session.remote(req["session"])
+                        self.group.router.end_session(req["session"])
+        except BaseException as err:                # surfaces as alive() False
+            self.error = err
+            logger.error(f"rollout {self.tag}: pump failed ({type(err).__name__}: {err})")
+
+    def _requeue(self, req: dict, why: str) -> None:
+        self.requeued += len(req["ids"]) * self.group_size
+        logger.info(f"rollout {self.tag}: request {req['session']} ({len(req['ids'])} prompts) "
+                    f"re-queued ({why} on engine {req['engine']})")
+        with self._mu:
+            self.pending.append({k: v for k, v in req.items() if k not in ("engine", "t0")})
+
+    def _fail_engine(self, eid: str, why: str) -> None:
+        """Replace engine ``eid`` (once, whichever thread noticed first); its in-flight
+        requests go back to the queue first, so a late result of theirs is ignored."""
+        with self._fail_mu:
+            with self.group.lock:
+                if eid not in self.group.actors:
+                    return                          # already replaced
+            self.restarts_in_row += 1
+            if self.restarts_in_row > self.max_restarts:
+                raise EngineError(f"rollout {self.tag}: {self.restarts_in_row} engine failures "
+                                  f"in a row with no optimizer step between (last: {eid}, "
+                                  f"{why}; config.engine_restarts={self.max_restarts})")
+            with self._mu:
+                lost = [self.inflight.pop(ref) for ref, r in list(self.inflight.items())
+                        if r["engine"] == eid]
+            for req in lost:
+                self._requeue(req, "engine replaced")
+            new = self.group.replace(eid, why)
+            self.events.append({"event": "engine_restart", "engine": eid, "replacement": new,
+                                "reason": why, "requeued_requests": len(lost)})
+
+    def _monitor(self) -> None:
+        try:
+            while not self._stop.wait(self.health_interval):
+                bad = {eid: "no answer to a health ping" for eid in self.group.check()}
+                now = time.monotonic()
+                with self.group.lock:                 # a request's clock starts when its
+                    ready = dict(self.group.ready_at)   # engine has started
+                with self._mu:
+                    for r in self.inflight.values():
+                        if r["engine"] in ready and \
+                                now - max(r["t0"], ready[r["engine"]]) > self.request_timeout:
+                            bad.setdefault(r["engine"], f"a request ran past "
+                                                        f"{self.request_timeout:g} s")
+                for eid, why in bad.items():
+                    self._fail_engine(eid, why)
+        except BaseException as err:
+            self.error = err
+            logger.error(f"rollout {self.tag}: {err}")
+
+    def step_done(self) -> None:
+        """An optimizer step happened: engine failures are no longer 'in a row'."""
+        self.restarts_in_row = 0
