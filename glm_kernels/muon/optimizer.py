@@ -52,6 +52,15 @@ def _as_head_split(value, where: str) -> Optional[HeadSplit]:
                     f"{value!r}")
 
 
+def _check_ns_steps(name: str, value) -> None:
+    # 0 steps would only normalize the momentum (no orthogonalization: not Muon), so the
+    # optimizer refuses it; newton_schulz(steps=0) stays available as a building block.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
 class MuonSplit(torch.optim.Optimizer):
     """Muon (per-head "Muon Split" for MLA projections) + AdamW, one ``torch.optim.Optimizer``.
 
@@ -101,8 +110,7 @@ class MuonSplit(torch.optim.Optimizer):
         momentum = check("momentum", momentum, nonnegative=True)
         if momentum >= 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
-            raise ValueError(f"ns_steps must be an int >= 0, got {ns_steps!r}")
+        _check_ns_steps("ns_steps", ns_steps)
         betas = tuple(check(f"adamw_betas[{i}]", b, nonnegative=True)
                       for i, b in enumerate(adamw_betas))
         if len(betas) != 2 or any(b >= 1 for b in betas):
@@ -133,6 +141,8 @@ class MuonSplit(torch.optim.Optimizer):
         param_group["use_muon"] = use_muon
         if not use_muon and "lr" not in param_group and self._adamw_lr is not None:
             param_group["lr"] = self._adamw_lr
+        if "ns_steps" in param_group:
+            _check_ns_steps(f"{where} ns_steps", param_group["ns_steps"])
         split = _as_head_split(param_group.get("head_split"), f"{where} head_split")
         param_group["head_split"] = split
         if use_muon:

@@ -216,6 +216,12 @@ def test_bad_arguments():
         MuonSplit([{"params": [model.lm_head.weight], "ns_method": "svd"}], lr=1)
     with pytest.raises(TypeError, match="head_split"):
         MuonSplit([{"params": [model.lm_head.weight], "head_split": "q"}], lr=1)
+    with pytest.raises(ValueError, match="ns_steps must be an int >= 1, got 0"):
+        MuonSplit(model.lm_head.parameters(), lr=0.02, ns_steps=0)
+    with pytest.raises(TypeError, match="ns_steps"):
+        MuonSplit(model.lm_head.parameters(), lr=0.02, ns_steps="5")
+    with pytest.raises(ValueError, match="param group 0 ns_steps"):
+        MuonSplit([{"params": [model.lm_head.weight], "ns_steps": -1}], lr=1)
 
 
 # ----------------------------------------------------------------- tensor parallel (gloo)
