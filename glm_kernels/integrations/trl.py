@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..loss import fused_linear_icepop_loss
+from ..loss.icepop import MISMATCH_KEYS
 
 __all__ = ["IcePopGRPOTrainer", "IcePopGRPOConfig", "generate_with_logprobs", "INSTALL_HINT",
            "SUPPORTED_LOSS_TYPES"]
@@ -412,7 +413,9 @@ def _build_classes() -> None:
 
         def _log_icepop(self, metrics, loss):
             mode = "train" if self.model.training else "eval"
-            for key in ("pop_frac", "clip_frac", "ratio_mean", "ratio_max", "ratio_min"):
+            # MISMATCH_KEYS: train (or the recomputed old) vs the engine's log-probs, same pass.
+            for key in ("pop_frac", "clip_frac", "ratio_mean", "ratio_max",
+                        "ratio_min") + MISMATCH_KEYS:
                 value = self.accelerator.gather(metrics[key].reshape(1)).float()
                 self._metrics[mode][f"icepop/{key}"].append(value.nanmean().item())
 

@@ -51,6 +51,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..loss import icepop_loss
+from ..loss.icepop import MISMATCH_KEYS
 
 __all__ = ["icepop_policy_loss", "register", "gate_bounds", "LOSS_NAME", "INSTALL_HINT"]
 
@@ -232,6 +233,12 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
             "actor/pop_frac": float(pop_frac),
             "actor/icepop_ratio_mean": float(ratio_mean),
         }
+        if rollout_is_weights is None:
+            # Coupled: old_log_prob is the rollout's, so the kernel's train-inference mismatch
+            # metrics (same pass) are the engine drift. Decoupled: verl's rollout-correction
+            # step holds the rollout log-probs and reports its own mismatch metrics.
+            metrics.update({f"actor/{key}": float(kernel_metrics[key])
+                            for key in MISMATCH_KEYS})
     return pg_loss, metrics
 
 

@@ -148,6 +148,11 @@ def test_coupled_matches_verl_bypass_gate(mode, any_backend):
     assert_close(ours[1], ref[1], tol=TOL, name=f"grad {mode}")
     assert ours[2]["actor/pop_frac"] == pytest.approx(float((mask & (gate == 0)).sum()
                                                              / mask.sum()))
+    # The train-inference mismatch of the same pass, against the written-out k1 and k3.
+    d = (lp - rollout).clamp(-20, 20).double()[mask]
+    assert ours[2]["actor/mismatch_k1"] == pytest.approx(float((-d).mean()), rel=1e-5, abs=1e-7)
+    assert ours[2]["actor/mismatch_k3"] == pytest.approx(float((d.exp() - 1 - d).mean()),
+                                                          rel=1e-5, abs=1e-7)
     written = formula(lp, rollout, adv, mask, mode)
     assert_close(ours[0], written[0], tol=TOL, name="loss vs formula")
     assert_close(ours[1], written[1], tol=TOL, name="grad vs formula")
