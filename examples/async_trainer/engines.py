@@ -378,8 +378,9 @@ class RayRollout:
 
     Requests: ``max(1, rollout_batch_samples // group_size // n_engines)`` prompts each, one
     session per request (a multi-turn task sends every turn of it to the same engine).
-    At most ``queue_size`` samples are buffered or in flight (the back-pressure that bounds
-    staleness), and at least one request per engine.
+    At most ``queue_size`` samples plus one request buffered or in flight (the back-pressure
+    that bounds staleness: the rollout process holds a whole batch beyond its queue), and at
+    least one request per engine.
     """
 
     def __init__(self, group: EngineGroup, cfg, tag: str, seed: int, mix: Dict[str, float],
@@ -405,8 +406,10 @@ class RayRollout:
         self._next_prompt = 0
         self._next_req = 0
         self.sender = self                            # trainer code calls rollout.sender.*
+        # A rollout batch split over the engines; one request's worth beyond the queue.
         n = len(group.alive())
         self.prompts_per_request = max(1, cfg.rollout_batch_samples // group_size // n)
+        self.request_samples = self.prompts_per_request * group_size
         self.dtype = cfg.rollout_torch_dtype()
 
     # -- the RolloutProcess interface ------------------------------------------------------
@@ -476,32 +479,47 @@ class RayRollout:
 
     def _budget_left(self) -> bool:
         with self._mu:
-            expected = sum(len(r["ids"]) for r in self.inflight.values()) * self.group_size
+            expected = sum(len(r["ids"]) for r in list(self.inflight.values()) + self.pending) \
+                * self.group_size
             n_inflight = len(self.inflight)
-        return (self.outbox.qsize() + expected < self.queue_size
+        # The queue's worth of samples buffered or in flight plus one request (the rollout
+        # process holds a whole batch beyond its queue), and every engine busy when
+        # nothing is buffered.
+        return (self.outbox.qsize() + expected < self.queue_size + self.request_samples
                 or n_inflight < len(self.group.alive()) and self.outbox.qsize() == 0)
 
-    def _submit(self, req: dict) -> None:
+    def _submit(self, req: dict) -> bool:
+        """Send ``req`` to its session's engine, unless that engine is busy: one request per
+        engine at a time, so a weight update waits behind at most one generation (bounded
+        staleness). Returns whether it was sent."""
         with self.group.lock:
             if not len(self.group.router):
                 raise EngineError(f"rollout {self.tag}: no engine left")
-            eid = self.group.router.route(req["session"])
+            eid = self.group.router.lookup(req["session"])
+            with self._mu:
+                if any(r["engine"] == eid for r in self.inflight.values()):
+                    return False
+            self.group.router.route(req["session"])
             ref = self.group.actors[eid].generate.remote(req)
         with self._mu:
             self.inflight[ref] = dict(req, engine=eid, t0=time.monotonic())
+        return True
 
     def _pump(self) -> None:
         ray = self.group.ray
         try:
             while not self._stop.is_set():
-                while not self._stop.is_set():
-                    with self._mu:
-                        req = self.pending.pop(0) if self.pending else None
-                    if req is None:
+                with self._mu:                         # re-queued requests first, in order
+                    waiting, self.pending = self.pending, []
+                held = [req for req in waiting if not self._submit(req)]
+                with self._mu:
+                    self.pending[:0] = held
+                while not held and self._budget_left() and not self._stop.is_set():
+                    req = self._new_request()
+                    if not self._submit(req):
+                        with self._mu:
+                            self.pending.append(req)   # its engine is busy: next round
                         break
-                    self._submit(req)
-                while self._budget_left() and not self._stop.is_set():
-                    self._submit(self._new_request())
                 with self._mu:
                     refs = list(self.inflight)
                 if not refs:
