@@ -14,6 +14,10 @@ PIP        := .venv/bin/pip
 STAMP      := .venv/.installed
 SOURCES    := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 EXTRAS     := "triton>=3.6" pytest numpy zstandard safetensors matplotlib tqdm
+# The trainers the integration tests run against (pyproject's [integrations]; verl without
+# its full dependency set, which the loss path does not import) and Ray for the example.
+TRAINERS   := "trl==1.16.0" "transformers==5.10.4" "ray==2.60.0" "tensordict==0.10.0" \
+              omegaconf codetiming
 
 # A first-found interpreter of one minor version (a pyenv-style install counts), else python3.
 find_python = $(or $(shell for c in python$(1) $$HOME/.pyenv/versions/$(1).*/bin/python$(1) \
@@ -46,7 +50,8 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) .venv
 	$(PIP) install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
-	$(call install_project,.venv,$(EXTRAS))
+	$(call install_project,.venv,$(EXTRAS) $(TRAINERS))
+	$(PIP) install -q --no-deps "verl==0.9.1"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -6,6 +6,10 @@
   slime's ``--update-weight-mode delta`` diffs on the GPU (only changed bytes leave it).
 * ``glm_kernels.integrations.sglang`` -- an SGLang custom weight loader that applies delta
   packets in place on the engine's parameters.
+* ``glm_kernels.integrations.verl`` -- registers the ``"icepop"`` policy loss in verl's
+  registry (also through the ``verl.plugins`` entry point).
+* ``glm_kernels.integrations.trl`` -- ``IcePopGRPOTrainer`` / ``IcePopGRPOConfig``, a TRL
+  ``GRPOTrainer`` whose loss is ``fused_linear_icepop_loss`` (coupled / TITO or decoupled).
 
-Importing this package imports neither slime, Megatron nor SGLang.
+Importing this package imports none of slime, Megatron, SGLang, verl or TRL.
 """
