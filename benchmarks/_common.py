@@ -142,3 +142,9 @@ def bench_args(doc: str, parser_hook: Optional[Callable] = None) -> argparse.Nam
     if parser_hook is not None:
         parser_hook(parser)
     return parser.parse_args()
+
+
+def main(doc: str, run: Callable[..., dict]) -> None:
+    """A bench script's command line: ``run(quick=, cpu=)``, its dict to ``--json`` if given."""
+    args = bench_args(doc)
+    write_json(args.json, run(quick=args.quick, cpu=args.cpu))

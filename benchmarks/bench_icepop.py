@@ -171,10 +171,5 @@ def interpreter_check(n_tokens: int = 50_000) -> dict:
         lambda x: _reference.icepop_loss_reference(x, rollout, adv, mask), lp)
 
 
-def main():
-    args = _common.bench_args(__doc__)
-    _common.write_json(args.json, run(quick=args.quick, cpu=args.cpu))
-
-
 if __name__ == "__main__":
-    main()
+    _common.main(__doc__, run)

@@ -375,10 +375,5 @@ def interpreter_check(n_tokens=64, vocab=700) -> dict:
         lambda x: ref.icepop_loss_from_logits_reference(x, *args), inp["logits"].float())
 
 
-def main():
-    args = _common.bench_args(__doc__)
-    _common.write_json(args.json, run(quick=args.quick, cpu=args.cpu))
-
-
 if __name__ == "__main__":
-    main()
+    _common.main(__doc__, run)

@@ -151,10 +151,5 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
     return result
 
 
-def main():
-    args = _common.bench_args(__doc__)
-    _common.write_json(args.json, run(quick=args.quick, cpu=args.cpu))
-
-
 if __name__ == "__main__":
-    main()
+    _common.main(__doc__, run)
