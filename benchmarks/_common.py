@@ -133,15 +133,17 @@ def write_json(path: Optional[str], payload: dict) -> None:
             json.dump(payload, f, indent=1, default=str)
 
 
-def bench_args(doc: str, parser_hook: Optional[Callable] = None) -> argparse.Namespace:
-    """The command line every bench_*.py shares: --quick, --cpu, --json PATH (plus hook's)."""
+def bench_args(doc: str, parser_hook: Optional[Callable] = None,
+               argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line every bench_*.py shares: --quick, --cpu, --json PATH (plus hook's);
+    ``argv`` instead of sys.argv[1:] when a script's run() builds its own."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--json")
     if parser_hook is not None:
         parser_hook(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main(doc: str, run: Callable[..., dict]) -> None:

@@ -24,6 +24,7 @@ timed (the batch is random token ids).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -217,7 +218,7 @@ def run_variant(variant: str, tokens: int, args) -> dict:
     return out
 
 
-def main() -> None:
+def _parse(argv=None):
     def hook(parser):
         parser.add_argument("--worker", choices=VARIANTS)
         parser.add_argument("--tokens", type=int, nargs="*")
@@ -228,17 +229,30 @@ def main() -> None:
         parser.add_argument("--repeats", type=int)
         parser.add_argument("--device")
         parser.add_argument("--measure", choices=("time", "memory"), default="time")
-    args = _common.bench_args(__doc__, hook)
+    args = _common.bench_args(__doc__, hook, argv)
     gpu = not args.cpu and _common.default_device() == "cuda"
     args.device = args.device or ("cuda" if gpu else "cpu")
     args.hidden = args.hidden or (2048 if gpu else 256)
     args.layers = args.layers or (4 if gpu else 2)
     args.dtype = args.dtype or ("bf16" if gpu else "fp32")
     args.repeats = args.repeats or (5 if gpu else 2)
-    if args.worker:
-        args.tokens = args.tokens[0]
-        print("RESULT " + json.dumps(worker(args)))
-        return
+    return args
+
+
+def run(quick: bool = False, cpu: bool = False) -> dict:
+    """The table at this machine's defaults (what run_all / gpu_check call). TRL is not on
+    every image (not on the lent H200's): then the result says so instead of failing."""
+    missing = [name for name in ("trl", "transformers", "datasets")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        reason = (f"skipped: {', '.join(missing)} not installed (pip install "
+                  "'glm_kernels[integrations]')")
+        print(f"bench_trl: {reason}")
+        return {"benchmark": "trl", "skipped": reason}
+    return _table(_parse((["--quick"] if quick else []) + (["--cpu"] if cpu else [])))
+
+
+def _table(args) -> dict:
     tokens = args.tokens or ([1024] if args.quick else [1024, 2048, 4096])
     rows = []
     for n in tokens:
@@ -260,9 +274,18 @@ def main() -> None:
         f"{args.dtype}, {where}", rows,
         ["tokens", "variant", "step_ms", "cpu_ms", "peak_MiB", "time_vs_trl", "cpu_vs_trl",
          "mem_vs_trl", "time_vs_decoupled", "cpu_vs_decoupled"])
-    _common.write_json(args.json, {"environment": _common.environment(), "vocab": args.vocab,
-                                   "hidden": args.hidden, "layers": args.layers,
-                                   "dtype": args.dtype, "device": args.device, "rows": rows})
+    return {"benchmark": "trl", "environment": _common.environment(), "vocab": args.vocab,
+            "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype,
+            "device": args.device, "rows": rows}
+
+
+def main() -> None:
+    args = _parse()
+    if args.worker:
+        args.tokens = args.tokens[0]
+        print("RESULT " + json.dumps(worker(args)))
+        return
+    _common.write_json(args.json, _table(args))
 
 
 if __name__ == "__main__":
