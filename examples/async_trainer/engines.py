@@ -567,7 +567,7 @@ class RayRollout:
             if self.restarts_in_row > self.max_restarts:
                 raise EngineError(f"rollout {self.tag}: {self.restarts_in_row} engine failures "
                                   f"in a row with no optimizer step between (last: {eid}, "
-                                  f"{why}; config.engine_restarts={self.max_restarts})")
+                                  f"{why}; max_restarts={self.max_restarts})")
             with self._mu:
                 lost = [self.inflight.pop(ref) for ref, r in list(self.inflight.items())
                         if r["engine"] == eid]
