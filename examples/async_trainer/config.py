@@ -1,11 +1,16 @@
 """Configuration of the example trainer, validated (with errors naming the field) before
 anything starts."""
+import importlib.util
 from dataclasses import dataclass, fields
 from typing import Dict, List
 
 import torch
 
 from . import task
+
+
+def _ray_installed() -> bool:
+    return importlib.util.find_spec("ray") is not None
 
 
 @dataclass
@@ -61,6 +66,13 @@ class TrainerConfig:
     rollout_restarts: int = 3        # rollout process deaths in a row (no step between) that
                                      # are restarted; one more stops the run (exit 1)
     progress: bool = True            # tqdm progress bars
+    # rollout engines (docs/trainer.md, "Rollout engines on Ray")
+    rollout_backend: str = "auto"    # "ray": engine actors behind a session router; "process":
+                                     # one spawned rollout process; "auto": ray when installed
+    engines: int = 2                 # rollout engine actors (ray)
+    ray_address: str = ""            # "": start a local Ray instance; else join that cluster
+    health_interval: float = 1.0     # seconds between engine health checks (ray)
+    kill_engine_at: int = 0          # kill one engine actor after this global step (0: never)
 
     def task_list(self) -> List[str]:
         return [t.strip() for t in self.tasks.split(",") if t.strip()]
@@ -79,6 +91,12 @@ class TrainerConfig:
     def rollout_torch_dtype(self) -> torch.dtype:
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.rollout_dtype]
 
+    def use_ray(self) -> bool:
+        """Whether rollout runs on Ray engine actors (``rollout_backend``, resolved)."""
+        if self.rollout_backend == "auto":
+            return _ray_installed()
+        return self.rollout_backend == "ray"
+
     def validate(self) -> "TrainerConfig":
         for f in fields(self):
             v = getattr(self, f.name)
@@ -92,12 +110,12 @@ class TrainerConfig:
                     "n_expert_groups", "topk_groups", "sft_batch", "sft_lr", "rl_lr", "muon_lr",
                     "prompts_per_step", "opd_lr", "opd_prompts_per_step", "dp_ranks",
                     "max_tokens_per_microbatch", "rollout_batch_samples", "max_ahead_steps", "eps_low",
-                    "eps_high", "eval_prompts")
+                    "eps_high", "eval_prompts", "engines", "health_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("sft_steps", "rl_steps", "opd_steps", "weight_decay", "balance_bias_rate",
-                     "checkpoint_every", "rollout_restarts"):
+                     "checkpoint_every", "rollout_restarts", "kill_engine_at"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config.{name} must be >= 0, got {getattr(self, name)!r}")
         names = self.task_list()
@@ -133,6 +151,16 @@ class TrainerConfig:
         if self.rollout_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"config.rollout_dtype must be 'bfloat16' or 'float32', got "
                              f"{self.rollout_dtype!r}")
+        if self.rollout_backend not in ("auto", "ray", "process"):
+            raise ValueError(f"config.rollout_backend must be 'auto', 'ray' or 'process', got "
+                             f"{self.rollout_backend!r}")
+        if self.rollout_backend == "ray" and not _ray_installed():
+            raise ValueError("config.rollout_backend='ray' but ray is not installed "
+                             "(pip install ray)")
+        if self.kill_engine_at and not self.use_ray():
+            raise ValueError(f"config.kill_engine_at ({self.kill_engine_at}) kills a Ray engine "
+                             f"actor: it needs rollout_backend 'ray' (or 'auto' with ray "
+                             f"installed)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"config.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():

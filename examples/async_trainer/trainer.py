@@ -1,9 +1,11 @@
 """The whole recipe: SFT warm-up, asynchronous GRPO + IcePop per task (each run becomes a
 teacher), then on-policy distillation (OPD) of both teachers into the SFT student.
 
-RL and OPD stages run rollout in a separate process (``rollout.rollout_worker``) that keeps
-generating with the newest weights it holds while the trainer steps; samples meet the trainer
-in a Data Buffer keyed by prompt instance id.
+RL and OPD stages run rollout on engines that keep generating with the newest weights they
+hold while the trainer steps: Ray actors behind a session-affine router with a health
+monitor (``engines.py``; ``rollout_backend`` "ray", the default when ray is installed) or one
+spawned process (``rollout.rollout_worker``; "process"); samples meet the trainer in a Data
+Buffer keyed by prompt instance id.
 
 Recovery (docs/trainer.md, "Recovery"): ``checkpoint.pt`` (tensors and plain data only) is
 written every ``checkpoint_every`` steps, at every stage end and on every exit (normal,
@@ -43,8 +45,9 @@ class Run:
     out of units of work (``stopping.py``)."""
 
     def __init__(self, cfg: TrainerConfig, ckpt: Optional[dict] = None,
-                 guard: Optional[StopGuard] = None, on_rollout=None):
+                 guard: Optional[StopGuard] = None, on_rollout=None, engines=None):
         self.cfg = cfg
+        self.engines = engines      # engines.EngineGroup (rollout_backend ray) or None
         self.guard = guard if guard is not None else StopGuard()
         self.on_rollout = on_rollout
         ckpt = ckpt or {}
@@ -214,6 +217,17 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
         nonlocal rollout
         run.rollout_procs += 1
         tag = f"{stage}/{run.rollout_procs}"
+        if run.engines is not None:
+            from .engines import RayRollout
+            rollout = RayRollout(run.engines, cfg, tag, cfg.seed * 7919 + run.rollout_procs, mix,
+                                 group_size, queue_size, health_interval=cfg.health_interval,
+                                 max_restarts=cfg.rollout_restarts)
+            first = rollout.start(guard, model)
+            logger.info(f"{stage}: rollout {tag} on {len(run.engines.alive())} Ray engine actors "
+                        f"({', '.join(run.engines.alive())}); weight sync v{first.version} "
+                        f"{first.payload_bytes} bytes per engine "
+                        f"({'full snapshot' if first.full else 'zstd delta'})")
+            return
         rollout = RolloutProcess(cfg, ctx, tag, cfg.seed * 7919 + run.rollout_procs, mix,
                                  group_size, queue_size, version)
         first = rollout.start(guard, model)
@@ -238,6 +252,9 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
             t0 = time.perf_counter()
             groups = held = []              # popped from the buffer, not trained yet
             while len(groups) < prompts_per_step:
+                if not rollout.alive() and run.engines is not None:
+                    raise RolloutError(f"{stage}: {rollout.error} (config.rollout_restarts="
+                                       f"{cfg.rollout_restarts})")
                 if not rollout.alive():
                     with guard.atomic():
                         deaths += 1
@@ -277,8 +294,19 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
                            staleness=trained_on - sum(s["version"] for s in samples) / len(samples),
                            weight_version=version, bytes_synced=stats.payload_bytes,
                            changed_elements=stats.changed, step_s=time.perf_counter() - t0)
+                if run.engines is not None:
+                    rec.update(rollout.stats())
+                    rollout.step_done()
+                    while rollout.events:
+                        run.log({"kind": "event", "stage": stage, "step": step + 1,
+                                 "global_step": run.global_step, **rollout.events.pop(0)})
                 run.log(rec)
             deaths = 0
+            if run.engines is not None and run.global_step == cfg.kill_engine_at:
+                victim = run.engines.kill()
+                logger.warning(f"{stage}: killed engine actor {victim} after global step "
+                               f"{run.global_step} (--kill-engine-at); the health monitor "
+                               f"replaces it")
             bar.set_postfix(reward=f"{rec['reward']:.2f}", pop=f"{rec['pop_frac']:.3f}",
                             stale=f"{rec['staleness']:.1f}", refresh=False)
             if on_step:
@@ -418,6 +446,24 @@ def _wrap_up(run, stop, failure) -> List[str]:
     return outputs
 
 
+def _start_engines(cfg):
+    """The run's Ray engine actors (``engines.EngineGroup``), started and answering."""
+    from .engines import EngineGroup
+    t0 = time.perf_counter()
+    group = EngineGroup(cfg, cfg.engines, address=cfg.ray_address, seed=cfg.seed)
+    try:
+        pids = group.wait_ready()
+    except BaseException:
+        group.shutdown()
+        raise
+    where = f"Ray cluster at {cfg.ray_address}" if cfg.ray_address else "a local Ray instance"
+    logger.info(f"rollout: {len(pids)} engine actors on {where} (pids "
+                f"{', '.join(str(p) for p in pids.values())}; node "
+                f"{group.ray.get_runtime_context().get_node_id()}), ready in "
+                f"{time.perf_counter() - t0:.1f} s")
+    return group
+
+
 def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
     """Run every stage (or what is left of them when resuming); returns the run's summary.
 
@@ -442,9 +488,10 @@ def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
     cfg.validate()
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    guard = StopGuard().install()
+    engines = _start_engines(cfg) if cfg.use_ray() else None   # before the handlers: ray.init
+    guard = StopGuard().install()                               # sets its own SIGTERM handler
     try:
-        run = Run(cfg, ckpt, guard, on_rollout)
+        run = Run(cfg, ckpt, guard, on_rollout, engines)
         stop = failure = None
         try:
             _stages(run, on_step)
@@ -460,6 +507,8 @@ def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
             raise failure
     finally:
         guard.restore()
+        if engines is not None:
+            engines.shutdown()
     code = exit_code(stop) if stop is not None else \
         (128 + guard.received if guard.received is not None else 0)
     evals = {r["stage"]: {k[5:]: v for k, v in r.items() if k.startswith("eval_")}

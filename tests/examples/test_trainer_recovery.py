@@ -26,10 +26,10 @@ from examples.async_trainer.log import setup_logging
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and /proc")
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(tasks="reverse", sft_steps=2, rl_steps=4, opd_steps=0, prompts_per_step=2,
-            group_size=2, eval_prompts=4, progress=False)
+            group_size=2, eval_prompts=4, progress=False, rollout_backend="process")
 TINY_ARGS = ["--tasks", "reverse", "--sft-steps", "1", "--opd-steps", "0",
              "--prompts-per-step", "2", "--group-size", "2", "--eval-prompts", "4",
-             "--progress", "false"]
+             "--progress", "false", "--rollout-backend", "process"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,135 @@
+"""The example trainer on Ray engine actors: --kill-engine-at (the run finishes, logs the
+replacement, accounts for every sample), the engine metrics, the flags' validation, and no
+engine process left behind a SIGKILLed trainer. Skipped without ray."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+import examples.async_trainer.__main__ as cli                              # noqa: E402
+from examples.async_trainer import trainer                                 # noqa: E402
+from examples.async_trainer.config import TrainerConfig                    # noqa: E402
+from examples.async_trainer.log import setup_logging                       # noqa: E402
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals")
+REPO = Path(__file__).resolve().parents[2]
+TINY = dict(tasks="reverse", sft_steps=2, rl_steps=12, opd_steps=0, prompts_per_step=2,
+            group_size=2, eval_prompts=4, progress=False, rollout_backend="ray")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_kill_engine_at_replaces_it_and_every_sample_is_accounted_for(tmp_path, capsys):
+    setup_logging()
+    cfg = TrainerConfig(**TINY, kill_engine_at=4, health_interval=0.3, out_dir=str(tmp_path))
+    out = trainer.train(cfg)
+    assert out["exit_code"] == 0
+    err = capsys.readouterr().err
+    victim = re.search(r"killed engine actor (e\d+) after global step 4", err).group(1)
+    (event,) = [r for r in out["records"] if r.get("event") == "engine_restart"]
+    assert event["engine"] == victim and event["stage"] == "rl:reverse"
+    assert f"engine {victim} replaced by {event['replacement']}" in err
+    rl = [r for r in out["records"] if r.get("stage") == "rl:reverse" and r["kind"] == "train"]
+    assert [r["step"] for r in rl] == list(range(1, cfg.rl_steps + 1))     # the run went on
+    assert rl[-1]["engine_restarts"] == 1 and rl[0]["engine_restarts"] == 0
+    assert rl[-1]["samples_requeued"] >= 0 and event["requeued_requests"] >= 0
+    assert sum(rl[-1]["engine_load"].values()) > 0 and event["replacement"] in rl[-1]["engine_load"]
+    ids = out["trained_ids"]["rl:reverse"]
+    acc = out["accounting"]["rl:reverse"]
+    assert len(ids) == len(set(ids)) == cfg.rl_steps * cfg.prompts_per_step * cfg.group_size
+    assert acc["generated"] == acc["trained"] + acc["unconsumed"] and acc["dropped"] == 0, acc
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "engine_restart" for r in lines)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--engines", "0"], "engines"),
+    (["--health-interval", "0"], "health_interval"),
+    (["--rollout-backend", "threads"], "rollout_backend"),
+    (["--kill-engine-at", "3", "--rollout-backend", "process"], "kill_engine_at"),
+    (["--kill-engine-at", "-1"], "kill_engine_at"),
+])
+def test_engine_flags_are_validated_naming_the_flag(args, field, capsys):
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"config.{field}" in err and f"--{field.replace('_', '-')}" in err
+
+
+def _session_processes(driver_pid: int):
+    """Live pids holding files of the Ray session that ``driver_pid`` started (its session
+    directory ends in ``_<driver pid>``)."""
+    mark, out = f"_{driver_pid}/", []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+            if any(mark in os.readlink(f"/proc/{name}/fd/{fd}") for fd in fds) \
+                    and _alive(int(name)):
+                out.append(int(name))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_sigkilled_trainer_leaves_no_engine_behind(tmp_path):
+    log = tmp_path / "log.txt"
+
+    args = [sys.executable, "-m", "examples.async_trainer", "--tasks", "reverse",
+            "--sft-steps", "1", "--rl-steps", "200", "--opd-steps", "0", "--prompts-per-step",
+            "2", "--group-size", "2", "--eval-prompts", "4", "--progress", "false",
+            "--rollout-backend", "ray", "--out-dir", str(tmp_path)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r"step=3 ", log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        found = re.search(r"engine actors on a local Ray instance \(pids ([\d, ]+); node "
+                          r"(\w+)\)", log.read_text())
+        pids = [int(p) for p in found.group(1).split(", ")]
+        assert all(_alive(p) for p in pids)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "an engine actor outlived its SIGKILLed trainer"
+    # Known Ray limitation (docs/trainer.md): the local instance's per-node agents
+    # (DashboardAgent, RuntimeEnvAgent) can outlive a SIGKILLed driver. Not left on the
+    # test machine: this run's are found by their open files in its session directory.
+    for pid in _session_processes(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_engines_that_keep_failing_stop_the_run_with_exit_1_and_a_checkpoint(tmp_path, capsys):
+    setup_logging()
+    rc = cli.main(["--tasks", "reverse", "--sft-steps", "2", "--rl-steps", "30",
+                   "--opd-steps", "0", "--prompts-per-step", "2", "--group-size", "2",
+                   "--eval-prompts", "4", "--progress", "false", "--rollout-backend", "ray",
+                   "--kill-engine-at", "3", "--rollout-restarts", "0", "--health-interval",
+                   "0.3", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1, err[-3000:]
+    assert "1 engine failures in a row" in err and "config.rollout_restarts=0" in err
+    assert "failed (RolloutError): checkpoint written to" in err
+    from examples.async_trainer import checkpoint
+    ckpt = checkpoint.load(str(tmp_path / "checkpoint.pt"))
+    acc = ckpt["accounting"]["rl:reverse"]
+    assert acc["generated"] == acc["trained"] + acc["unconsumed"] and acc["dropped"] == 0, acc
