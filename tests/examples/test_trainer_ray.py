@@ -86,23 +86,48 @@ def _session_processes(driver_pid: int):
     return out
 
 
-def test_a_sigkilled_trainer_leaves_no_engine_behind(tmp_path):
+def _cli_until_step_3(tmp_path):
+    """The CLI on Ray in a subprocess, returned once it has logged RL step 3, with its
+    engine pids."""
     log = tmp_path / "log.txt"
-
     args = [sys.executable, "-m", "examples.async_trainer", "--tasks", "reverse",
             "--sft-steps", "1", "--rl-steps", "200", "--opd-steps", "0", "--prompts-per-step",
             "2", "--group-size", "2", "--eval-prompts", "4", "--progress", "false",
             "--rollout-backend", "ray", "--out-dir", str(tmp_path)]
     with open(log, "w") as f:
         proc = subprocess.Popen(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not re.search(r"step=3 ", log.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(0.2)
+    found = re.search(r"engine actors on a local Ray instance \(pids ([\d, ]+);",
+                      log.read_text())
+    return proc, log, [int(p) for p in found.group(1).split(", ")]
+
+
+def test_sigterm_on_ray_checkpoints_exits_143_and_stops_every_ray_process(tmp_path):
+    proc, log, pids = _cli_until_step_3(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not re.search(r"step=3 ", log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        found = re.search(r"engine actors on a local Ray instance \(pids ([\d, ]+); node "
-                          r"(\w+)\)", log.read_text())
-        pids = [int(p) for p in found.group(1).split(", ")]
+        assert all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    assert "interrupted (SIGTERM): checkpoint written to" in log.read_text()
+    assert (tmp_path / "checkpoint.pt").is_file()
+    deadline = time.monotonic() + 30
+    while (any(_alive(p) for p in pids) or _session_processes(proc.pid)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "an engine actor outlived its trainer"
+    assert _session_processes(proc.pid) == [], "a Ray process outlived its trainer"
+
+
+def test_a_sigkilled_trainer_leaves_no_engine_behind(tmp_path):
+    proc, log, pids = _cli_until_step_3(tmp_path)
+    try:
         assert all(_alive(p) for p in pids)
     finally:
         proc.send_signal(signal.SIGKILL)
