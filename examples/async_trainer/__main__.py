@@ -41,8 +41,9 @@ def _error(err: Exception) -> str:
 
 
 def main(argv=None) -> int:
-    """Exit status: 0 done; 2 bad configuration or resume file; 1 the rollout process kept
-    dying (after a checkpoint); 130 / 143 stopped by SIGINT / SIGTERM (after a checkpoint)."""
+    """Exit status: 0 done; 2 bad configuration or resume file; 1 the rollout process (or the
+    Ray engines) kept dying (after a checkpoint); 130 / 143 stopped by SIGINT / SIGTERM (after
+    a checkpoint)."""
     setup_logging()
     cfg = parse(argv)
     try:
