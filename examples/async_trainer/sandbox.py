@@ -61,7 +61,8 @@ NOBODY = 65534
 _RUNNER = r'''
 import json, os, resource, signal, sys
 a = json.loads(sys.argv[1])
-work, iso = a["work"], ["pgroup-kill", "rlimits", "private-cwd"] + (["audit-guard"] if a["guard"] else [])
+work = a["work"]
+iso = ["pgroup-kill", "rlimits", "private-cwd"] + (["audit-guard"] if a["guard"] else [])
 libc = None
 try:
     import ctypes
