@@ -228,14 +228,20 @@ class EngineGroup:
         self.restarts = 0
         self._ids = itertools.count()
         self._updates: List[tuple] = []   # (engine, ref) of updates not checked yet
+        # On CUDA the engines share the GPUs Ray sees (a fraction each; Ray hides GPUs from
+        # an actor that asks for none). Not measured on a GPU.
+        self.gpus_per_engine = 0.0
+        if cfg.resolved_device() == "cuda":
+            total = self.ray.cluster_resources().get("GPU", 0.0)
+            self.gpus_per_engine = min(1.0, total / n_engines) if total else 0.0
         for _ in range(n_engines):
             self._start_engine()
 
     # -- engines ------------------------------------------------------------------------
     def _start_engine(self) -> str:
         eid = f"e{next(self._ids)}"
-        actor = engine_actor().options(name=None).remote(self.cfg, eid, self.seed + 7919 *
-                                                         int(eid[1:]))
+        actor = engine_actor().options(num_gpus=self.gpus_per_engine).remote(
+            self.cfg, eid, self.seed + 7919 * int(eid[1:]))
         self.actors[eid] = actor
         self._boot[eid] = (time.monotonic(), actor.ping.remote())
         self.links[eid] = _Link(max(self.version - 1, 0))
