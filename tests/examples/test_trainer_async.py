@@ -181,8 +181,13 @@ def test_short_run_learns_and_accounts_for_every_sample(tmp_path):
     assert last < 0.7 * first, (first, last)                 # the student moves to its teacher
     _check_accounting(out, cfg, "rl:reverse", cfg.rl_steps, cfg.prompts_per_step * cfg.group_size)
     _check_accounting(out, cfg, "opd", cfg.opd_steps, cfg.opd_prompts_per_step)
-    assert all(r["staleness"] <= cfg.max_ahead_steps + 2 for r in out["records"]
-               if r.get("kind") == "train" and "staleness" in r)
+    # Back-pressure: the queue holds max_ahead_steps steps of samples, one more batch is being
+    # generated, its weights were the newest the receiver held (+1), and on a loaded machine
+    # the newest publish may still be in flight when the rollout polls (+1). Seen here: 2-3 at
+    # max_ahead_steps=1 on an idle machine, 4 once under heavy load.
+    staleness = [r["staleness"] for r in out["records"]
+                 if r.get("kind") == "train" and "staleness" in r]
+    assert max(staleness) <= cfg.max_ahead_steps + 3, staleness
     rl = [r for r in out["records"] if r.get("stage") == "rl:reverse" and r["kind"] == "train"]
     assert all(0 < r["bytes_synced"] for r in rl)
     for f in ("metrics.jsonl", "metrics.png", "checkpoint.pt"):
