@@ -14,3 +14,24 @@ def test_assert_bits_equal_reports_first_differing_byte(shape):
         assert_bits_equal(out, ref)
     assert_bits_equal(out, out.clone())
     assert_bits_equal(torch.empty(0, *shape[1:]), torch.empty(0, *shape[1:]))
+
+
+def _hang_first_time(rank, world, out_dir):
+    """A rank body that hangs in the first run (before reporting) and reports in the retry."""
+    import os
+    import time
+    if not out_dir.rstrip("/").endswith("retry"):
+        open(os.path.join(out_dir, f"hung{rank}"), "w").close()
+        time.sleep(120)
+    first_run = os.path.dirname(out_dir.rstrip("/"))
+    return {"rank": rank, "hung_before": os.path.exists(os.path.join(first_run, f"hung{rank}"))}
+
+
+def test_gloo_ranks_retry_once_after_a_hang(tmp_path, monkeypatch):
+    import pytest
+
+    from tests import _gloo
+    monkeypatch.setattr(_gloo, "SPAWN_TIMEOUT_S", 20)
+    with pytest.warns(UserWarning, match="timed out after 20 s"):
+        verdicts = _gloo.run_ranks(_hang_first_time, 2, tmp_path / "run", "hang test")
+    assert verdicts == [{"rank": 0, "hung_before": True}, {"rank": 1, "hung_before": True}]
