@@ -9,6 +9,7 @@ import torch
 from glm_kernels.topk import MoeReplay, _reference, moe_route, routing_mismatch
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE, LazyKernels
+from tests.topk.test_moe_route import _inputs
 
 _kernels = LazyKernels("glm_kernels.topk._kernels")
 
@@ -19,18 +20,6 @@ SHAPES = [(256, 8, 4, 8), (64, 1, 1, 6), (48, 4, 2, 5), (10, 5, 3, 3), (7, 7, 7,
 
 def _seed(*case):
     return zlib.crc32(repr(case).encode()) % 10_000
-
-
-def _inputs(tokens, n_experts, *, seed, ties=False):
-    gen = torch.Generator().manual_seed(seed)
-    if ties:
-        logits = torch.tensor([-1.0, 0.0, 0.5, 2.0])[torch.randint(0, 4, (tokens, n_experts),
-                                                                    generator=gen)]
-        bias = torch.tensor([0.0, 0.25])[torch.randint(0, 2, (n_experts,), generator=gen)]
-    else:
-        logits = torch.randn(tokens, n_experts, generator=gen) * 2
-        bias = torch.randn(n_experts, generator=gen) * 0.1
-    return logits.to(DEVICE), bias.to(DEVICE)
 
 
 def _perturbed(ids, n_experts, *, seed):
