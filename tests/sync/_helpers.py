@@ -99,16 +99,48 @@ def ipc_receiver(link, report_q, drift_at, device="cpu"):
 
 
 # ---------------------------------------------------------------------------- gloo processes
-def gloo_rank(rank, world, init_file, encoding, drift_at, report_q):
-    """Rank 0 publishes STEPS + 1 versions, rank 1 receives; both report bytes per step."""
+def _in_gloo(rank, world, init_file, report_q, timeout_s, body):
+    """``body(link)`` in a gloo group over a broadcast link from rank 0. A crash is reported
+    and ends the process; the teardown runs after every step was reported, so a gloo
+    teardown abort cannot change the verdict."""
     try:
         torch.set_num_threads(1)
         import datetime
         import torch.distributed as dist
         from glm_kernels import sync
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        link = sync.BroadcastTransport(src=0)
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        body(sync.BroadcastTransport(src=0))
+    except BaseException:
+        report_q.put(("crash", rank, traceback.format_exc()))
+        os._exit(1)
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        pass
+
+
+def _receive_and_report(link, state, report_q, steps, before_poll=None):
+    """Rank 1: poll once per publish, report (1, step, version held, bytes, error)."""
+    from glm_kernels import sync
+    params = blank_like(state)
+    receiver = sync.Receiver(link, params)
+    for step in range(steps):
+        if before_poll is not None:
+            before_poll(step, params)
+        error = None
+        try:
+            receiver.poll()
+        except sync.SyncError as exc:
+            error = str(exc)
+        report_q.put((1, step, receiver.version, plain_bytes(params), error))
+
+
+def gloo_rank(rank, world, init_file, encoding, drift_at, report_q):
+    """Rank 0 publishes STEPS + 1 versions, rank 1 receives; both report bytes per step."""
+    def body(link):
+        from glm_kernels import sync
         state = make_state()
         if rank == 0:
             sender = sync.Sender(link, delta=True, encoding=encoding, bucket_bytes=1500)
@@ -118,39 +150,19 @@ def gloo_rank(rank, world, init_file, encoding, drift_at, report_q):
                 version = sender.publish(state)
                 report_q.put((0, step, version, plain_bytes(state), sender.last_stats.full))
         else:
-            params = blank_like(state)
-            receiver = sync.Receiver(link, params)
-            for step in range(STEPS + 1):
+            def drift(step, params):
                 if step == drift_at:
                     damage(params["layer.0.w"])
-                error = None
-                try:
-                    receiver.poll()
-                except sync.SyncError as exc:
-                    error = str(exc)
-                report_q.put((1, step, receiver.version, plain_bytes(params), error))
-    except BaseException:
-        report_q.put(("crash", rank, traceback.format_exc()))
-        os._exit(1)
-    try:        # every step is reported: a gloo teardown abort cannot change the verdict
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        pass
+            _receive_and_report(link, state, report_q, STEPS + 1, drift)
+    _in_gloo(rank, world, init_file, report_q, 120, body)
 
 
 def gloo_faults(rank, world, init_file, report_q):
     """Rank 0: v1; v2 dies half-way through encoding; v3; then a restarted Sender (new
     epoch, numbering from 1 again). Rank 1 polls once per publish and reports each outcome."""
-    try:
-        torch.set_num_threads(1)
-        import datetime
-        import torch.distributed as dist
+    def body(link):
         from glm_kernels import sync
         from glm_kernels.sync import sender as sender_mod
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
-        link = sync.BroadcastTransport(src=0)
         state = make_state()
         if rank == 0:
             sender = sync.Sender(link, delta=True, bucket_bytes=300)
@@ -176,20 +188,5 @@ def gloo_faults(rank, world, init_file, report_q):
             state = make_state(seed=7)
             report_q.put((0, "restart", restarted.publish(state), plain_bytes(state)))
         else:
-            params = blank_like(state)
-            receiver = sync.Receiver(link, params)
-            for step in range(4):
-                error = None
-                try:
-                    receiver.poll()
-                except sync.SyncError as exc:
-                    error = str(exc)
-                report_q.put((1, step, receiver.version, plain_bytes(params), error))
-    except BaseException:
-        report_q.put(("crash", rank, traceback.format_exc()))
-        os._exit(1)
-    try:
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        pass
+            _receive_and_report(link, state, report_q, 4)
+    _in_gloo(rank, world, init_file, report_q, 60, body)
