@@ -268,6 +268,15 @@ def _raise_if_nonfinite(stats: torch.Tensor, what: str) -> None:
                          f"non-finite (NaN/inf) train-side log-prob (raise_on_nonfinite=True)")
 
 
+def _check_loss_mask(loss_mask, ref_name: str, ref: torch.Tensor) -> None:
+    """loss_mask: bool or 0/1 numbers of ``ref``'s shape."""
+    _dispatch.check_tensor("loss_mask", loss_mask)
+    if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
+            or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
+        raise TypeError(f"loss_mask must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
+    _dispatch.check_same_shape("loss_mask", loss_mask, ref_name, ref)
+
+
 def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs,
                   reduction):
     check = _dispatch.check_tensor
@@ -282,11 +291,7 @@ def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprob
                 f"advantages must have the shape of logprobs {tuple(logprobs.shape)} or, for "
                 f"2-D logprobs [B, T], shape [B]; got shape {tuple(advantages.shape)}")
     if loss_mask is not None:
-        check("loss_mask", loss_mask)
-        if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
-                or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
-            raise TypeError(f"loss_mask must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
-        _dispatch.check_same_shape("loss_mask", loss_mask, "logprobs", logprobs)
+        _check_loss_mask(loss_mask, "logprobs", logprobs)
     if old_logprobs is not None:
         check("old_logprobs", old_logprobs, floating=True)
         _dispatch.check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
@@ -437,11 +442,7 @@ def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     _dispatch.check_same_shape("rollout_logprobs", rollout_logprobs, "train_logprobs",
                                train_logprobs)
     if loss_mask is not None:
-        check("loss_mask", loss_mask)
-        if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
-                or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
-            raise TypeError(f"loss_mask must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
-        _dispatch.check_same_shape("loss_mask", loss_mask, "train_logprobs", train_logprobs)
+        _check_loss_mask(loss_mask, "train_logprobs", train_logprobs)
     _dispatch.check_same_device(dict(train_logprobs=train_logprobs,
                                      rollout_logprobs=rollout_logprobs, loss_mask=loss_mask))
     lo, hi, _, _ = _check_hyperparameters(beta, gate_low, gate_high, 0.2, 0.28)
