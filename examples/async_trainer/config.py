@@ -73,6 +73,10 @@ class TrainerConfig:
     ray_address: str = ""            # "": start a local Ray instance; else join that cluster
     health_interval: float = 1.0     # seconds between engine health checks (ray)
     kill_engine_at: int = 0          # kill one engine actor after this global step (0: never)
+    # engine placement (docs/trainer.md, "Placement groups and running on a cluster")
+    engine_cpus: float = 1.0         # CPUs of each engine's placement-group bundle (ray)
+    placement_strategy: str = "PACK"  # PACK, SPREAD (over nodes), STRICT_PACK, STRICT_SPREAD
+    placement_timeout: float = 60.0  # seconds to wait for the bundles before failing (ray)
 
     def task_list(self) -> List[str]:
         return [t.strip() for t in self.tasks.split(",") if t.strip()]
@@ -110,7 +114,8 @@ class TrainerConfig:
                     "n_expert_groups", "topk_groups", "sft_batch", "sft_lr", "rl_lr", "muon_lr",
                     "prompts_per_step", "opd_lr", "opd_prompts_per_step", "dp_ranks",
                     "max_tokens_per_microbatch", "rollout_batch_samples", "max_ahead_steps", "eps_low",
-                    "eps_high", "eval_prompts", "engines", "health_interval")
+                    "eps_high", "eval_prompts", "engines", "health_interval", "engine_cpus",
+                    "placement_timeout")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.{name} must be > 0, got {getattr(self, name)!r}")
@@ -157,6 +162,9 @@ class TrainerConfig:
         if self.rollout_backend == "ray" and not _ray_installed():
             raise ValueError("config.rollout_backend='ray' but ray is not installed "
                              "(pip install ray)")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"config.placement_strategy must be 'PACK', 'SPREAD', 'STRICT_PACK' "
+                             f"or 'STRICT_SPREAD', got {self.placement_strategy!r}")
         if self.kill_engine_at and not self.use_ray():
             raise ValueError(f"config.kill_engine_at ({self.kill_engine_at}) kills a Ray engine "
                              f"actor: it needs rollout_backend 'ray' (or 'auto' with ray "
