@@ -174,6 +174,16 @@ def _store_grad_tile(out, z, cols, V, tid, lse, coef):
 
 
 @triton.jit
+def _store_softmax_grad_tile(out, x, cols, V, inv_temp, lse, coef):
+    """coef (0 - softmax) on one held tile: the gradient of every column but the target's,
+    which the caller writes afterwards. (0 - p), not -p: the arithmetic of _softmax_grad_tile,
+    zeros included (-p would flip their sign)."""
+    p = tl.exp(x.to(tl.float32) * inv_temp - lse)
+    g = tl.where(coef == 0.0, 0.0, coef * (0.0 - p))
+    tl.store(out + cols, g.to(out.dtype.element_ty), mask=cols < V)
+
+
+@triton.jit
 def _icepop_logits_kernel(
     # inputs: logits [N, V]; per token [N]: ids, rollout, old, advantages, mask, reduction scale
     logits_ptr, ids_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr, scale_ptr,
@@ -197,6 +207,10 @@ def _icepop_logits_kernel(
     for row in range(pid, n_rows, tl.num_programs(0)):
         base = logits_ptr + row * stride_row
         tid = tl.load(ids_ptr + row)
+        # Every warp reads the target logit before the row's first cross-warp reduction (a
+        # barrier): with grad aliasing logits, no warp can then see a column another warp has
+        # already overwritten with its gradient.
+        z_t, valid, owned = _target_logit(base, tid, 0, V, V, flag_ptr, inv_temp)
         if ROW_TILES == 0:
             m = tl.full([], float("-inf"), tl.float32)
             s = tl.zeros([], tl.float32)
@@ -219,7 +233,6 @@ def _icepop_logits_kernel(
             if ROW_TILES >= 3:
                 s += _sum_exp(x2, inv_temp, m)
         lse = m + tl.log(s)
-        z_t, valid, owned = _target_logit(base, tid, 0, V, V, flag_ptr, inv_temp)
         lp = tl.where(valid, z_t - lse, float("nan"))
 
         rollout = tl.load(rollout_ptr + row).to(tl.float32)
@@ -249,8 +262,7 @@ def _icepop_logits_kernel(
             # gate's log-ratio train - rollout and column 7: with metrics the kernel stores
             # that raw log-ratio in column 4 and the train-side non-finite flag in column 5,
             # and ``expand_metric_rows`` builds the 14-column rows: no extra store or math in
-            # the kernel. (The three-tile plan, at 64 registers, still gets a stack frame with
-            # these stores: a metrics launch streams those rows, LogitsLaunchConfig.row_plan.)
+            # the kernel.
             if HAS_OLD:
                 tl.store(stats + 4, base_lp - rollout)
             else:
@@ -271,13 +283,17 @@ def _icepop_logits_kernel(
                     _store_grad_tile(out, _load_z(base, cols, V, inv_temp), cols, V, tid, lse,
                                      coef)
             else:
-                _store_grad_tile(out, x0.to(tl.float32) * inv_temp, cols0, V, tid, lse, coef)
+                _store_softmax_grad_tile(out, x0, cols0, V, inv_temp, lse, coef)
                 if ROW_TILES >= 2:
-                    _store_grad_tile(out, x1.to(tl.float32) * inv_temp, cols1, V, tid, lse,
-                                     coef)
+                    _store_softmax_grad_tile(out, x1, cols1, V, inv_temp, lse, coef)
                 if ROW_TILES >= 3:
-                    _store_grad_tile(out, x2.to(tl.float32) * inv_temp, cols2, V, tid, lse,
-                                     coef)
+                    _store_softmax_grad_tile(out, x2, cols2, V, inv_temp, lse, coef)
+                # Every thread's tile stores are visible before the target column's
+                # gradient coef (1 - p_t) replaces its -coef p_t.
+                tl.debug_barrier()
+                p_t = tl.exp(z_t - lse)
+                g_t = tl.where(coef == 0.0, 0.0, coef * (1.0 - p_t))
+                tl.store(out + tid, g_t.to(out.dtype.element_ty), mask=owned)
 
 
 @triton.jit
@@ -424,15 +440,17 @@ def _aot_specs():
                    "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32",
                    "HAS_OLD": "constexpr", "HAS_MASK": "constexpr", "STORE_GRAD": "constexpr",
                    "METRICS": "constexpr", "ROW_TILES": "constexpr", "BLOCK_V": "constexpr"}
-            # A metrics launch never takes the three-tile plan (LogitsLaunchConfig.row_plan).
-            for metrics in ((False,) if row_tiles == 3 else (False, True)):
-                specs.append(AotSpec(
-                    f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block},"
-                    f"metrics={metrics}]",
-                    _icepop_logits_kernel, sig,
-                    {"HAS_OLD": False, "HAS_MASK": True, "STORE_GRAD": True,
-                     "METRICS": metrics, "ROW_TILES": row_tiles, "BLOCK_V": block},
-                    num_warps=warps, maxnreg=icepop_logits_maxnreg(row_tiles)))
+            # The three-tile plan runs closest to the register cap (64 at 32 warps): its
+            # decoupled variants are compiled too.
+            for has_old in ((False, True) if row_tiles == 3 else (False,)):
+                for metrics in (False, True):
+                    specs.append(AotSpec(
+                        f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block},"
+                        f"metrics={metrics}{',old' if has_old else ''}]",
+                        _icepop_logits_kernel, sig,
+                        {"HAS_OLD": has_old, "HAS_MASK": True, "STORE_GRAD": True,
+                         "METRICS": metrics, "ROW_TILES": row_tiles, "BLOCK_V": block},
+                        num_warps=warps, maxnreg=icepop_logits_maxnreg(row_tiles)))
     for dt in ("bf16", "fp32"):
         specs.append(AotSpec(f"scale_inplace[{dt}]", _scale_kernel,
                              {"x_ptr": f"*{dt}", "factor_ptr": "*fp32", "n": "i64",

@@ -82,7 +82,7 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
     else:
         cfg = config or cfg
         rows = torch.empty((n, _NUM_STATS), dtype=torch.float32, device=logits.device)
-        row_tiles, block_v, num_warps = cfg.row_plan(v, logits.element_size(), metrics)
+        row_tiles, block_v, num_warps = cfg.row_plan(v, logits.element_size())
         rows = kernels.icepop_logits(
             logits, token_ids, rollout, old, adv, mask, scale, grad, rows, flag,
             inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,

@@ -49,18 +49,16 @@ class LogitsLaunchConfig:
     programs_per_sm: int = 2
     max_programs: Optional[int] = None
 
-    def row_plan(self, v: int, element_size: int, metrics: bool = False
-                 ) -> Tuple[int, int, int]:
+    def row_plan(self, v: int, element_size: int) -> Tuple[int, int, int]:
         """(row_tiles, BLOCK_V, num_warps) of the fused kernel; row_tiles 0 = streamed.
 
-        With ``metrics`` the three-tile plan is not used (its METRICS variant compiles with an
-        8-16 B stack frame for sm_90: it sits at 64 registers at 32 warps): those rows are
-        streamed, a second sweep of the row that should mostly hit L2 (not measured on GPU).
+        Mismatch metrics do not change the plan: every plan's METRICS variant compiles for
+        sm_90 without spills (``aot_report.py --check``), so they never cost a read of the row.
         """
         if element_size <= 4 and v <= self.max_single_tile:
             block = 1 << max(v - 1, 1).bit_length()
             return 1, block, 4 if block <= 1024 else 8 if block <= 4096 else 16
-        if element_size <= 2 and v <= 3 * self.onchip_tile and not metrics:
+        if element_size <= 2 and v <= 3 * self.onchip_tile:
             return 3, self.onchip_tile, 32
         return 0, self.block_v, self.num_warps
 

@@ -210,6 +210,34 @@ def test_from_logits_and_fused_linear_metrics(any_backend):
         icepop_loss_from_logits(logits, ids, rollout, adv, mask, raise_on_nonfinite=True)
 
 
+@pytest.mark.parametrize("v,dtype", [(300, torch.bfloat16), (517, torch.float32)])
+def test_from_logits_metrics_on_every_row_plan(any_backend, v, dtype):
+    """Under the interpreter's launch config 300 bf16 columns take the three-register-tile
+    plan and 517 fp32 columns the streamed one (90 columns, one tile, is the test above).
+    Metrics on or off: the same plan, so the same loss and gradient bit for bit."""
+    g = torch.Generator().manual_seed(v)
+    logits = (torch.randn(2, 6, v, generator=g) * 2).to(dtype)
+    ids = torch.randint(0, v, (2, 6), generator=g)
+    lp = selective_logprobs_reference(logits, ids)
+    rollout = lp + 0.3 * torch.randn(2, 6, generator=g)
+    rollout[1, 0] = NAN
+    mask = torch.rand(2, 6, generator=g) > 0.2
+    adv = torch.randn(2, 6, generator=g)
+    logits, ids, lp, rollout, mask, adv = (t.to(DEVICE)
+                                           for t in (logits, ids, lp, rollout, mask, adv))
+    outs = []
+    for metrics in (False, True):
+        x = logits.clone().requires_grad_(True)
+        out = icepop_loss_from_logits(x, ids, rollout, adv, mask, return_metrics=metrics)
+        loss = out[0] if metrics else out
+        loss.backward()
+        outs.append((loss.detach(), x.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert_metrics_close({k: out[1][k] for k in KEYS},
+                         _reference.mismatch_metrics_reference(lp, rollout, mask),
+                         metric_scales(lp, rollout, mask))
+
+
 # --------------------------------------------------------------------------- kernels
 def test_token_kernel_writes_every_metric_column(kernel_backend):
     lp, rollout, mask = _drift((3, 1100), seed=5)
@@ -239,13 +267,12 @@ def test_logits_kernel_writes_every_metric_column(kernel_backend):
     logits = torch.randn(n, v, generator=g).to(DEVICE)
     ids_all = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     cfg = logprobs.make_launch_config("interpret")
-    # 300 columns: streamed (fp32) and, with metrics, streamed instead of three bf16 tiles;
-    # 200: one register tile.
+    # 300 columns: streamed (fp32), three register tiles (bf16); 200: one register tile.
     for dtype, v in ((torch.float32, 300), (torch.bfloat16, 300), (torch.float32, 200)):
         x = logits[:, :v].to(dtype)
         ids = ids_all % v
         rollout = selective_logprobs_reference(x, ids) + 0.3
-        row_tiles, block_v, warps = cfg.row_plan(v, x.element_size(), metrics=True)
+        row_tiles, block_v, warps = cfg.row_plan(v, x.element_size())
         rows = torch.full((n, _kernels.NUM_STATS), NAN, device=DEVICE)
         full = _logits_kernels.icepop_logits(
             x, ids, rollout, None, torch.ones(n, device=DEVICE), None,
@@ -261,12 +288,15 @@ def test_logits_kernel_writes_every_metric_column(kernel_backend):
         assert torch.equal(full[:, 11], (torch.expm1(d) - d).float())
 
 
-def test_metrics_launch_streams_instead_of_three_tiles():
+def test_glm5_vocab_shard_keeps_its_row_in_registers_with_metrics():
+    """GLM-5's TP=8 bf16 vocab shard (19360 columns) takes the three-register-tile plan with
+    or without metrics (one read of the row), and the METRICS variant of that plan is among
+    the sm_90 configurations the AOT check compiles (and fails on any spill)."""
     from glm_kernels.loss import logprobs
-    cfg = logprobs.LogitsLaunchConfig()
-    assert cfg.row_plan(19360, 2) == (3, 8192, 32)
-    assert cfg.row_plan(19360, 2, metrics=True)[0] == 0          # no spill-free variant yet
-    assert cfg.row_plan(1000, 2, metrics=True) == cfg.row_plan(1000, 2)
+    assert logprobs.LogitsLaunchConfig().row_plan(19360, 2) == (3, 8192, 32)
+    compiled = {spec.name for spec in _logits_kernels.AOT_SPECS}
+    for old in ("", ",old"):
+        assert f"icepop_logits[bf16,row_tiles=3,BLOCK_V=8192,metrics=True{old}]" in compiled
 
 
 def test_reductions_are_deterministic(kernel_backend):
