@@ -341,18 +341,23 @@ def _tuning_sweeps(n_tokens, vocabs, hidden, bandwidth, rate) -> dict:
     return {"section": "tuning", "rows": rows}
 
 
-def interpreter_metrics_side_by_side(n_tokens=64, vocab=700, hidden=64) -> dict:
+def interpreter_metrics_side_by_side(n_tokens=64, vocab=700, hidden=64,
+                                     tiled_vocab=300) -> dict:
     """return_metrics False vs True, fwd+bwd, in Triton's interpreter on the CPU (the fused
-    from-logits pass; the fused-linear loss, whose matmuls run in torch). CPU interpreter
-    figures: they say nothing about GPU time (not measured on GPU)."""
+    from-logits pass, on rows streamed (vocab) and held in three register tiles (tiled_vocab,
+    under the interpreter's launch config); the fused-linear loss, whose matmuls run in
+    torch). CPU interpreter figures: they say nothing about GPU time (not measured on GPU)."""
     rows = []
+    from_logits = _from_logits_providers("cpu", False)[0]
     with glm_kernels.force_backend("interpret"):
-        for section, providers, inp in (
-                ("from_logits", _from_logits_providers("cpu", False)[0],
-                 make_inputs(n_tokens, vocab, "cpu", seed=3)),
+        for section, providers, inp, cols in (
+                ("from_logits, streamed", from_logits,
+                 make_inputs(n_tokens, vocab, "cpu", seed=3), vocab),
+                ("from_logits, three tiles", from_logits,
+                 make_inputs(n_tokens, tiled_vocab, "cpu", seed=3), tiled_vocab),
                 ("fused_linear", _fused_linear_providers("cpu", False)[0],
-                 make_inputs(n_tokens, vocab, "cpu", seed=3, hidden=hidden))):
-            row = {"op": f"{section} ({n_tokens} x {vocab})"}
+                 make_inputs(n_tokens, vocab, "cpu", seed=3, hidden=hidden), vocab)):
+            row = {"op": f"{section} ({n_tokens} x {cols})"}
             for name, key in (("glm_kernels", "metrics_off_ms"),
                               ("glm_kernels_metrics", "metrics_on_ms")):
                 row[key] = 1e3 * _common.time_fn(providers[name](inp), device="cpu", warmup=1,
