@@ -146,6 +146,22 @@ def bench_args(doc: str, parser_hook: Optional[Callable] = None,
     return parser.parse_args(argv)
 
 
+def finish(result: dict, notes: Dict[str, str],
+           interpreter_checks: Dict[str, Callable[[], object]]) -> dict:
+    """The end of a bench's run() on any device: on the CPU with Triton's interpreter active,
+    each named check runs and joins ``result``; the notes and the reference fallbacks logged
+    during the run are printed (a broken kernel is never silently timed as the reference)."""
+    from glm_kernels import _dispatch
+    if result["device"] == "cpu" and _dispatch.interpreter_active() \
+            and _dispatch.triton_available():
+        for key, check in interpreter_checks.items():
+            result[key] = check()
+    for key, note in notes.items():
+        print(f"note: {key}: {note}")
+    print(f"fallbacks logged: {_dispatch.fallbacks_logged() or 'none'}")
+    return result
+
+
 def main(doc: str, run: Callable[..., dict]) -> None:
     """A bench script's command line: ``run(quick=, cpu=)``, its dict to ``--json`` if given."""
     args = bench_args(doc)

@@ -127,12 +127,9 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
               "copy_bandwidth_Bps": bandwidth, "bytes_per_token_floor": BYTES_PER_TOKEN,
               "rows": rows, "notes": notes, "fallbacks": _dispatch.fallbacks_logged(),
               "env": _common.environment()}
-    if device == "cpu" and _dispatch.interpreter_active() and _dispatch.triton_available():
-        result["interpreter_check"] = interpreter_check()
-        result["interpreter_metrics_side_by_side"] = interpreter_metrics_side_by_side()
-    for key, note in notes.items():
-        print(f"note: {key}: {note}")
-    return result
+    return _common.finish(result, notes, {
+        "interpreter_check": interpreter_check,
+        "interpreter_metrics_side_by_side": interpreter_metrics_side_by_side})
 
 
 def _with_metrics(lp, rollout, adv, mask):

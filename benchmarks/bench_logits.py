@@ -283,13 +283,9 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
               "copy_bandwidth_Bps": bandwidth, "matmul_flops": rate, "hidden": hidden,
               "tables": tables, "notes": notes, "fallbacks": _dispatch.fallbacks_logged(),
               "env": _common.environment()}
-    if device == "cpu" and _dispatch.interpreter_active() and _dispatch.triton_available():
-        result["interpreter_check"] = interpreter_check()
-        result["interpreter_metrics_side_by_side"] = interpreter_metrics_side_by_side()
-    for key, note in notes.items():
-        print(f"note: {key}: {note}")
-    print(f"fallbacks logged: {_dispatch.fallbacks_logged()}")
-    return result
+    return _common.finish(result, notes, {
+        "interpreter_check": interpreter_check,
+        "interpreter_metrics_side_by_side": interpreter_metrics_side_by_side})
 
 
 def _tuning_sweeps(n_tokens, vocabs, hidden, bandwidth, rate) -> dict:

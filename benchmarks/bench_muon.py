@@ -288,12 +288,7 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
               "matmul_rate_flops": _common.matmul_rate(device), "rows": rows,
               "ragged_over_equal": ragged, "step": step, "goals": GOALS, "notes": notes,
               "fallbacks": _dispatch.fallbacks_logged(), "env": _common.environment()}
-    if device == "cpu" and _dispatch.interpreter_active() and _dispatch.triton_available():
-        result["interpreter_check"] = interpreter_check()
-    for key, note in notes.items():
-        print(f"note: {key}: {note}")
-    print(f"fallbacks logged: {_dispatch.fallbacks_logged()}")
-    return result
+    return _common.finish(result, notes, {"interpreter_check": interpreter_check})
 
 
 def main():

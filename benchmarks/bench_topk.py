@@ -205,17 +205,11 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
                          "torch_hf_compile_us", "reference_eager_us", "glm_kernels/floor",
                          "vs_torch_hf_eager", "vs_torch_hf_compile", "ids_equal_reference"])
     print(f"goals: {GOALS}")
-    fallbacks = _dispatch.fallbacks_logged()
-    print(f"fallbacks logged: {fallbacks or 'none'}")
-    for key, note in notes.items():
-        print(f"note: {key}: {note}")
     result = {"benchmark": "topk", "device": device, "glm_kernels_backend": backend,
               "copy_bandwidth_Bps": bandwidth, "goals": GOALS, "moe_topk": moe_rows,
               "dsa_topk": dsa_rows_out, "moe_route": route_rows, "notes": notes,
-              "fallbacks": fallbacks, "env": _common.environment()}
-    if not on_gpu and _dispatch.interpreter_active() and _dispatch.triton_available():
-        result["interpreter_check"] = interpreter_check()
-    return result
+              "fallbacks": _dispatch.fallbacks_logged(), "env": _common.environment()}
+    return _common.finish(result, notes, {"interpreter_check": interpreter_check})
 
 
 if __name__ == "__main__":

@@ -269,6 +269,15 @@ def test_decoupled_matches_trl_under_bf16_autocast(tmp_path):
     assert_close(got[1], ref[1], tol=1e-2, name="grad")
 
 
+def _count_scorer_calls(trainer) -> list:
+    """A list that gains an entry each time TRL's log-prob scorer (the pi_old forward) runs."""
+    calls = []
+    scorer = trainer._get_per_token_logps_and_entropies
+    trainer._get_per_token_logps_and_entropies = \
+        lambda *a, **k: calls.append(1) or scorer(*a, **k)
+    return calls
+
+
 def test_real_tiny_run_coupled_skips_old_forward(tmp_path):
     """TRL's own training loop, 10 optimizer steps on CPU: the loss is ours every micro-step,
     TRL's log-prob scorer is never called (no old-log-prob forward, not TRL's loss), and the
@@ -281,10 +290,7 @@ def test_real_tiny_run_coupled_skips_old_forward(tmp_path):
     trainer = gt.IcePopGRPOTrainer(model=make_model(), reward_funcs=digit_reward, args=args,
                                    train_dataset=ds, processing_class=tokenizer,
                                    rollout_func=gt.generate_with_logprobs)
-    scorer_calls = []
-    scorer = trainer._get_per_token_logps_and_entropies
-    trainer._get_per_token_logps_and_entropies = \
-        lambda *a, **k: scorer_calls.append(1) or scorer(*a, **k)
+    scorer_calls = _count_scorer_calls(trainer)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     assert trainer.state.global_step == 10
@@ -307,10 +313,7 @@ def test_real_run_decoupled_computes_old_logprobs(tmp_path):
     trainer = gt.IcePopGRPOTrainer(model=make_model(), reward_funcs=digit_reward, args=args,
                                    train_dataset=ds, processing_class=tokenizer,
                                    rollout_func=gt.generate_with_logprobs)
-    scorer_calls = []
-    scorer = trainer._get_per_token_logps_and_entropies
-    trainer._get_per_token_logps_and_entropies = \
-        lambda *a, **k: scorer_calls.append(1) or scorer(*a, **k)
+    scorer_calls = _count_scorer_calls(trainer)
     trainer.train()
     assert trainer.icepop_calls == 2 and len(scorer_calls) == 2    # one pi_old pass a step
 
