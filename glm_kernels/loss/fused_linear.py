@@ -30,6 +30,9 @@ from .logprobs import run_op
 
 DEFAULT_MEMORY_BUDGET = 512 << 20          # bytes for the [C, V] logits chunk
 _CHUNK_MULTIPLE = 128                      # keeps the GEMM tiles full
+# [C, V] fp32 buffers the torch backend's pass holds beside the chunk at its peak (scaled
+# logits, then softmax and gradient; _logits_reference.icepop_logits_rows). The kernels: none.
+TORCH_FP32_TEMPORARIES = 3
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,12 @@ class FusedLinearConfig:
 
 def make_fused_linear_config(n_tokens: int, vocab: int, dtype: torch.dtype, *,
                              chunk_size: Optional[int] = None,
-                             memory_budget: Optional[int] = None) -> FusedLinearConfig:
+                             memory_budget: Optional[int] = None,
+                             fp32_temporaries: int = 0) -> FusedLinearConfig:
     """An explicit ``chunk_size`` wins; otherwise the largest multiple of 128 tokens (or all
-    tokens) whose [C, V] chunk fits ``memory_budget`` bytes (default 512 MiB, e.g. 1664
-    tokens at V = 154880 in bf16)."""
+    tokens) whose [C, V] chunk, plus ``fp32_temporaries`` [C, V] fp32 buffers of the backend
+    that runs the pass, fits ``memory_budget`` bytes (default 512 MiB, e.g. 1664 tokens at
+    V = 154880 in bf16 on the kernels)."""
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -52,7 +57,7 @@ def make_fused_linear_config(n_tokens: int, vocab: int, dtype: torch.dtype, *,
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {budget!r}")
-    row_bytes = vocab * torch.empty(0, dtype=dtype).element_size()
+    row_bytes = vocab * (torch.empty(0, dtype=dtype).element_size() + 4 * fp32_temporaries)
     chunk = max(budget // row_bytes, 1)
     if chunk >= _CHUNK_MULTIPLE:
         chunk -= chunk % _CHUNK_MULTIPLE
@@ -167,7 +172,8 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     chunk_size : int, optional
         Tokens per chunk (overrides the memory budget).
     memory_budget : int, optional
-        Bytes allowed for the [chunk, V] logits chunk (default 512 MiB).
+        Bytes allowed for the [chunk, V] logits chunk (default 512 MiB), and on the torch
+        backend (CPU, no Triton) also for the three [chunk, V] fp32 buffers its pass holds.
 
     Returns
     -------
@@ -219,8 +225,11 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     n_tokens, vocab = shape.numel(), weight.shape[0]
-    config = make_fused_linear_config(max(n_tokens, 1), vocab, weight.dtype,
-                                      chunk_size=chunk_size, memory_budget=memory_budget)
+    on_torch = _dispatch.select_backend("icepop_loss_from_logits", hidden) == "torch"
+    config = make_fused_linear_config(
+        max(n_tokens, 1), vocab, weight.dtype, chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        fp32_temporaries=TORCH_FP32_TEMPORARIES if on_torch else 0)
 
     rollout, adv, mask, old = flat_token_inputs(shape, rollout_logprobs, advantages, loss_mask,
                                                 old_logprobs)

@@ -1,5 +1,7 @@
 """fused_linear_icepop_loss: chunked over tokens; never a [tokens, V] tensor."""
 
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -128,6 +130,57 @@ def test_no_tokens_by_vocab_tensor_is_allocated_or_saved(any_backend):
     assert max(saved) < n_tokens * v
     # The check can fail: the unfused reference does allocate [tokens, V].
     assert run(fused_linear_icepop_loss_reference) >= 4 * n_tokens * v
+
+
+class _PeakLiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by live tensors that aten ops returned while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.storages = 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in self.storages:            # views of a counted buffer
+                continue
+            self.storages.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._freed, key, nbytes)
+        return out
+
+    def _freed(self, key, nbytes):
+        self.live -= nbytes
+        self.storages.discard(key)
+
+
+def test_memory_budget_covers_the_torch_backends_temporaries():
+    """On the torch backend (the CPU path) the pass holds three [C, V] fp32 buffers beside the
+    chunk: the budget counts them, so what the call allocates stays within it (plus the
+    gradients any path returns)."""
+    n_tokens, v, h = 64, 2000, 8
+    hidden, weight, ids, rollout, adv, mask, _ = _inputs(4, 16, v, h, seed=8)
+    hidden, weight = hidden.cpu().float(), weight.cpu().float()
+    budget = 16 * v * (4 + 4 * fused_linear.TORCH_FP32_TEMPORARIES)     # 16 tokens a chunk
+    gradients = 4 * (n_tokens * h + v * h)
+    with glm_kernels.force_backend("torch"):
+        tracker = _PeakLiveBytes()
+        with tracker:
+            fused_linear_icepop_loss(hidden.requires_grad_(True), weight.requires_grad_(True),
+                                     ids.cpu(), rollout.cpu(), adv.cpu(), mask.cpu(),
+                                     memory_budget=budget)
+    assert tracker.peak <= budget + gradients + (64 << 10), (tracker.peak, budget)
+    # The check can fail: counting only the chunk, the whole batch fits the budget at once.
+    assert make_fused_linear_config(n_tokens, v, torch.float32,
+                                    memory_budget=budget).chunk_size == n_tokens
+    assert make_fused_linear_config(
+        n_tokens, v, torch.float32, memory_budget=budget,
+        fp32_temporaries=fused_linear.TORCH_FP32_TEMPORARIES).chunk_size == 16
 
 
 def test_chunk_size_from_memory_budget():
