@@ -6,7 +6,8 @@
   log-probs recorded at sampling time. ``ping`` runs in its own concurrency group, so a busy
   engine still answers and only a dead or hung one does not.
 * :class:`EngineGroup` (the driver's side, one per training run): starts the actors
-  (``ray.init()``: a local instance, or ``address=`` an existing cluster), keeps one
+  (``ray.init()``: a local instance, or ``address=`` an existing cluster), each in its own
+  bundle of a placement group (``placement.py``; a replacement reuses its bundle), keeps one
   ``glm_kernels.sync.Sender`` per engine, routes every request by its session id with a
   :class:`~.router.ConsistentHashRouter`, and replaces an engine that died or hung: the new
   actor gets a full weight snapshot of the current version, and every request that was in
@@ -22,6 +23,7 @@ Nothing here imports ray at module import time: ``ray`` is optional for the rest
 example (``RayUnavailable`` says what to install).
 """
 import itertools
+import math
 import os
 import queue
 import threading
@@ -34,6 +36,7 @@ from glm_kernels import sync
 
 from . import task
 from .log import logger
+from .placement import EnginePlacement
 from .router import ConsistentHashRouter
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,9 +59,12 @@ def import_ray():
     return ray
 
 
-def init_ray(address: str = "", num_cpus: Optional[int] = None):
+def init_ray(address: str = "", num_cpus: Optional[float] = None):
     """``ray.init`` once: a local instance (``address=""``, cheap: no dashboard, worker logs
-    not forwarded, this repository on the workers' ``PYTHONPATH``) or an existing cluster."""
+    not forwarded, this repository on the workers' ``PYTHONPATH``; never a cluster that
+    ``ray start`` left on this machine) with ``num_cpus`` logical CPUs (at least the cores),
+    or an existing cluster (this checkout's path put on its workers' ``PYTHONPATH``: a
+    cluster whose nodes have the repository at the same path needs nothing else)."""
     ray = import_ray()
     if ray.is_initialized():
         return ray
@@ -68,9 +74,11 @@ def init_ray(address: str = "", num_cpus: Optional[int] = None):
     kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING",
                   configure_logging=True)
     if address:
-        ray.init(address=address, **kwargs)
+        ray.init(address=address, runtime_env={"env_vars": {
+            "PYTHONPATH": REPO_ROOT + os.pathsep + "${PYTHONPATH}"}}, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), **kwargs)
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2,
+                                               math.ceil(num_cpus or 0)), **kwargs)
     return ray
 
 
@@ -182,7 +190,9 @@ def engine_actor():
 
             @ray.method(concurrency_group="health")
             def ping(self):
-                return _EngineImpl.ping(self)
+                info = _EngineImpl.ping(self)
+                info["node"] = ray.get_runtime_context().get_node_id()   # where it runs
+                return info
 
         _ENGINE_ACTOR = Engine
     return _ENGINE_ACTOR
@@ -213,7 +223,7 @@ class EngineGroup:
                  ping_timeout: float = 5.0, start_timeout: float = 120.0):
         if n_engines < 1:
             raise ValueError(f"n_engines must be >= 1, got {n_engines}")
-        self.ray = init_ray(address)
+        self.ray = init_ray(address, num_cpus=n_engines * cfg.engine_cpus)
         self.cfg, self.seed, self.ping_timeout = cfg, seed, ping_timeout
         self.start_timeout = start_timeout
         self._boot: Dict[str, tuple] = {}   # engine -> (start time, first ping) until it answers
@@ -234,15 +244,27 @@ class EngineGroup:
         if cfg.resolved_device() == "cuda":
             total = self.ray.cluster_resources().get("GPU", 0.0)
             self.gpus_per_engine = min(1.0, total / n_engines) if total else 0.0
-        for _ in range(n_engines):
-            self._start_engine()
+        # One bundle per engine (placement.py); an engine and its replacements use its bundle.
+        self.placement = EnginePlacement(
+            self.ray, n_engines, cpus=cfg.engine_cpus, gpus=self.gpus_per_engine,
+            strategy=cfg.placement_strategy, timeout=cfg.placement_timeout)
+        self.bundles: Dict[str, int] = {}   # engine -> its bundle index
+        logger.info(f"rollout: placement group of {self.placement.describe()}, ready in "
+                    f"{self.placement.ready_s:.1f} s")
+        try:
+            for i in range(n_engines):
+                self._start_engine(i)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # -- engines ------------------------------------------------------------------------
-    def _start_engine(self) -> str:
+    def _start_engine(self, bundle: int) -> str:
         eid = f"e{next(self._ids)}"
-        actor = engine_actor().options(num_gpus=self.gpus_per_engine).remote(
+        actor = engine_actor().options(**self.placement.options(bundle)).remote(
             self.cfg, eid, self.seed + 7919 * int(eid[1:]))
         self.actors[eid] = actor
+        self.bundles[eid] = bundle
         self._boot[eid] = (time.monotonic(), actor.ping.remote())
         self.links[eid] = _Link(max(self.version - 1, 0))
         self.router.add(eid)
@@ -270,6 +292,7 @@ class EngineGroup:
             if actor is None:
                 return None
             self.links.pop(eid, None)
+            bundle = self.bundles.pop(eid)
             self.pids.pop(eid, None)
             self._boot.pop(eid, None)
             self.ready_at.pop(eid, None)
@@ -279,9 +302,9 @@ class EngineGroup:
             except Exception:
                 pass
             self.restarts += 1
-            new = self._start_engine()
-        logger.warning(f"engine {eid} replaced by {new} ({reason}); full weight snapshot "
-                       f"v{self.version}")
+            new = self._start_engine(bundle)     # the same bundle: its resources, its node
+        logger.warning(f"engine {eid} replaced by {new} in its bundle {bundle} ({reason}); "
+                       f"full weight snapshot v{self.version}")
         return new
 
     def kill(self, eid: Optional[str] = None) -> str:
@@ -368,6 +391,7 @@ class EngineGroup:
         return bad
 
     def shutdown(self) -> None:
+        """Kill the engine actors and remove their placement group (idempotent)."""
         with self.lock:
             for eid, actor in self.actors.items():
                 self.router.remove(eid)
@@ -376,6 +400,8 @@ class EngineGroup:
                 except Exception:
                     pass
             self.actors.clear()
+            self.bundles.clear()
+            self.placement.remove()
 
 
 class RayRollout:
