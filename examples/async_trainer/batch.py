@@ -53,6 +53,17 @@ def sft_sample(cfg, prompt: List[int]) -> dict:
             "rollout_logprobs": [0.0] * len(mask)}
 
 
+def training_sequences(samples: List[dict]) -> List[dict]:
+    """Every sequence the step trains on: each sample, then the branches its session closed on
+    a re-tokenization drift (ToRA, ``trajectory.py``), which train with their sample's
+    advantage and task (``origin``: the sample's ``id``)."""
+    out = []
+    for s in samples:
+        out.append(s)
+        out += [dict(b, task=s["task"], origin=id(s)) for b in s.get("branches", ())]
+    return out
+
+
 def replay_tap(cfg, samples: List[dict], batch: Batch) -> Optional[RoutingTap]:
     """The rollout's recorded routing of a micro-batch, for the policy's forward: replayed
     when ``cfg.routing_replay`` (R3), else only compared (None when samples carry none)."""
@@ -87,7 +98,7 @@ def fused_linear_grpo_loss(cfg, advantages: torch.Tensor, row_of: Dict[int, int]
     """GRPO + IcePop straight from the last hidden states and the lm_head weight
     (``fused_linear_icepop_loss``: the [tokens, vocab] logits are never materialized)."""
     def loss_fn(model, mb_samples, batch):
-        adv = advantages[[row_of[id(s)] for s in mb_samples]]                # [B], per sample
+        adv = advantages[[row_of[s.get("origin", id(s))] for s in mb_samples]]   # [B]
         loss, m = fused_linear_icepop_loss(model.hidden(batch.inputs), model.lm_head.weight,
                                            batch.targets, batch.rollout_logprobs, adv,
                                            batch.loss_mask, **icepop_kwargs(cfg))
@@ -96,7 +107,8 @@ def fused_linear_grpo_loss(cfg, advantages: torch.Tensor, row_of: Dict[int, int]
 
 
 def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
-    """One optimizer step over ``samples`` packed into micro-batches on simulated DP ranks.
+    """One optimizer step over ``samples`` (and their closed branches, ``training_sequences``)
+    packed into micro-batches on simulated DP ranks.
 
     The loss is the global token mean over every rank's masked tokens (slime's token_mean);
     gradients are accumulated over the simulated ranks' micro-batches, as an all-reduce would.
@@ -104,6 +116,7 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
     compared; ``route_mismatch`` / ``route_compared`` count it (``routing_metrics``).
     """
     device = next(model.parameters()).device
+    samples = training_sequences(samples)
     lengths = [len(s["tokens"]) for s in samples]
     ranks = assign_to_ranks(lengths, cfg.dp_ranks, cfg.max_tokens_per_microbatch, cfg.packing)
     n_tok = max(sum(sum(s["loss_mask"]) for s in samples), 1.0)

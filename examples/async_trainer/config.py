@@ -15,7 +15,8 @@ def _ray_installed() -> bool:
 
 @dataclass
 class TrainerConfig:
-    # task: reverse a digit string, plainly ("reverse") or through a tool call ("tool")
+    # task: reverse a digit string, plainly ("reverse") or through a tool call ("tool"), or
+    # a product through a sandboxed python block ("tora"; the CLI's default adds it)
     tasks: str = "reverse,tool"      # RL tasks, one teacher each; OPD mixes them
     num_digits: int = 3
     vocab_digits: int = 5
@@ -29,9 +30,11 @@ class TrainerConfig:
     topk_groups: int = 2
     balance_bias_rate: float = 1e-3  # aux-loss-free load-balancing bias step
     # stage 1: SFT warm-up on the mixture of tasks
-    sft_steps: int = 36
+    sft_steps: int = 70
     sft_batch: int = 32
     sft_lr: float = 3e-3
+    sft_weights: str = "tool=2,tora=4"   # SFT examples per task relative to 1 (tasks not
+                                         # listed: 1); the longer copies take longer to learn
     # stage 2: asynchronous GRPO + IcePop, one run per task (the teachers)
     rl_steps: int = 80
     rl_lr: float = 2e-3
@@ -41,7 +44,8 @@ class TrainerConfig:
     opd_steps: int = 80
     opd_lr: float = 2e-3
     opd_prompts_per_step: int = 32
-    opd_ratio: float = 0.4           # fraction of OPD prompts drawn from the first task
+    opd_ratio: float = 0.4           # fraction of OPD prompts drawn from the first task (the
+                                     # others share the rest equally)
     # optimizer of RL and OPD: MuonSplit (Muon lr for matrices; rl_lr / opd_lr for AdamW parts)
     muon_lr: float = 0.01
     weight_decay: float = 0.0
@@ -81,11 +85,19 @@ class TrainerConfig:
     def task_list(self) -> List[str]:
         return [t.strip() for t in self.tasks.split(",") if t.strip()]
 
+    def sft_order(self) -> List[str]:
+        """One cycle of SFT prompt tasks: each listed task ``weight`` times (``sft_weights``)."""
+        weights = dict((k.strip(), int(v)) for k, v in
+                       (item.split("=") for item in self.sft_weights.split(",") if item.strip()))
+        return [n for n in self.task_list() for _ in range(weights.get(n, 1))]
+
     def opd_mix(self) -> Dict[str, float]:
+        """OPD prompt mix: ``opd_ratio`` for the first task, the rest shared equally."""
         names = self.task_list()
         if len(names) == 1:
             return {names[0]: 1.0}
-        return {names[0]: self.opd_ratio, names[1]: 1.0 - self.opd_ratio}
+        rest = (1.0 - self.opd_ratio) / (len(names) - 1)
+        return {names[0]: self.opd_ratio, **{n: rest for n in names[1:]}}
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -124,10 +136,18 @@ class TrainerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"config.{name} must be >= 0, got {getattr(self, name)!r}")
         names = self.task_list()
-        if not names or len(names) > 2 or len(set(names)) != len(names) \
-                or any(n not in task.TASKS for n in names):
-            raise ValueError(f"config.tasks must list one or two distinct tasks of "
+        if not names or len(set(names)) != len(names) or any(n not in task.TASKS for n in names):
+            raise ValueError(f"config.tasks must list distinct tasks of "
                              f"{list(task.TASKS)} separated by a comma, got {self.tasks!r}")
+        try:
+            weights = [w.split("=") for w in self.sft_weights.split(",") if w.strip()]
+            bad = [w for w in weights if len(w) != 2 or w[0].strip() not in task.TASKS
+                   or not w[1].strip().isdigit() or int(w[1]) < 1]
+        except ValueError:
+            bad = [self.sft_weights]
+        if bad:
+            raise ValueError(f"config.sft_weights must be 'task=N,...' with tasks of "
+                             f"{list(task.TASKS)} and N >= 1, got {self.sft_weights!r}")
         if self.vocab_digits < 2:
             raise ValueError(f"config.vocab_digits must be >= 2, got {self.vocab_digits}")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:

@@ -80,7 +80,8 @@ class RoutingRecorder:
     position's experts (every MoE layer) from the first forward that sees the position.
 
     ``step()`` after every forward; ``finish()`` -> one packet (bytes) per row covering
-    positions 0 .. T-1 of the last forward, or None per row for a model without MoE layers.
+    positions 0 .. T-1 of the last forward, or None per row for a model without MoE layers;
+    ``recorded()`` -> the same as one int64 tensor [layers, rows, T, k] (None without MoE).
     """
 
     def __init__(self, model):
@@ -91,20 +92,26 @@ class RoutingRecorder:
         for i, moe in enumerate(self.layers):
             moe.tap = (self.tap, i)
 
+    @property
+    def n_experts(self) -> int:
+        return self.layers[0].n_experts
+
     def step(self) -> None:
         if self.layers:
             ids = torch.stack(self.tap.ids)                             # [layers, rows, T, k]
             self.chunks.append(ids[:, :, self.seen:])
             self.seen = ids.shape[2]
 
-    def finish(self, rows: int) -> List[Optional[bytes]]:
+    def recorded(self) -> Optional[torch.Tensor]:
         for moe in self.layers:
             moe.tap = None
-        if not self.layers:
+        return torch.cat(self.chunks, dim=2).cpu() if self.layers else None
+
+    def finish(self, rows: int) -> List[Optional[bytes]]:
+        ids = self.recorded()
+        if ids is None:
             return [None] * rows
-        ids = torch.cat(self.chunks, dim=2).cpu()
-        n_experts = self.layers[0].n_experts
-        return [kernels.encode_routing(ids[:, r], n_experts) for r in range(rows)]
+        return [kernels.encode_routing(ids[:, r], self.n_experts) for r in range(rows)]
 
 
 class MoE(nn.Module):

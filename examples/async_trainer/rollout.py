@@ -17,32 +17,16 @@ from .log import setup_logging
 from .model import RoutingRecorder, TinyLM
 
 
-@torch.no_grad()
-def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
-             greedy: bool = False) -> List[Dict]:
-    """``group_size`` trajectories for each prompt (all prompts of one task, one length).
-
-    Returns one dict per trajectory (prompt-major): ``tokens`` (full stream), ``prompt_len``,
-    ``rollout_logprobs`` and ``loss_mask`` (one value per response position; environment and
-    padding positions have log-prob 0 and mask 0), ``reward`` and ``routing``: the experts
-    every MoE layer routed positions 0 .. len(tokens)-2 to, as a ``glm_kernels.topk``
-    routing packet (bytes; None for a model without MoE layers), for routing replay.
-    """
-    if not prompts:
-        return []
-    kinds = {task.task_of(p) for p in prompts}
-    if len(kinds) != 1:
-        raise ValueError(f"generate: prompts must share one task, got {sorted(kinds)}")
-    uses_tool = kinds.pop() == "tool"
-    device = next(model.parameters()).device
-    rows = [p for p in prompts for _ in range(group_size)]
-    toks = torch.tensor(rows, device=device)
-    n, prompt_len = toks.shape
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    lps, masks = [], []
-    policy_steps = cfg.num_digits + 1 + (1 if uses_tool else 0)
-    recorder = RoutingRecorder(model)
-    for step in range(policy_steps):
+def sample_turn(model, toks, live, steps: int, stops, recorder, *, gen=None,
+                greedy: bool = False):
+    """One assistant turn for a batch of rows: ``steps`` tokens sampled with one forward each
+    (no early exit: rows stay aligned), rows in ``live`` until they sample a token in
+    ``stops``; the others get ``PAD``. Returns the grown ``toks`` [n, T + steps], the turn's
+    ids, fp32 log-probs (0 where not sampled) and mask (1 where sampled), each [n, steps]."""
+    stops = torch.tensor(sorted(stops), dtype=toks.dtype, device=toks.device)
+    ids, lps, masks = [], [], []
+    live = live.clone()
+    for _ in range(steps):
         logp = torch.log_softmax(model(toks)[:, -1].float(), -1)
         recorder.step()
         if greedy:
@@ -52,32 +36,69 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
             # whatever device the model is on (a [rows, vocab] copy; the vocab is tiny).
             nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)
         lp = logp.gather(-1, nxt).squeeze(-1)
-        nxt = nxt.squeeze(-1)
-        live = ~done
-        nxt = torch.where(live, nxt, torch.full_like(nxt, task.PAD))
+        nxt = torch.where(live, nxt.squeeze(-1), torch.full_like(nxt.squeeze(-1), task.PAD))
+        ids.append(nxt)
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))
         masks.append(live.float())
         toks = torch.cat([toks, nxt[:, None]], 1)
-        done = done | (nxt == task.EOS)
-        if uses_tool and step == 0:
-            # The tool protocol: the first assistant token must be the call. The environment
-            # answers the rows that called; a row that did not has failed and stops here.
-            called = live & (nxt == task.TOOL_CALL)
-            done = done | ~called
-            span_len = cfg.num_digits + 2
-            env = torch.full((n, span_len), task.PAD, dtype=toks.dtype, device=device)
-            for i in torch.nonzero(called).flatten().tolist():
-                env[i] = torch.tensor(task.observation_span(cfg, rows[i]), device=device)
-            toks = torch.cat([toks, env], 1)
-            lps.extend(torch.zeros(n, device=device) for _ in range(span_len))
-            masks.extend(torch.zeros(n, device=device) for _ in range(span_len))
-    lp_rows = torch.stack(lps, 1).float().cpu().tolist()
-    mask_rows = torch.stack(masks, 1).cpu().tolist()
+        live = live & ~torch.isin(nxt, stops)
+    return toks, torch.stack(ids, 1), torch.stack(lps, 1), torch.stack(masks, 1)
+
+
+@torch.no_grad()
+def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
+             greedy: bool = False, session: str = "rollout") -> List[Dict]:
+    """``group_size`` trajectories for each prompt (all prompts of one task, one length).
+
+    Returns one dict per trajectory (prompt-major): ``tokens`` (full stream), ``prompt_len``,
+    ``rollout_logprobs`` and ``loss_mask`` (one value per response position; environment and
+    padding positions have log-prob 0 and mask 0), ``reward`` and ``routing``: the experts
+    every MoE layer routed positions 0 .. len(tokens)-2 to, as a ``glm_kernels.topk``
+    routing packet (bytes; None for a model without MoE layers), for routing replay.
+    ToRA trajectories (multi-turn sessions, ``tora_task.generate_sessions``) also carry ``session_id`` (``session``
+    / row), ``observation``, ``forks`` and ``branches``.
+    """
+    if not prompts:
+        return []
+    kinds = {task.task_of(p) for p in prompts}
+    if len(kinds) != 1:
+        raise ValueError(f"generate: prompts must share one task, got {sorted(kinds)}")
+    kind = kinds.pop()
+    rows = [p for p in prompts for _ in range(group_size)]
+    if kind == "tora":
+        from .tora_task import generate_sessions
+        return generate_sessions(cfg, model, rows, gen=gen, greedy=greedy, session=session)
+    device = next(model.parameters()).device
+    toks = torch.tensor(rows, device=device)
+    n = toks.shape[0]
+    recorder = RoutingRecorder(model)
+    live = torch.ones(n, dtype=torch.bool, device=device)
+    answer_steps = cfg.num_digits + 1
+    lps, masks = [], []
+    if kind == "tool":
+        # The tool protocol: the first assistant token must be the call (a one-token turn).
+        # The environment answers the rows that called; a row that did not has failed.
+        toks, first, lp, mask = sample_turn(model, toks, live, 1, (), recorder, gen=gen,
+                                            greedy=greedy)
+        live = first[:, 0] == task.TOOL_CALL
+        span_len = cfg.num_digits + 2
+        env = torch.full((n, span_len), task.PAD, dtype=toks.dtype, device=device)
+        for i in torch.nonzero(live).flatten().tolist():
+            env[i] = torch.tensor(task.observation_span(cfg, rows[i]), device=device)
+        toks = torch.cat([toks, env], 1)
+        zeros = torch.zeros(n, span_len, device=device)
+        lps += [lp, zeros]
+        masks += [mask, zeros]
+    toks, _, lp, mask = sample_turn(model, toks, live, answer_steps, (task.EOS,), recorder,
+                                    gen=gen, greedy=greedy)
+    lp_rows = torch.cat(lps + [lp], 1).float().cpu().tolist()
+    mask_rows = torch.cat(masks + [mask], 1).cpu().tolist()
     routing = recorder.finish(n)
+    prompt_len = len(rows[0])
     out = []
     for i, t in enumerate(toks.cpu().tolist()):
         out.append({"tokens": t, "prompt_len": prompt_len, "rollout_logprobs": lp_rows[i],
-                    "loss_mask": mask_rows[i], "task": task.task_of(t[:prompt_len]),
+                    "loss_mask": mask_rows[i], "task": kind,
                     "reward": task.reward(cfg, t, prompt_len), "routing": routing[i]})
     return out
 
@@ -122,7 +143,8 @@ def rollout_worker(cfg, stage_seed: int, mix: Dict[str, float], group_size: int,
             by_task.setdefault(task.task_of(p), []).append(pid)
         groups: Dict[int, list] = {}
         for pids in by_task.values():                 # one batched generate per task
-            samples = generate(cfg, model, [prompts[i] for i in pids], group_size, gen=gen)
+            samples = generate(cfg, model, [prompts[i] for i in pids], group_size, gen=gen,
+                               session=f"{id_prefix}/{prompt_id + pids[0]}")
             for j, s in enumerate(samples):
                 groups.setdefault(pids[j // group_size], []).append(s)
         for pid in range(len(prompts)):               # back in prompt order: tasks interleave

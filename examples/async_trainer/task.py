@@ -1,28 +1,40 @@
-"""Two verifiable tasks in the 4-role template, with a binary reward (pass 1, fail 0).
+"""Three verifiable tasks in the 4-role template, with a binary reward (pass 1, fail 0).
 
 Every trajectory is one token stream with role tokens::
 
-    <system> TASK <user> d1..dn <assistant>  ...policy tokens...
+    <system> TASK <user> ...question... <assistant>  ...policy tokens...
 
-* ``reverse``: the assistant answers ``dn..d1 <eos>``.
+* ``reverse``: the question is d1..dn; the assistant answers ``dn..d1 <eos>``.
 * ``tool``: the assistant must first emit ``<tool_call>``; the environment (not the policy)
   then appends ``<observation> o1..on <assistant>`` where ``o = lookup(d)``, and the assistant
   answers ``on..o1 <eos>``. Observation tokens are never sampled by the policy: they carry
   no rollout log-prob and are masked out of every loss (:func:`template_loss_mask`).
+* ``tora``: a ToRA-style multi-turn task (``tora_task.py``): the assistant writes a
+  ```` ```python ```` block, the sandbox runs it, its output comes back as an
+  ``<observation>`` turn, and the assistant answers.
 
-A trajectory that leaves the expected path (a wrong token, a tool call where none is offered,
-no tool call where one is required) ends at once with reward 0; the rest of its row is padded
-with ``<eos>`` and masked.
+A ``reverse`` / ``tool`` trajectory that leaves the expected path (a wrong token, a tool call
+where none is offered, no tool call where one is required) ends at once with reward 0; the
+rest of its row is padded with ``<eos>`` and masked.
+
+Vocabulary (one for all tasks, so one model learns them all): the 8 role / task tokens, the
+15 ToRA tokens (task token, code fragments, an error marker and the decimal digits
+``"0".."9"``), then the ``vocab_digits`` digits of the reverse and tool tasks. Every id but
+the last group is fixed, so :func:`task_of` needs no configuration.
 """
 from typing import List
 
 import torch
 
 SYSTEM, USER, ASSISTANT, OBSERVATION, EOS, TOOL_CALL, TASK_REVERSE, TASK_TOOL = range(8)
-N_SPECIAL = 8
+# ToRA tokens (rendered as text by tora_task.TOKENIZER): the task, the code block's pieces
+# '```python\nprint(', '*', ')\n```', an error marker, and the decimal digits "0".."9".
+TASK_TORA, PY_OPEN, MUL, PY_CLOSE, ERR = range(8, 13)
+DEC0 = 13
+N_SPECIAL = DEC0 + 10            # the reverse / tool digits start here
 PAD = EOS
 ROLE_NAMES = {SYSTEM: "system", USER: "user", ASSISTANT: "assistant", OBSERVATION: "observation"}
-TASKS = ("reverse", "tool")
+TASKS = ("reverse", "tool", "tora")
 _TASK_TOKEN = {"reverse": TASK_REVERSE, "tool": TASK_TOOL}
 
 
@@ -31,17 +43,22 @@ def vocab_size(cfg) -> int:
 
 
 def max_len(cfg) -> int:
-    """Longest trajectory: prompt (n + 4) + tool call, observation span (n + 2), answer (n + 1)."""
-    return 3 * cfg.num_digits + 8
+    """Longest trajectory of any task: for tool, prompt (n + 4) + tool call, observation span
+    (n + 2), answer (n + 1); for tora, ``tora_task.MAX_LEN``."""
+    from . import tora_task
+    return max(3 * cfg.num_digits + 8, tora_task.MAX_LEN)
 
 
 def make_prompt(cfg, task: str, gen: torch.Generator) -> List[int]:
+    if task == "tora":
+        from . import tora_task
+        return tora_task.make_prompt(gen)
     digits = torch.randint(0, cfg.vocab_digits, (cfg.num_digits,), generator=gen) + N_SPECIAL
     return [SYSTEM, _TASK_TOKEN[task], USER, *digits.tolist(), ASSISTANT]
 
 
 def task_of(prompt: List[int]) -> str:
-    return "tool" if prompt[1] == TASK_TOOL else "reverse"
+    return {TASK_TOOL: "tool", TASK_TORA: "tora"}.get(prompt[1], "reverse")
 
 
 def _digits(prompt: List[int]) -> List[int]:
@@ -59,16 +76,25 @@ def observation_span(cfg, prompt: List[int]) -> List[int]:
 
 
 def expected_completion(cfg, prompt: List[int]) -> List[int]:
-    """The one passing continuation of ``prompt`` (environment tokens included)."""
-    if task_of(prompt) == "tool":
+    """The one passing continuation of ``prompt`` (environment tokens included; for tora the
+    one that uses the tool)."""
+    kind = task_of(prompt)
+    if kind == "tora":
+        from . import tora_task
+        return tora_task.expected_completion(prompt)
+    if kind == "tool":
         obs = tool_lookup(cfg, _digits(prompt))
         return [TOOL_CALL, *observation_span(cfg, prompt), *reversed(obs), EOS]
     return [*reversed(_digits(prompt)), EOS]
 
 
 def reward(cfg, tokens: List[int], prompt_len: int) -> float:
-    """1.0 when the trajectory is exactly the passing one (then only padding), else 0.0."""
+    """1.0 when the trajectory is exactly the passing one (then only padding), else 0.0; for
+    tora, when its final answer is right (``tora_task.reward``)."""
     prompt = tokens[:prompt_len]
+    if task_of(prompt) == "tora":
+        from . import tora_task
+        return tora_task.reward(tokens, prompt_len)
     want = prompt + expected_completion(cfg, prompt)
     return 1.0 if tokens[:len(want)] == want else 0.0
 

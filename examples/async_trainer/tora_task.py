@@ -2,193 +2,332 @@
 environment runs it in the sandbox (``sandbox.run_python``), and its output comes back as an
 ``<observation>`` turn that is masked out of the loss; the reward is on the final answer.
 
-Token stream (ids above the base task's vocabulary, see :class:`ToraVocab`)::
+The question is a product ``a*b`` (``a`` in 10..99, ``b`` in 2..9): hard to compute token by
+token for a tiny model, easy to copy from the tool's output. Token stream (ids in
+``task.py``)::
 
-    <system> TORA <user> d1 d2 d3 <assistant>
-        PY_OPEN d1 d2 d3 TIMES7 PY_CLOSE                       policy: the code block
-        <observation> D D D D . . <assistant>                 environment: its stdout
-        D D D D <eos>                                         policy: the answer
+    <system> <tora> <user> 3 7 * 5 <assistant>                 prompt
+        ```python\\nprint(  3 7 * 5  )\\n```                    policy: the code block
+        <observation> 1 8 5 <eos> <assistant>                  environment: its stdout
+        1 8 5 <eos>                                            policy: the answer
 
-The code block renders as text (``PY_OPEN`` = ``"```python\\nprint(int(\\""``, a digit token
-= its digit, ``TIMES7`` = ``"\\") * 7"``, ``PY_CLOSE`` = ``")\\n```"``), so the program is
-``print(int("d1d2d3") * 7)``. The answer is the decimal digits of ``int(d1d2d3) * 7`` (the
-prompt digits read as a decimal number): hard to compute token by token, easy to copy from
-the tool's output. Reward 1 when the last assistant turn is exactly those digits and
-``<eos>``, with or without the tool. A code block in the wrong order is still run: its
-``SyntaxError`` (or whatever the program does) is the observation.
+so the program is ``print(37*5)``. Every token has a text (:data:`TOKENIZER`), and the
+conversation is also kept as text messages by the trajectory manager (``trajectory.py``),
+which re-tokenizes it before each turn. Text to ids is canonical: a digit character is always
+a ``DEC`` digit token; the reverse / tool tasks' digit tokens 0..9 print as the same digits,
+so an engine that writes ``3`` with one of those in its code produces ids that
+re-tokenization does not reproduce (drift: the manager forks a branch).
 
 The observation span has a fixed width (``OBS_WIDTH`` + 2 tokens) so that a batch of rows
-stays aligned: stdout digits become ``D0..D9``, any other character run one ``ERR``, the rest
-is padding; it is truncated to the width. Every environment token has mask 0 and log-prob 0.
+stays aligned: stdout digits stay digits, any other character run becomes one ``?`` (ERR),
+the rest is ``<eos>`` padding; it is truncated to the width. Reward 1 when the last
+assistant turn is exactly the product's digits then ``<eos>`` (with or without the tool).
 
-Runs are cached by program text (``ToraEnv``): the sandbox is deterministic for these
-programs and starts fresh each time, and a batch repeats a few programs many times.
+Runs are cached by program text (:class:`ToraEnv`): the sandbox is deterministic for these
+programs and starts fresh each time, and a batch repeats programs.
 """
-from typing import Dict, List, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
 
 import torch
 
 from . import task
 from .sandbox import run_python
 
-OBS_WIDTH = 6
-MULTIPLIER = 7
-FRAGMENTS = ('```python\nprint(int("', '") * 7', ')\n```')
+A_RANGE = (2, 10)              # the question a*b: a, b drawn from these ranges
+B_RANGE = (2, 10)
+_DIGITS = (len(str(A_RANGE[1] - 1)), len(str(B_RANGE[1] - 1)),
+           len(str((A_RANGE[1] - 1) * (B_RANGE[1] - 1))))
+OBS_WIDTH = _DIGITS[2] + 1     # stdout tokens of an observation (an answer and one more)
+CODE_TURN = _DIGITS[0] + _DIGITS[1] + 3    # ```python\nprint( a * b )\n```
+ANSWER_TURN = _DIGITS[2] + 1   # the product's digits and <eos>
+PROMPT_LEN = _DIGITS[0] + _DIGITS[1] + 5
+MAX_LEN = PROMPT_LEN + CODE_TURN + OBS_WIDTH + 2 + ANSWER_TURN
+ROLES = {"system": "<system>", "user": "<user>", "assistant": "<assistant>",
+         "observation": "<observation>"}
 
 
-class ToraVocab:
-    """Token ids of the ToRA task, from ``base`` (default: the base task's vocabulary size)."""
+class Tokenizer:
+    """Text of every token and the canonical text -> ids map (longest match; the pieces are
+    prefix-free, so a text has exactly one parse)."""
 
-    def __init__(self, cfg, base: Optional[int] = None):
-        self.cfg = cfg
-        self.base = task.vocab_size(cfg) if base is None else base
-        (self.TASK_TORA, self.PY_OPEN, self.TIMES7, self.PY_CLOSE,
-         self.ERR) = range(self.base, self.base + 5)
-        self.D0 = self.base + 5                              # decimal digits D0..D9
-        self.size = self.D0 + 10
+    def __init__(self, base_digits: int = 10):
+        self.pieces: Dict[int, str] = {
+            task.SYSTEM: "<system>", task.USER: "<user>", task.ASSISTANT: "<assistant>",
+            task.OBSERVATION: "<observation>", task.EOS: "<eos>", task.TOOL_CALL: "<tool_call>",
+            task.TASK_REVERSE: "<reverse>", task.TASK_TOOL: "<tool>", task.TASK_TORA: "<tora>",
+            task.PY_OPEN: "```python\nprint(", task.MUL: "*", task.PY_CLOSE: ")\n```",
+            task.ERR: "?"}
+        self.pieces.update({task.DEC0 + d: str(d) for d in range(10)})
+        self.canonical = {text: i for i, text in self.pieces.items()}
+        # The reverse / tool digits: the same text as the decimal digits, never produced
+        # by encode (non-canonical ids); past 9 they get pieces of their own.
+        self.base_digits(base_digits)
 
-    def digit(self, ch: str) -> int:
-        return self.D0 + int(ch)
+    def base_digits(self, n: int) -> None:
+        for d in range(n):
+            self.pieces[task.N_SPECIAL + d] = str(d) if d < 10 else f"<d{d}>"
+            if d >= 10:
+                self.canonical[f"<d{d}>"] = task.N_SPECIAL + d
+        self._by_first: Dict[str, List[str]] = {}
+        for text in self.canonical:
+            self._by_first.setdefault(text[0], []).append(text)
 
-    def make_prompt(self, gen: torch.Generator) -> List[int]:
-        p = task.make_prompt(self.cfg, "reverse", gen)
-        p[1] = self.TASK_TORA
-        return p
+    def decode(self, ids: List[int]) -> str:
+        return "".join(self.pieces[i] for i in ids)
 
-    def prompt_number(self, prompt: List[int]) -> int:
-        return int("".join(str(d - task.N_SPECIAL) for d in prompt[3:-1]))
+    def encode(self, text: str) -> List[int]:
+        out, i = [], 0
+        while i < len(text):
+            piece = next((p for p in self._by_first.get(text[i], ()) if text.startswith(p, i)),
+                         None)
+            if piece is None:
+                raise ValueError(f"no token for {text[i:i + 12]!r}")
+            out.append(self.canonical[piece])
+            i += len(piece)
+        return out
 
-    def answer(self, prompt: List[int]) -> List[int]:
-        return [self.digit(c) for c in str(self.prompt_number(prompt) * MULTIPLIER)]
 
-    def code_tokens(self, prompt: List[int]) -> List[int]:
-        return [self.PY_OPEN, *prompt[3:-1], self.TIMES7, self.PY_CLOSE]
+TOKENIZER = Tokenizer()
 
-    def render_code(self, tokens: List[int]) -> str:
-        """Program text of a code block's tokens (``PY_OPEN`` .. ``PY_CLOSE``)."""
-        frag = {self.PY_OPEN: FRAGMENTS[0], self.TIMES7: FRAGMENTS[1], self.PY_CLOSE: FRAGMENTS[2]}
-        out = []
-        for t in tokens:
-            if t in frag:
-                out.append(frag[t])
-            elif task.N_SPECIAL <= t < task.vocab_size(self.cfg):
-                out.append(str(t - task.N_SPECIAL))
-            elif self.D0 <= t < self.D0 + 10:
-                out.append(str(t - self.D0))
-            else:
-                out.append("?")                              # any other token: not code
-        text = "".join(out)
-        body = text.split("```python\n", 1)[-1]
-        return body.rsplit("\n```", 1)[0]
 
-    def observation_span(self, text: str) -> List[int]:
-        """``<observation>`` + the output as ``OBS_WIDTH`` tokens (padded) + ``<assistant>``."""
-        toks: List[int] = []
-        for ch in text.strip():
-            if ch.isdigit() and ch.isascii():
-                toks.append(self.digit(ch))
-            elif not toks or toks[-1] != self.ERR:
-                toks.append(self.ERR)
-        toks = toks[:OBS_WIDTH]
-        return [task.OBSERVATION, *toks, *[task.PAD] * (OBS_WIDTH - len(toks)), task.ASSISTANT]
+def tokenizer(cfg) -> Tokenizer:
+    """The tokenizer for ``cfg`` (its reverse / tool digits printable)."""
+    if cfg.vocab_digits > 10 and task.N_SPECIAL + cfg.vocab_digits - 1 not in TOKENIZER.pieces:
+        TOKENIZER.base_digits(cfg.vocab_digits)
+    return TOKENIZER
 
-    def expected_completion(self, prompt: List[int]) -> List[int]:
-        out = str(self.prompt_number(prompt) * MULTIPLIER)
-        return [*self.code_tokens(prompt), *self.observation_span(out), *self.answer(prompt),
-                task.EOS]
 
-    def reward(self, tokens: List[int], prompt_len: int) -> float:
-        """1.0 when the last assistant turn is exactly the answer digits then ``<eos>``."""
-        prompt, rest = tokens[:prompt_len], tokens[prompt_len:]
-        if task.ASSISTANT in rest:
-            rest = rest[len(rest) - rest[::-1].index(task.ASSISTANT):]
-        want = self.answer(prompt) + [task.EOS]
-        return 1.0 if rest[:len(want)] == want and all(t == task.PAD for t in rest[len(want):]) \
-            else 0.0
+def make_prompt(gen: torch.Generator) -> List[int]:
+    a = int(torch.randint(*A_RANGE, (1,), generator=gen))
+    b = int(torch.randint(*B_RANGE, (1,), generator=gen))
+    question = [task.DEC0 + int(c) for c in str(a)] + [task.MUL, task.DEC0 + b]
+    return [task.SYSTEM, task.TASK_TORA, task.USER, *question, task.ASSISTANT]
+
+
+def question(prompt: List[int]) -> str:
+    return TOKENIZER.decode(prompt[3:-1])
+
+
+def product(prompt: List[int]) -> int:
+    a, b = question(prompt).split("*")
+    return int(a) * int(b)
+
+
+def messages(prompt: List[int]) -> List[dict]:
+    """The prompt as the trajectory manager's messages (renders back to exactly its ids)."""
+    return [{"role": "system", "content": TOKENIZER.pieces[prompt[1]]},
+            {"role": "user", "content": question(prompt)}]
+
+
+def render(msgs: List[dict]) -> str:
+    """The 4-role template as text, ending with the assistant header (generation prompt)."""
+    return "".join(ROLES[m["role"]] + m["content"] for m in msgs) + ROLES["assistant"]
+
+
+def observation_content(stdout: str) -> str:
+    """The observation turn's text: ``OBS_WIDTH`` pieces of ``stdout`` (digits; any other
+    run of characters one ``?``), padded with ``<eos>``."""
+    pieces: List[str] = []
+    for ch in stdout.strip():
+        if ch.isdigit() and ch.isascii():
+            pieces.append(ch)
+        elif not pieces or pieces[-1] != "?":
+            pieces.append("?")
+    pieces = pieces[:OBS_WIDTH]
+    return "".join(pieces) + "<eos>" * (OBS_WIDTH - len(pieces))
+
+
+def program(code_turn: str) -> str:
+    """The program of a code turn's text: the body of its last ```python block."""
+    body = code_turn.rsplit("```python\n", 1)[-1]
+    return body[:-len("\n```")] if body.endswith("\n```") else body
+
+
+def expected_completion(prompt: List[int]) -> List[int]:
+    """The passing continuation that uses the tool (environment tokens included)."""
+    answer = str(product(prompt))
+    code = [task.PY_OPEN, *prompt[3:-1], task.PY_CLOSE]
+    obs = TOKENIZER.encode(observation_content(answer))
+    return [*code, task.OBSERVATION, *obs, task.ASSISTANT, *TOKENIZER.encode(answer), task.EOS]
+
+
+def final_turn(tokens: List[int], prompt_len: int) -> List[int]:
+    """The last assistant turn of a trajectory: after the last ``<assistant>`` (the prompt's
+    or an observation's), through the first ``<eos>``."""
+    rest = tokens[prompt_len:]
+    if task.ASSISTANT in rest:
+        rest = rest[len(rest) - rest[::-1].index(task.ASSISTANT):]
+    return rest[:rest.index(task.EOS) + 1] if task.EOS in rest else rest
+
+
+def reward(tokens: List[int], prompt_len: int) -> float:
+    """1.0 when the last assistant turn reads exactly the product then ``<eos>`` (on the
+    text: any digit tokens), else 0.0."""
+    turn = final_turn(tokens, prompt_len)
+    try:
+        text = TOKENIZER.decode(turn)
+    except KeyError:
+        return 0.0
+    return 1.0 if text == f"{product(tokens[:prompt_len])}<eos>" else 0.0
 
 
 class ToraEnv:
-    """Runs code blocks in the sandbox (cached by program text) and counts what happened."""
+    """Runs programs in the sandbox (cached by program text, distinct ones concurrently:
+    each is its own process) and counts what happened."""
 
-    def __init__(self, vocab: ToraVocab, *, timeout_s: float = 3.0, output_limit: int = 256,
-                 cache_size: int = 4096):
-        self.vocab, self.timeout_s, self.output_limit = vocab, timeout_s, output_limit
+    def __init__(self, *, timeout_s: float = 3.0, output_limit: int = 256,
+                 cache_size: int = 8192, workers: int = 4):
+        self.timeout_s, self.output_limit = timeout_s, output_limit
         self.cache: Dict[str, str] = {}
-        self.cache_size = cache_size
+        self.cache_size, self.workers = cache_size, workers
         self.calls = self.runs = self.errors = self.timeouts = 0
 
-    def run(self, code: str) -> str:
-        """The observation text of ``code`` (never raises for anything the code does)."""
-        self.calls += 1
-        if code in self.cache:
-            return self.cache[code]
+    def _run(self, code: str) -> str:
         res = run_python(code, timeout_s=self.timeout_s, output_limit=self.output_limit)
-        self.runs += 1
         self.errors += not res.ok
         self.timeouts += res.timed_out
-        text = res.observation(self.output_limit)
-        if len(self.cache) < self.cache_size:
-            self.cache[code] = text
-        return text
+        return res.observation(self.output_limit)
 
-    def step(self, code_tokens: List[int]) -> Tuple[str, List[int]]:
-        text = self.run(self.vocab.render_code(code_tokens))
-        return text, self.vocab.observation_span(text)
+    def run_many(self, programs: List[str]) -> List[str]:
+        """The observation text of every program (never raises for anything it does)."""
+        self.calls += len(programs)
+        todo = sorted({p for p in programs if p not in self.cache})
+        if len(todo) > 1 and self.workers > 1:
+            with ThreadPoolExecutor(min(self.workers, len(todo))) as pool:
+                texts = list(pool.map(self._run, todo))
+        else:
+            texts = [self._run(p) for p in todo]
+        self.runs += len(todo)
+        fresh = dict(zip(todo, texts))
+        for p, text in fresh.items():
+            if len(self.cache) < self.cache_size:
+                self.cache[p] = text
+        return [fresh[p] if p in fresh else self.cache[p] for p in programs]
+
+    def run(self, code: str) -> str:
+        return self.run_many([code])[0]
+
+
+_ENV: Optional[ToraEnv] = None
+
+
+def default_env() -> ToraEnv:
+    """This process's environment (one cache per engine / rollout process / trainer)."""
+    global _ENV
+    if _ENV is None:
+        _ENV = ToraEnv()
+    return _ENV
+
+
+def _turn(ids: List[int], lps: List[float], mask: List[float]):
+    """A row's sampled ids and log-probs of one turn (``mask`` 1 where it sampled)."""
+    keep = [j for j, m in enumerate(mask) if m]
+    return [ids[j] for j in keep], [lps[j] for j in keep]
 
 
 @torch.no_grad()
-def generate(cfg, vocab: ToraVocab, env: ToraEnv, model, prompts: List[List[int]],
-             group_size: int, *, gen=None, greedy: bool = False) -> List[Dict]:
-    """``group_size`` multi-turn trajectories per prompt, as ``rollout.generate`` returns them
-    (``tokens``, ``prompt_len``, ``rollout_logprobs`` and ``loss_mask`` per response position,
-    ``reward``, ``observation`` text). Turn 1 samples up to the code block's length; rows
-    that closed it get the observation span; the answer turn follows. A row that emits
-    ``<eos>`` first is answering without the tool: it is done at once."""
+def generate_sessions(cfg, model, rows: List[List[int]], *, gen=None, greedy: bool = False,
+                      session: str = "rollout") -> List[Dict]:
+    """One ToRA session per row (``rows``: prompts, each repeated group-size times), batched
+    turn by turn, every turn through a :class:`~.trajectory.TrajectoryManager`; returns one
+    sample per row as ``rollout.generate`` does.
+
+    The code turn is sampled for all rows (``CODE_TURN`` tokens at most, up to ``)\\n```` or
+    ``<eos>``); a row that closed a block gets its program run (:class:`ToraEnv`) and the
+    output as an observation message; the manager re-tokenizes the conversation and the
+    answer turn is sampled on the ids it returns (a re-prefill: rows of equal length are
+    batched together). A row that stopped with ``<eos>`` answered without the tool, one that
+    never closed its block has failed: both are done after one turn.
+
+    A sample's ``tokens`` / ``rollout_logprobs`` / ``loss_mask`` are the session's active
+    branch (the engine's ids where sampled). After a re-tokenization drift the branch that
+    holds the engine's code turn was closed: it comes along in ``branches`` (same prompt,
+    its own routing), trained with the same reward. ``routing``: each position's experts from
+    the first forward that fed it with this branch's context (the code turn's forwards up to
+    the turn's last token or the fork, the answer turn's re-prefill after).
+    """
+    from . import kernels
+    from .model import RoutingRecorder
+    from .rollout import sample_turn
+    from .trajectory import TrajectoryManager
+
+    tok, env = tokenizer(cfg), default_env()
+    manager = TrajectoryManager(tok.encode, tok.decode, template=render)
     device = next(model.parameters()).device
-    rows = [p for p in prompts for _ in range(group_size)]
+    n, prompt_len = len(rows), len(rows[0])
+    sids = [f"{session}/{i}" for i in range(n)]
+    for sid, p in zip(sids, rows):
+        manager.start(sid, messages(p))
+        if manager.prompt(sid) != p:
+            raise ValueError(f"a ToRA prompt must be canonical text ids, got {p}")
+
+    recorder = RoutingRecorder(model)
     toks = torch.tensor(rows, device=device)
-    n, prompt_len = toks.shape
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    lps, masks = [], []
-    code_len = cfg.num_digits + 3
-    answer_len = len(str((10 ** cfg.num_digits - 1) * MULTIPLIER)) + 1
+    live = torch.ones(n, dtype=torch.bool, device=device)
+    _, ids, lps, mask = sample_turn(model, toks, live, CODE_TURN, (task.PY_CLOSE, task.EOS),
+                                    recorder, gen=gen, greedy=greedy)
+    first_routing = recorder.recorded()          # positions 0 .. prompt_len + CODE_TURN - 2
+    ids, lps, mask = ids.tolist(), lps.float().tolist(), mask.tolist()
+    called, codes, code_end = [], [], []
+    for i, sid in enumerate(sids):
+        turn, turn_lps = _turn(ids[i], lps[i], mask[i])
+        text = manager.add_assistant(sid, turn, turn_lps)
+        code_end.append(prompt_len + len(turn))
+        if turn[-1] == task.PY_CLOSE:
+            called.append(i)
+            codes.append(program(text))
     observations = [""] * n
+    for i, text in zip(called, env.run_many(codes)):
+        observations[i] = text
+        manager.add_message(sids[i], "observation", observation_content(text))
 
-    def sample(steps, stop_at):
-        nonlocal toks, done
-        for _ in range(steps):
-            logp = torch.log_softmax(model(toks)[:, -1].float(), -1)
-            if greedy:
-                nxt = logp.argmax(-1, keepdim=True)
-            else:
-                nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)
-            lp = logp.gather(-1, nxt).squeeze(-1)
-            nxt = nxt.squeeze(-1)
-            live = ~done
-            nxt = torch.where(live, nxt, torch.full_like(nxt, task.PAD))
-            lps.append(torch.where(live, lp, torch.zeros_like(lp)))
-            masks.append(live.float())
-            toks = torch.cat([toks, nxt[:, None]], 1)
-            done = done | (nxt == stop_at) | (nxt == task.EOS)
+    # The answer turn: re-tokenized conversations (forked on drift), batched by length.
+    contexts = {i: manager.prompt(sids[i]) for i in called}
+    fresh_from = {}                              # row -> first position the re-prefill records
+    late_routing = {}                            # row -> [layers, T2, k] of the re-prefill
+    by_len: Dict[int, List[int]] = {}
+    for i in called:
+        s = manager.sessions[sids[i]]
+        fork_at = s.branches[s.active].fork_at if s.active else len(contexts[i])
+        fresh_from[i] = min(code_end[i] - 1, fork_at)
+        by_len.setdefault(len(contexts[i]), []).append(i)
+    for length, members in sorted(by_len.items()):
+        rec = RoutingRecorder(model)
+        batch = torch.tensor([contexts[i] for i in members], device=device)
+        on = torch.ones(len(members), dtype=torch.bool, device=device)
+        _, ids2, lps2, mask2 = sample_turn(model, batch, on, ANSWER_TURN, (task.EOS,), rec,
+                                           gen=gen, greedy=greedy)
+        late = rec.recorded()
+        for j, i in enumerate(members):
+            manager.add_assistant(sids[i], *_turn(ids2[j].tolist(), lps2[j].float().tolist(),
+                                                  mask2[j].tolist()))
+            if late is not None:
+                late_routing[i] = late[:, j]
 
-    sample(code_len, vocab.PY_CLOSE)
-    called = done & (toks[:, -code_len:] == vocab.PY_CLOSE).any(1)
-    span_len = OBS_WIDTH + 2
-    env_toks = torch.full((n, span_len), task.PAD, dtype=toks.dtype, device=device)
-    for i in torch.nonzero(called).flatten().tolist():
-        code = toks[i, prompt_len:].tolist()
-        observations[i], span = env.step(code[:code.index(vocab.PY_CLOSE) + 1])
-        env_toks[i] = torch.tensor(span, device=device)
-    toks = torch.cat([toks, env_toks], 1)
-    lps.extend(torch.zeros(n, device=device) for _ in range(span_len))
-    masks.extend(torch.zeros(n, device=device) for _ in range(span_len))
-    done = ~called          # answered without the tool, or never closed the block: finished
-    sample(answer_len, task.EOS)
-    lp_rows = torch.stack(lps, 1).float().cpu().tolist()
-    mask_rows = torch.stack(masks, 1).cpu().tolist()
+    def packet(i: int, length: int, start: int) -> Optional[bytes]:
+        """Row ``i``'s routing of ``length`` positions: the code turn's below ``start``."""
+        if first_routing is None:
+            return None
+        parts = [first_routing[:, i, :min(start, length)]]
+        if length > start:
+            parts.append(late_routing[i][:, start:length])
+        return kernels.encode_routing(torch.cat(parts, 1), recorder.n_experts)
+
     out = []
-    for i, t in enumerate(toks.cpu().tolist()):
-        out.append({"tokens": t, "prompt_len": prompt_len, "rollout_logprobs": lp_rows[i],
-                    "loss_mask": mask_rows[i], "task": "tora", "observation": observations[i],
-                    "reward": vocab.reward(t, prompt_len)})
+    for i, sid in enumerate(sids):
+        *closed, main = manager.end(sid)
+        start = fresh_from.get(i, len(main["tokens"]))
+        out.append({
+            "tokens": main["tokens"], "prompt_len": prompt_len,
+            "rollout_logprobs": main["rollout_logprobs"][prompt_len:],
+            "loss_mask": main["loss_mask"][prompt_len:], "task": "tora",
+            "reward": reward(main["tokens"], prompt_len),
+            "routing": packet(i, len(main["tokens"]) - 1, start),
+            "session_id": sid, "observation": observations[i], "forks": len(closed),
+            "branches": [{"tokens": b["tokens"], "prompt_len": prompt_len,
+                          "rollout_logprobs": b["rollout_logprobs"][prompt_len:],
+                          "loss_mask": b["loss_mask"][prompt_len:],
+                          "routing": packet(i, len(b["tokens"]) - 1, len(b["tokens"]))}
+                         for b in closed]})
     return out

@@ -166,7 +166,7 @@ def sft_stage(run, on_step) -> TinyLM:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
-    names = cfg.task_list()
+    names = cfg.sft_order()
     run.current = ("sft", model, opt, start)
     for step in tqdm(range(start, cfg.sft_steps), desc="sft", disable=not cfg.progress,
                      initial=start, total=cfg.sft_steps):
@@ -294,6 +294,10 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
                            staleness=trained_on - sum(s["version"] for s in samples) / len(samples),
                            weight_version=version, bytes_synced=stats.payload_bytes,
                            changed_elements=stats.changed, step_s=time.perf_counter() - t0)
+                if any("forks" in s for s in samples):     # multi-turn (ToRA) sessions
+                    rec.update(trajectory_forks=sum(s.get("forks", 0) for s in samples),
+                               branches_trained=sum(len(s.get("branches", ()))
+                                                    for s in samples))
                 if run.engines is not None:
                     rec.update(rollout.stats())
                     rollout.step_done()
