@@ -84,10 +84,11 @@ class MuonSplit(torch.optim.Optimizer):
         AdamW's (0.9, 0.95), 1e-8 and learning rate (default: ``lr``).
 
     Sharded training: parameters may be DTensors (FSDP2 ``fully_shard``, ``Shard(0)`` or
-    ``Replicate()`` on a 1-D mesh); build the groups with ``muon_param_groups`` after
-    ``fully_shard``. Every rank must call ``step()`` (Muon groups exchange rows with
-    ``all_to_all_single`` when a matrix or head spans shards). ``comm_stats`` holds the bytes
-    this rank sent and received and the collectives of the last step. See docs/muon.md,
+    ``Replicate()`` on a 1-D mesh, or HSDP's ``(Replicate(), Shard(0))`` on a 2-D mesh); build
+    the groups with ``muon_param_groups`` after ``fully_shard``. Every rank must call
+    ``step()`` (Muon groups exchange rows with ``all_to_all_single`` when a matrix or head
+    spans shards). ``comm_stats`` holds the bytes this rank sent and received and the
+    collectives of the last step. See docs/muon.md,
     "Sharded training".
 
     Example

@@ -3,6 +3,9 @@
 A Muon group whose parameters are DTensors sharded by rows (``fully_shard``: ``Shard(0)`` on a
 1-D mesh, torch.chunk sizes, uneven shards and empty ranks allowed) or replicated is stepped on
 the local shards with explicit collectives, never through DTensor's implicit redistribution.
+On a 2-D mesh (HSDP: ``Replicate()`` on one dim, ``Shard(0)`` on the other) the shard dim is
+the world below: each replica group runs the same plan within its shard group, on gradients
+FSDP has already averaged over the replicas, so the replicas stay identical.
 Every rank builds the same plan from shapes alone (no communication), once per group shape:
 
 * **local heads** -- a head of a head-split matrix whose rows all lie in one rank's shard is
@@ -102,11 +105,13 @@ def chunk_ranges(rows: int, world: int) -> Tuple[Tuple[int, int], ...]:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """A parameter seen as [rows, cols] (cols = prod(shape[1:])); ranges[r]: rows rank r holds."""
+    """A parameter seen as [rows, cols] (cols = prod(shape[1:])); ranges[r]: rows rank r of the
+    shard group holds (empty until the group's world is known, for a replicated parameter)."""
     rows: int
     cols: int
     ranges: Tuple[Tuple[int, int], ...]
     mesh: object          # DeviceMesh of a DTensor, None for a plain tensor
+    shard_dim: Optional[int] = None     # the mesh dim holding Shard(0); None: replicated
 
 
 def row_layout(p: torch.Tensor, where: str) -> RowLayout:
@@ -114,25 +119,27 @@ def row_layout(p: torch.Tensor, where: str) -> RowLayout:
     if not is_dtensor(p):
         return RowLayout(rows, cols, (), None)
     api, mesh, placements = dtensor_api(), p.device_mesh, tuple(p.placements)
-    if mesh.ndim != 1:
-        raise ValueError(f"{where}: MuonSplit takes DTensors on a 1-D device mesh (FSDP2, "
-                         f"ZeRO-style), got a {mesh.ndim}-D mesh with placements {placements}")
-    placement = placements[0]
-    world = mesh.size()
-    if isinstance(placement, api.Replicate):
-        ranges = ((0, rows),) * world
-    elif type(placement) is api.Shard and placement.dim in (0, -p.dim()):
-        ranges = chunk_ranges(rows, world)
-    else:
-        raise ValueError(f"{where}: MuonSplit takes DTensors with placement Shard(0) or "
-                         f"Replicate(), got {placement!r}")
-    start, stop = ranges[mesh.get_local_rank()]
+    shard_dims = []
+    for dim, placement in enumerate(placements):
+        if type(placement) is api.Shard and placement.dim in (0, -p.dim()):
+            shard_dims.append(dim)
+        elif not isinstance(placement, api.Replicate):
+            raise ValueError(f"{where}: MuonSplit takes DTensors with placements Shard(0) or "
+                             f"Replicate(), got {placements}")
+    if len(shard_dims) > 1:
+        raise ValueError(f"{where}: MuonSplit takes rows sharded over one mesh dim (FSDP2, or "
+                         f"HSDP on a 2-D mesh), got placements {placements}")
+    if not shard_dims:
+        return RowLayout(rows, cols, (), mesh)
+    dim = shard_dims[0]
+    ranges = chunk_ranges(rows, mesh.size(dim))
+    start, stop = ranges[mesh.get_local_rank(dim)]
     shard = p.to_local()
     if tuple(shard.shape) != (stop - start, *p.shape[1:]):
         raise ValueError(f"{where}: local shard has shape {tuple(shard.shape)}, expected "
                          f"{(stop - start, *p.shape[1:])} (rows {start}:{stop} of "
                          f"{tuple(p.shape)} by torch.chunk sizes)")
-    return RowLayout(rows, cols, ranges, mesh)
+    return RowLayout(rows, cols, ranges, mesh, dim)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -304,12 +311,18 @@ def sharded_muon_step(group: dict, params: List[torch.Tensor], state, stats: dic
                          f"{len(meshes)}: put parameters of different meshes in different "
                          "param groups")
     mesh = next(iter(meshes.values()))
-    pg, rank, world = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    shard_dims = {l.shard_dim for l in layouts if l.shard_dim is not None}
+    if len(shard_dims) > 1:
+        raise ValueError(f"a Muon group's DTensor parameters must be sharded over one mesh dim, "
+                         f"got dims {sorted(shard_dims)}: put them in different param groups")
+    # Only replicated parameters: any dim's group will do (every item is computed locally).
+    dim = shard_dims.pop() if shard_dims else 0
+    pg, rank, world = mesh.get_group(dim), mesh.get_local_rank(dim), mesh.size(dim)
     if dist.get_rank(pg) != rank:
         raise ValueError(f"device mesh coordinate {rank} differs from the rank in its process "
                          f"group {dist.get_rank(pg)}")
-    layouts = [l if l.mesh is not None else RowLayout(l.rows, l.cols, ((0, l.rows),) * world,
-                                                      None) for l in layouts]
+    layouts = [l if l.ranges else RowLayout(l.rows, l.cols, ((0, l.rows),) * world, l.mesh)
+               for l in layouts]
     plan = plan_group(tuple((l.rows, l.cols, l.ranges) for l in layouts), split,
                       group["ns_steps"], rank, world)
     schedule = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
@@ -477,7 +490,8 @@ def shard_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's rows of an unsharded state tensor ``full`` as a DTensor laid out like the
     DTensor parameter ``p`` (no communication: every rank holds ``full``)."""
     layout = row_layout(p, "parameter")
-    start, stop = layout.ranges[p.device_mesh.get_local_rank()]
+    start, stop = (layout.ranges[p.device_mesh.get_local_rank(layout.shard_dim)]
+                   if layout.ranges else (0, layout.rows))
     shard = local(p)
     # a copy: torch's load_state_dict keeps the caller's tensors, and slices would alias them
     piece = full[start:stop].to(device=shard.device, copy=True).contiguous()

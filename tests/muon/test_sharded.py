@@ -6,7 +6,8 @@ one-process MuonSplit fed the same full gradients (bitwise), the state round tri
 sharded, full -> sharded, sharded -> full), the bytes moved by the step, counted by wrapping
 torch.distributed's collectives and DTensor's functional ones, a bad placement, and plain data
 parallelism through torch's ZeroRedundancyOptimizer; world 2 also runs blocks big enough for
-threaded gemms, a torch.distributed.checkpoint round trip and the docs example.
+threaded gemms, a torch.distributed.checkpoint round trip and the docs example. HSDP (a 2 x 2
+mesh, Replicate x Shard(0)) runs in a spawn of its own.
 """
 import math
 import os
@@ -100,17 +101,22 @@ def _step(model, opt, step, mesh=None):
     for name, p in model.named_parameters():
         g = grads[name]
         p.grad = g if mesh is None else API.DTensor.from_local(
-            g[slice(*sharded.chunk_ranges(g.shape[0], mesh.size())[mesh.get_local_rank()])],
-            mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            g[_rows(p)], p.device_mesh, p.placements, run_check=False, shape=p.shape,
+            stride=p.stride())
     opt.step()
 
 
 def _rows(p):
-    """The rows of the full parameter that this rank's shard of ``p`` holds (all if plain)."""
+    """The rows of the full parameter that this rank's shard of ``p`` holds (all if plain or
+    replicated), by torch.chunk sizes over the mesh dim that holds Shard(0)."""
     if not sharded.is_dtensor(p):
         return slice(None)
     mesh = p.device_mesh
-    return slice(*sharded.chunk_ranges(p.shape[0], mesh.size())[mesh.get_local_rank()])
+    dims = [d for d, placement in enumerate(p.placements) if isinstance(placement, API.Shard)]
+    if not dims:
+        return slice(None)
+    return slice(*sharded.chunk_ranges(p.shape[0], mesh.size(dims[0]))[
+        mesh.get_local_rank(dims[0])])
 
 
 def _mismatches(model, reference):
@@ -340,9 +346,8 @@ def _zero_check(world):
 
 def _step_grad(p, mesh):
     g = torch.randn(p.shape, generator=torch.Generator().manual_seed(7))
-    return API.DTensor.from_local(
-        g[slice(*sharded.chunk_ranges(g.shape[0], mesh.size())[mesh.get_local_rank()])],
-        mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return API.DTensor.from_local(g[_rows(p)], mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
 
 
 def _big_check(world, mesh):
@@ -413,6 +418,56 @@ def _check(per_rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fsdp2_bitwise_state_and_bytes(tmp_path, world):
     _check(run_ranks(_body, world, tmp_path, f"sharded MuonSplit world {world}"), world)
+
+
+def _hsdp_body(rank, world, out_dir):
+    """HSDP: 4 ranks as a 2 x 2 mesh (replicate, shard); fully_shard places every parameter
+    (Replicate(), Shard(0)). Five steps bitwise equal to one process; the replicas hold equal
+    shards; a full optimizer state loads onto the 2-D mesh and keeps stepping bitwise."""
+    mesh = API.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard_world = 2
+    with glm_kernels.force_backend("torch"):
+        ref, ref_opt = _make(shard_world)
+        model, opt = _make(shard_world, mesh)
+        placements = {str(tuple(p.placements)) for p in model.parameters()}
+        for step in range(1, SAVE_AFTER + 1):
+            _step(ref, ref_opt, step)
+            _step(model, opt, step, mesh)
+        verdicts = {"placements": sorted(placements), "mismatch_after_3": _mismatches(model, ref),
+                    "collectives": opt.comm_stats["collectives"]}
+        from_full, from_full_opt = _make(shard_world, mesh)
+        with torch.no_grad():
+            for p, source in zip(from_full.parameters(), model.parameters()):
+                p.to_local().copy_(source.to_local())
+        from_full_opt.load_state_dict(ref_opt.state_dict())
+        for step in range(SAVE_AFTER + 1, STEPS + 1):
+            _step(ref, ref_opt, step)
+            for m, o in ((model, opt), (from_full, from_full_opt)):
+                _step(m, o, step, mesh)
+        verdicts["mismatch"] = _mismatches(model, ref)
+        verdicts["mismatch_from_full"] = _mismatches(from_full, ref)
+        # the two replicas of each shard: gathered over the replicate dim, bitwise equal
+        replicas = mesh.get_group("replicate")
+        unequal = []
+        for name, p in model.named_parameters():
+            mine = sharded.local(p).detach().contiguous()
+            both = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine, group=replicas)
+            if not torch.equal(both[0], both[1]):
+                unequal.append(name)
+        verdicts["replicas_unequal"] = unequal
+    return verdicts
+
+
+@needs_fsdp2
+def test_hsdp_two_dim_mesh_bitwise(tmp_path):
+    per_rank = run_ranks(_hsdp_body, 4, tmp_path, "sharded MuonSplit HSDP 2 x 2")
+    for rank, v in enumerate(per_rank):
+        assert v["placements"] == ["(Replicate(), Shard(dim=0))"], (rank, v["placements"])
+        for key in ("mismatch_after_3", "mismatch", "mismatch_from_full", "replicas_unequal"):
+            assert v[key] == [], (rank, key, v[key])
+        # rows move between the two ranks of a shard group: all_to_all in and out
+        assert v["collectives"] > 0, (rank, v)
 
 
 # --------------------------------------------------------------------------- no processes
