@@ -26,6 +26,8 @@ import itertools
 import math
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from typing import Dict, List, Optional
@@ -79,7 +81,55 @@ def init_ray(address: str = "", num_cpus: Optional[float] = None):
     else:
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2,
                                                math.ceil(num_cpus or 0)), **kwargs)
+        _watch_local_instance(ray)
     return ray
+
+
+# Run by _watch_local_instance: waits for EOF on stdin (the driver is gone, however it went),
+# gives Ray's own shutdown 2 s, then SIGKILLs every process with a file open in the session
+# directory (argv[1]).
+_WATCHDOG = r"""
+import os, signal, sys, time
+sys.stdin.buffer.read()
+time.sleep(2.0)
+for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+        continue
+    try:
+        fds = "/proc/%s/fd" % pid
+        if any(os.readlink(os.path.join(fds, fd)).startswith(sys.argv[1])
+               for fd in os.listdir(fds)):
+            os.kill(int(pid), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+_WATCHDOGS: List[tuple] = []
+
+
+def _watch_local_instance(ray) -> None:
+    """Linux: a watchdog process for the local instance just started. When the driver dies
+    without shutting Ray down (SIGKILL), its gcs and raylet go with it, but Ray's per-node
+    agents (DashboardAgent, RuntimeEnvAgent) block for 60 s publishing the raylet's death to
+    the dead GCS before they exit; the watchdog ends them 2 s after the driver. It holds the
+    read end of a pipe whose write end only the driver has (not inherited), started in its
+    own session (a Ctrl-C to the terminal's process group does not reach it)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        session = ray._private.worker._global_node.get_session_dir_path()   # not public API
+    except Exception:
+        return
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, session.rstrip(os.sep) + os.sep],
+                                stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                cwd="/", start_new_session=True, close_fds=True)
+    except OSError:
+        os.close(write)
+        return
+    finally:
+        os.close(read)
+    _WATCHDOGS.append((proc, write))            # the write end stays open while we live
 
 
 class _EngineImpl:

@@ -123,3 +123,57 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
     assert event["engine"] == victim and event["replacement"] == new
     assert rollout.stats()["engine_restarts"] == group.restarts
     _accounted(rollout, taken)
+
+
+_DRIVER = """
+import sys, time
+from examples.async_trainer.config import TrainerConfig
+from examples.async_trainer.engines import EngineGroup
+group = EngineGroup(TrainerConfig(progress=False), 1)
+print("ready", group.wait_ready(), flush=True)
+time.sleep(120)
+"""
+
+
+def _session_processes(driver_pid: int):
+    """Live pids with a file open in the Ray session that ``driver_pid`` started (its
+    session directory ends in ``_<driver pid>``)."""
+    mark, out = f"_{driver_pid}/", []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+            if any(mark in os.readlink(f"/proc/{name}/fd/{fd}") for fd in fds):
+                with open(f"/proc/{name}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        out.append(int(name))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux /proc")
+def test_a_sigkilled_driver_leaves_no_ray_process_of_its_local_instance():
+    # Without the watchdog, Ray's DashboardAgent and RuntimeEnvAgent outlive a SIGKILLed
+    # driver by 60 s (blocked publishing the raylet's death to the dead GCS).
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("ready"), line
+        assert len(_session_processes(proc.pid)) >= 4       # gcs, raylet, 2 agents, engine
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _session_processes(proc.pid)
+    for pid in left:                                          # never left on the machine
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], "a process of the SIGKILLed driver's Ray instance outlived it by 20 s"
