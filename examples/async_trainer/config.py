@@ -36,7 +36,7 @@ class TrainerConfig:
     sft_weights: str = "tool=2,tora=4"   # SFT examples per task relative to 1 (tasks not
                                          # listed: 1); the longer copies take longer to learn
     # stage 2: asynchronous GRPO + IcePop, one run per task (the teachers)
-    rl_steps: int = 80
+    rl_steps: int = 60
     rl_lr: float = 2e-3
     prompts_per_step: int = 8
     group_size: int = 8
