@@ -2,26 +2,26 @@
 environment runs it in the sandbox (``sandbox.run_python``), and its output comes back as an
 ``<observation>`` turn that is masked out of the loss; the reward is on the final answer.
 
-The question is a product ``a*b`` (``a`` in 10..99, ``b`` in 2..9): hard to compute token by
-token for a tiny model, easy to copy from the tool's output. Token stream (ids in
-``task.py``)::
+The question is a product ``a*b`` (``a``, ``b`` in 2..9, ``A_RANGE`` / ``B_RANGE``): a tiny
+model does not learn the table within the demo's budget, but learns to copy the question into
+code and the tool's output into its answer. Token stream (ids in ``task.py``)::
 
-    <system> <tora> <user> 3 7 * 5 <assistant>                 prompt
-        ```python\\nprint(  3 7 * 5  )\\n```                    policy: the code block
-        <observation> 1 8 5 <eos> <assistant>                  environment: its stdout
-        1 8 5 <eos>                                            policy: the answer
+    <system> <tora> <user> 7 * 6 <assistant>                   prompt
+        ```python\nprint(  7 * 6  )\n```                      policy: the code block
+        <observation> 4 2 <eos> <eos> <assistant>              environment: its stdout
+        4 2 <eos>                                              policy: the answer
 
-so the program is ``print(37*5)``. Every token has a text (:data:`TOKENIZER`), and the
+so the program is ``print(7*6)``. Every token has a text (:data:`TOKENIZER`), and the
 conversation is also kept as text messages by the trajectory manager (``trajectory.py``),
 which re-tokenizes it before each turn. Text to ids is canonical: a digit character is always
-a ``DEC`` digit token; the reverse / tool tasks' digit tokens 0..9 print as the same digits,
-so an engine that writes ``3`` with one of those in its code produces ids that
-re-tokenization does not reproduce (drift: the manager forks a branch).
+a ``DEC`` digit token; the reverse / tool tasks' digit tokens (0 .. ``vocab_digits`` - 1)
+print as the same digits, so an engine that writes ``4`` with one of those in its code
+produces ids that re-tokenization does not reproduce (drift: the manager forks a branch).
 
-The observation span has a fixed width (``OBS_WIDTH`` + 2 tokens) so that a batch of rows
-stays aligned: stdout digits stay digits, any other character run becomes one ``?`` (ERR),
-the rest is ``<eos>`` padding; it is truncated to the width. Reward 1 when the last
-assistant turn is exactly the product's digits then ``<eos>`` (with or without the tool).
+The observation span has a fixed width (``OBS_WIDTH`` + 2 tokens): stdout digits stay
+digits, any other character run becomes one ``?`` (ERR), the rest is ``<eos>`` padding; it
+is truncated to the width. Reward 1 when the last assistant turn is exactly the product's
+digits then ``<eos>`` (with or without the tool).
 
 Runs are cached by program text (:class:`ToraEnv`): the sandbox is deterministic for these
 programs and starts fresh each time, and a batch repeats programs.
