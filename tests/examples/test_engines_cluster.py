@@ -98,11 +98,21 @@ def cluster():
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE") or "disabled"
     logs = [open(os.path.join(temp_dir, f"{n}.log"), "w") for n in ("head", "worker")]
     t0 = time.monotonic()
+    # Every fixed port a node would take by default (6379, 8265, 52365; 10001 with
+    # ray[client]) picked free: other Ray instances may run on this machine.
+    from ray._private.utils import get_ray_client_dependency_error
+    client = [] if get_ray_client_dependency_error() is not None else \
+        ["--ray-client-server-port", str(_free_port())]
     head = subprocess.Popen(RAY_CLI + ["start", "--head", "--port", str(port), "--temp-dir",
-                                       temp_dir, "--include-dashboard", "false"] + NODE,
+                                       temp_dir, "--include-dashboard", "false",
+                                       "--dashboard-port", str(_free_port()),
+                                       "--dashboard-agent-listen-port", str(_free_port())]
+                            + client + NODE,
                             cwd="/", env=env, stdout=logs[0], stderr=subprocess.STDOUT,
                             start_new_session=True)
-    worker = subprocess.Popen(RAY_CLI + ["start", "--address", f"127.0.0.1:{port}"] + NODE,
+    worker = subprocess.Popen(RAY_CLI + ["start", "--address", f"127.0.0.1:{port}",
+                                         "--dashboard-agent-listen-port", str(_free_port())]
+                              + NODE,
                               cwd="/", env=env, stdout=logs[1], stderr=subprocess.STDOUT,
                               start_new_session=True)
     c = SimpleNamespace(address=f"127.0.0.1:{port}", temp_dir=temp_dir, head=head,
