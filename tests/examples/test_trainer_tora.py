@@ -1,6 +1,7 @@
 """The ToRA task as a stage of the trainer: the command line's default task list, the SFT and
-OPD mixes over three tasks, and an RL stage of multi-turn sessions on the rollout process
-(the backend without Ray) with every sample accounted for and the fork count in the metrics."""
+OPD mixes over three tasks, and RL / OPD stages of multi-turn sessions on the rollout process
+(the backend without Ray) and on Ray engine actors, with every sample accounted for and the
+fork count in the metrics."""
 import json
 import sys
 
@@ -34,10 +35,13 @@ def test_bad_sft_weights_name_the_field(weights, capsys):
     assert "--sft-weights" in capsys.readouterr().err
 
 
-def test_tora_rl_stage_on_the_rollout_process(tmp_path):
+@pytest.mark.parametrize("backend", ["process", "ray"])
+def test_tora_stages_on_either_rollout_backend(tmp_path, backend):
+    if backend == "ray":
+        pytest.importorskip("ray")
     cfg = TrainerConfig(tasks="tora", sft_steps=4, rl_steps=3, opd_steps=2, prompts_per_step=2,
                         group_size=4, opd_prompts_per_step=4, eval_prompts=4, progress=False,
-                        rollout_backend="process", out_dir=str(tmp_path))
+                        rollout_backend=backend, out_dir=str(tmp_path))
     out = train(cfg)
     assert out["exit_code"] == 0 and set(out["evals"]) == {"sft", "rl:tora", "opd"}
     for stage, samples in (("rl:tora", 3 * 8), ("opd", 2 * 4)):
