@@ -5,8 +5,9 @@ its bundle's node; a killed engine's replacement goes back into its bundle; a pl
 cluster cannot hold fails fast naming what was asked and what there is; the trainer CLI runs
 a short RL stage on the cluster; and stopping the cluster leaves no process of it behind.
 
-The cluster processes do not get this repository's path (the engines import it through the
-runtime_env ``init_ray`` passes). Skipped without ray."""
+The cluster processes do not get this repository's path; the trainer CLI runs from "/", so
+its engines import the repository through the runtime_env ``init_ray`` passes. Skipped
+without ray."""
 import os
 import re
 import shutil
@@ -246,7 +247,11 @@ def test_a_placement_the_cluster_cannot_hold_fails_fast_naming_the_resources(clu
 
 
 def test_the_trainer_joins_the_cluster_with_ray_address(cluster, tmp_path):
+    # Run from "/" with the repository on PYTHONPATH: Ray puts the driver's working
+    # directory on its workers' sys.path, so here the engines find the repository only
+    # through the runtime_env init_ray passes.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(REPO)
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "examples.async_trainer", "--tasks", "reverse", "--sft-steps",
@@ -254,7 +259,7 @@ def test_the_trainer_joins_the_cluster_with_ray_address(cluster, tmp_path):
          "2", "--eval-prompts", "4", "--progress", "false", "--rollout-backend", "ray",
          "--ray-address", cluster.address, "--placement-strategy", "SPREAD",
          "--kill-engine-at", "4", "--health-interval", "0.3", "--out-dir", str(tmp_path)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=180)
     log = proc.stdout
     assert proc.returncode == 0, log[-3000:]
