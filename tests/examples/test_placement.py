@@ -54,3 +54,15 @@ def test_the_strategies_are_the_configs():
 def test_a_placement_error_is_a_rollout_error():
     # The CLI logs a RolloutError and exits 1 (no traceback).
     assert issubclass(PlacementError, RolloutError)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--placement-strategy", "pack"], "placement_strategy"),
+    (["--engine-cpus", "0"], "engine_cpus"),
+    (["--placement-timeout", "-1"], "placement_timeout"),
+])
+def test_placement_flags_are_validated_naming_the_flag(args, field, capsys):
+    import examples.async_trainer.__main__ as cli
+    assert cli.main(args + ["--rollout-backend", "process"]) == 2
+    err = capsys.readouterr().err
+    assert f"config.{field}" in err and f"--{field.replace('_', '-')}" in err
