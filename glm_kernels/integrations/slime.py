@@ -44,10 +44,14 @@ def _gate_bounds(args) -> Tuple[float, float]:
     return low, high
 
 
-def _clip_eps(args) -> Tuple[float, float]:
+def _clip_eps(args) -> Tuple[float, float, Optional[float]]:
+    """(eps_clip, eps_clip_high, eps_clip_c or None): slime's PPO clip and its dual clip."""
     low = float(getattr(args, "eps_clip", 0.2))
     high = getattr(args, "eps_clip_high", None)
-    return low, float(low if high is None else high)
+    dual = getattr(args, "eps_clip_c", None)
+    if dual is not None and not float(dual) > 1.0:
+        raise ValueError(f"--eps-clip-c (dual-clip PPO) must be > 1, got {dual}")
+    return low, float(low if high is None else high), None if dual is None else float(dual)
 
 
 def icepop_gate_weights(gate_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
@@ -156,7 +160,8 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     ----------
     args : slime's argument namespace. Read: ``use_rollout_logprobs`` (coupled mode, no
         recomputed old log-probs), ``tis_clip_low`` / ``tis_clip`` (gate), ``eps_clip`` /
-        ``eps_clip_high`` (PPO clip), ``rollout_temperature``, ``tensor_model_parallel_size``,
+        ``eps_clip_high`` (PPO clip), ``eps_clip_c`` (dual clip for A < 0, as slime's
+        ``compute_policy_loss``), ``rollout_temperature``, ``tensor_model_parallel_size``,
         ``context_parallel_size``, ``calculate_per_token_loss``, ``entropy_coef``.
     batch : dict of per-sample lists for one micro-batch: ``unconcat_tokens`` [total_i] int64,
         ``total_lengths`` / ``response_lengths`` ints, ``loss_masks`` [R_i] int,
@@ -206,10 +211,11 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     if not getattr(args, "use_rollout_logprobs", False) and batch.get("log_probs"):
         old = _cat(batch["log_probs"], device)          # decoupled: gate on exp(old - rollout)
     gate_low, gate_high = _gate_bounds(args)
-    eps_low, eps_high = _clip_eps(args)
+    eps_low, eps_high, dual_clip = _clip_eps(args)
     per_token, m = icepop_loss(logprobs, rollout, advantages, mask, old_logprobs=old,
                                gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
-                               eps_high=eps_high, reduction="none", return_metrics=True)
+                               eps_high=eps_high, dual_clip=dual_clip, reduction="none",
+                               return_metrics=True)
     pg_loss = sum_of_sample_mean(per_token)
     entropy_loss = sum_of_sample_mean(entropy)
     entropy_coef = float(getattr(args, "entropy_coef", 0.0))

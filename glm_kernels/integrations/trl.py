@@ -37,7 +37,8 @@ all sequences of their token means, ``dr_grpo`` = sum / (B * max_completion_leng
 TRL does it. Not supported (clear error at construction): loss types cispo / sapo / luspo /
 vespo, ``beta != 0`` (the reference-KL term needs per-token log-probs with gradient),
 sequence-level importance sampling, ``top_entropy_quantile < 1``, an entropy bonus,
-``off_policy_mask_threshold``, ``delta``, MoE auxiliary losses, vision-language models,
+``off_policy_mask_threshold``, ``delta`` below ``1 + epsilon_high`` (from there TRL's
+two-sided clipping is the loss's ``dual_clip``), MoE auxiliary losses, vision-language models,
 an LM head with a bias or logit soft-capping.
 
 Differences from TRL's own token_mask loss, by design (DESIGN 3.1): a token whose rollout
@@ -258,8 +259,12 @@ def _build_classes() -> None:
                 problems.append("an entropy bonus (entropy_coef / use_adaptive_entropy)")
             if args.off_policy_mask_threshold is not None:
                 problems.append("off_policy_mask_threshold")
-            if getattr(args, "delta", None) is not None:
-                problems.append(f"delta={args.delta} (two-sided clipping)")
+            delta = getattr(args, "delta", None)
+            epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+            if delta is not None and not delta >= 1.0 + epsilon_high:
+                problems.append(f"delta={delta} below 1 + epsilon_high = {1 + epsilon_high} "
+                                "(two-sided clipping is the kernel's dual clip only from "
+                                "there; TRL recommends delta > 1 + epsilon)")
             if problems:
                 raise ValueError("IcePopGRPOTrainer does not support: " + "; ".join(problems))
 
@@ -346,8 +351,11 @@ def _build_classes() -> None:
             if advantages.dim() == 2 and advantages.shape[1] == 1:
                 advantages = advantages.squeeze(1)
             rollout = inputs["sampling_per_token_logps"].float()
+            # TRL's two-sided clipping: -min(min(r, delta) A, clip(r) A) caps a negative-
+            # advantage token at -delta A, the dual clip (delta >= 1 + epsilon_high, checked).
             kwargs = dict(temperature=temperature, eps_low=self.epsilon_low,
-                          eps_high=self.epsilon_high, chunk_size=cfg.icepop_chunk_size,
+                          eps_high=self.epsilon_high, dual_clip=self.args.delta,
+                          chunk_size=cfg.icepop_chunk_size,
                           memory_budget=cfg.icepop_memory_budget, return_metrics=True)
             gate_low, gate_high = cfg.icepop_gate()
             if cfg.icepop_mode == "coupled":

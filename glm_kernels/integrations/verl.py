@@ -189,7 +189,7 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
         lo, hi = gate_bounds(config)
         per_token, kernel_metrics = icepop_loss(
             log_prob, old, adv, mask, gate_low=lo, gate_high=hi, eps_low=eps_low,
-            eps_high=eps_high, reduction="none", return_metrics=True)
+            eps_high=eps_high, dual_clip=dual, reduction="none", return_metrics=True)
         scaled_adv = adv
         pop_frac = kernel_metrics["pop_frac"]
         ratio_mean = kernel_metrics["ratio_mean"]
@@ -201,18 +201,14 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
         kept = mask & (weights != 0)
         scaled_adv = torch.where(kept, adv * weights, torch.zeros_like(adv))
         # old as the "rollout" too: k = 1 always passes the kernel's gate; r = exp(lp - old).
+        # verl's dual clip caps w max(...) at -c (wA) = w (-cA): the kernel's cap on wA.
         per_token, kernel_metrics = icepop_loss(
             log_prob, old, scaled_adv, kept, old_logprobs=old, gate_low=0.0,
-            gate_high=1.0, eps_low=eps_low, eps_high=eps_high, reduction="none",
-            return_metrics=True)
+            gate_high=1.0, eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
+            reduction="none", return_metrics=True)
         n_masked = mask.sum().clamp(min=1).float()
         pop_frac = (mask & (weights == 0)).sum().float() / n_masked
         ratio_mean = torch.where(kept, weights, 0.0).sum() / kept.sum().clamp(min=1).float()
-
-    # verl's dual clip: for A < 0 the loss is at most -A * clip_ratio_c (times the weight).
-    dual_bound = -scaled_adv * dual
-    per_token = torch.where(mask & (scaled_adv < 0), torch.minimum(per_token, dual_bound),
-                            per_token)
 
     global_batch_info = _field(config, "global_batch_info", None) or {}
     pg_loss = core.agg_loss(loss_mat=per_token, loss_mask=mask, loss_agg_mode=loss_agg_mode,

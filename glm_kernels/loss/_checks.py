@@ -55,3 +55,15 @@ def check_icepop_hyperparameters(beta, gate_low: Optional[float], gate_high: Opt
                          f"got {eps_low}")
     eps_high = _dispatch.check_finite_number("eps_high", eps_high, nonnegative=True)
     return lo, hi, eps_low, eps_high
+
+
+def check_dual_clip(dual_clip: Optional[float]) -> float:
+    """None (off) -> inf; else a finite number > 1: the cap -dual_clip * A of a negative-
+    advantage token's PPO term lies above the clip band's -(1 + eps_high) A only for c > 1."""
+    if dual_clip is None:
+        return float("inf")
+    value = _dispatch.check_finite_number("dual_clip", dual_clip)
+    if value <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (dual-clip PPO caps a negative-advantage "
+                         f"token's term at -dual_clip * A), got {value}")
+    return value

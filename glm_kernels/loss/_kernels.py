@@ -60,12 +60,14 @@ def mismatch_token_math(train, rollout, ratio, in_gate, masked, train_ok):
 
 @triton.jit
 def icepop_token_math(lp, rollout, base, adv, masked, train_ok, gate_low, gate_high, clip_low,
-                      clip_high, HAS_OLD: tl.constexpr):
+                      clip_high, dual_clip, HAS_OLD: tl.constexpr, DUAL_CLIP: tl.constexpr):
     """IcePop for a tile of tokens (all fp32); shared by every kernel that fuses the loss.
 
     coupled:   rho = exp(lp - rollout), l = 1[lo<=rho<=hi] * max(-rho A, -clip(rho) A)
     decoupled: k = exp(old - rollout), r = exp(lp - old),
                l = k 1[lo<=k<=hi] * max(-r A, -clip(r) A)
+    DUAL_CLIP: for A < 0 the PPO term max(...) is capped at -dual_clip A (a constexpr: the
+    kernels without it keep their registers; at 16 tokens a thread the cap costs ~2 more each)
     ``base`` is old (decoupled) or rollout (coupled); ``train_ok``: the train-side log-probs
     (lp, and old when decoupled) are finite. Returns
     (loss, dloss/dlp, in_gate, keep, branch_cut, gate_ratio); popped, unmasked and train-side
@@ -92,10 +94,18 @@ def icepop_token_math(lp, rollout, base, adv, masked, train_ok, gate_low, gate_h
         weight = tl.where(keep, gate_ratio, 0.0)
     else:
         weight = tl.where(keep, 1.0, 0.0)
-    loss = weight * tl.maximum(unclipped, clipped_term)
+    ppo_term = tl.maximum(unclipped, clipped_term)
     # Ties (ratio inside the clip band) take the unclipped branch's full gradient, as autograd
-    # of max(u, c) does when c == u there; the clamp of the log-ratio passes its ends.
-    grad = tl.where(branch_cut | (~log_ratio_in_range), 0.0, -weight * ratio * adv)
+    # of max(u, c) does when c == u there; the clamp of the log-ratio passes its ends; a
+    # capped term is a constant.
+    cut = branch_cut | (~log_ratio_in_range)
+    if DUAL_CLIP:
+        dual_bound = -dual_clip * adv
+        dual_cut = (adv < 0.0) & (ppo_term > dual_bound)
+        ppo_term = tl.where(dual_cut, dual_bound, ppo_term)
+        cut = cut | dual_cut
+    loss = weight * ppo_term
+    grad = tl.where(cut, 0.0, -weight * ratio * adv)
     return loss, grad, in_gate, keep, branch_cut, gate_ratio
 
 
@@ -107,11 +117,11 @@ def _icepop_fwd_kernel(
     # stats [rows * col_blocks, 8 or 14] (one row per program)
     loss_ptr, grad_ptr, stats_ptr,
     # shapes and runtime hyper-parameters (runtime floats: no recompile per value)
-    row_len, col_blocks, seq_len, gate_low, gate_high, clip_low, clip_high,
+    row_len, col_blocks, seq_len, gate_low, gate_high, clip_low, clip_high, dual_clip,
     # code-path switches and tile size
     HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, ADV_PER_SEQ: tl.constexpr,
     STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr, METRICS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    DUAL_CLIP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """IcePop forward and per-token gradient in one pass; one stats row per program.
 
@@ -150,7 +160,7 @@ def _icepop_fwd_kernel(
 
     loss, grad, in_gate, keep, branch_cut, gate_ratio = icepop_token_math(
         lp, rollout, base, adv, masked, train_ok, gate_low, gate_high, clip_low, clip_high,
-        HAS_OLD)
+        dual_clip, HAS_OLD, DUAL_CLIP)
 
     if STORE_LOSS:
         tl.store(loss_ptr + offs, loss, mask=in_bounds)
@@ -188,7 +198,7 @@ def _icepop_fwd_kernel(
 
 def icepop_fwd(logprobs, rollout, old, adv, mask, loss_out, grad_out, stats_out, *,
                seq_len, gate_low, gate_high, clip_low, clip_high, adv_per_seq, block,
-               num_warps, row_len=None, metrics=False):
+               num_warps, row_len=None, metrics=False, dual_clip=None):
     """Launch _icepop_fwd_kernel over rows of ``row_len`` tokens (default: one row of all
     tokens); stats_out must have rows * cdiv(row_len, block) rows of NUM_STATS (or
     NUM_STATS_METRICS with ``metrics``) columns."""
@@ -203,9 +213,9 @@ def icepop_fwd(logprobs, rollout, old, adv, mask, loss_out, grad_out, stats_out,
         logprobs if mask is None else mask,
         loss_out, grad_out, stats_out,
         row_len, col_blocks, max(seq_len, 1), gate_low, gate_high, clip_low, clip_high,
-        HAS_OLD=old is not None, HAS_MASK=mask is not None, ADV_PER_SEQ=adv_per_seq,
+        1.0 if dual_clip is None else dual_clip, HAS_OLD=old is not None, HAS_MASK=mask is not None, ADV_PER_SEQ=adv_per_seq,
         STORE_LOSS=loss_out.numel() > 0, STORE_GRAD=grad_out.numel() > 0, METRICS=metrics,
-        BLOCK=block, num_warps=num_warps)
+        DUAL_CLIP=dual_clip is not None, BLOCK=block, num_warps=num_warps)
 
 
 def _icepop_aot_specs():
@@ -214,22 +224,26 @@ def _icepop_aot_specs():
         "logprobs_ptr": "*fp32", "rollout_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32",
         "mask_ptr": "*u8", "loss_ptr": "*fp32", "grad_ptr": "*fp32", "stats_ptr": "*fp32",
         "row_len": "i32", "col_blocks": "i32", "seq_len": "i32", "gate_low": "fp32",
-        "gate_high": "fp32",
-        "clip_low": "fp32", "clip_high": "fp32",
+        "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32", "dual_clip": "fp32",
     }
     specs = []
     for lp_dtype in ("fp32", "bf16"):
         for has_old in (False, True):
             for metrics in (False, True):
-                sig = dict(signature, logprobs_ptr=f"*{lp_dtype}")
-                # With metrics a launch uses at most 2048 tokens per program (icepop.py).
-                constexprs = dict(HAS_OLD=has_old, HAS_MASK=True, ADV_PER_SEQ=False,
-                                  STORE_LOSS=False, STORE_GRAD=True, METRICS=metrics,
-                                  BLOCK=2048 if metrics else 4096)
-                for name in constexprs:
-                    sig[name] = "constexpr"
-                specs.append(AotSpec(f"icepop_fwd[{lp_dtype},old={has_old},metrics={metrics}]",
-                                     _icepop_fwd_kernel, sig, constexprs, num_warps=8))
+                for dual in (False, True):
+                    sig = dict(signature, logprobs_ptr=f"*{lp_dtype}")
+                    # Tokens a program on the GPU (icepop.py): 1024 with dual clip, else 2048
+                    # with metrics, else 4096.
+                    constexprs = dict(HAS_OLD=has_old, HAS_MASK=True, ADV_PER_SEQ=False,
+                                      STORE_LOSS=False, STORE_GRAD=True, METRICS=metrics,
+                                      DUAL_CLIP=dual,
+                                      BLOCK=1024 if dual else 2048 if metrics else 4096)
+                    for name in constexprs:
+                        sig[name] = "constexpr"
+                    specs.append(AotSpec(
+                        f"icepop_fwd[{lp_dtype},old={has_old},metrics={metrics}"
+                        f"{',dual' if dual else ''}]", _icepop_fwd_kernel, sig, constexprs,
+                        num_warps=8))
     return specs
 
 

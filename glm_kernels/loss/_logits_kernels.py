@@ -191,8 +191,9 @@ def _icepop_logits_kernel(
     grad_ptr, rows_ptr, flag_ptr,
     # shapes and runtime floats
     n_rows, V, stride_row, stride_grad, inv_temp, gate_low, gate_high, clip_low, clip_high,
-    HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, STORE_GRAD: tl.constexpr,
-    METRICS: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_V: tl.constexpr,
+    dual_clip, HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, STORE_GRAD: tl.constexpr,
+    METRICS: tl.constexpr, DUAL_CLIP: tl.constexpr, ROW_TILES: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """log-prob, IcePop loss and dL/dlogits of whole rows, one fused pass, persistent grid.
 
@@ -249,7 +250,7 @@ def _icepop_logits_kernel(
             train_ok = is_finite(lp)
         loss, dl_dlp, in_gate, keep, branch_cut, gate_ratio = icepop_token_math(
             lp, rollout, base_lp, adv, masked, train_ok, gate_low, gate_high, clip_low,
-            clip_high, HAS_OLD)
+            clip_high, dual_clip, HAS_OLD, DUAL_CLIP)
 
         counted = masked & (gate_ratio == gate_ratio)
         stats = rows_ptr + row * 8
@@ -351,7 +352,7 @@ def icepop_logits_maxnreg(row_tiles: int):
 
 def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag, *, inv_temp,
                   gate_low, gate_high, clip_low, clip_high, block_v, row_tiles, num_warps,
-                  max_programs, metrics=False):
+                  max_programs, metrics=False, dual_clip=None):
     """row_tiles 0: streamed rows (tile block_v); 1..3: rows held in that many register
     tiles of block_v columns (V <= row_tiles * block_v). ``rows`` [N, 8] receives the stats;
     returns them, or with ``metrics`` the [N, 14] rows built from them."""
@@ -363,8 +364,9 @@ def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag,
         logits, ids, rollout, rollout if old is None else old, adv,
         ids if mask is None else mask, scale, grad if store_grad else logits, rows, flag,
         n, v, logits.stride(0), grad.stride(0) if store_grad else 0, inv_temp, gate_low,
-        gate_high, clip_low, clip_high, HAS_OLD=old is not None, HAS_MASK=mask is not None,
-        STORE_GRAD=store_grad, METRICS=metrics, ROW_TILES=row_tiles, BLOCK_V=block_v,
+        gate_high, clip_low, clip_high, 1.0 if dual_clip is None else dual_clip,
+        HAS_OLD=old is not None, HAS_MASK=mask is not None, STORE_GRAD=store_grad,
+        METRICS=metrics, DUAL_CLIP=dual_clip is not None, ROW_TILES=row_tiles, BLOCK_V=block_v,
         num_warps=num_warps, maxnreg=icepop_logits_maxnreg(row_tiles))
     return expand_metric_rows(rows) if metrics else rows
 
@@ -438,19 +440,23 @@ def _aot_specs():
                    "flag_ptr": "*i32", "n_rows": "i32", "V": "i32", "stride_row": "i64",
                    "stride_grad": "i64", "inv_temp": "fp32", "gate_low": "fp32",
                    "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32",
-                   "HAS_OLD": "constexpr", "HAS_MASK": "constexpr", "STORE_GRAD": "constexpr",
-                   "METRICS": "constexpr", "ROW_TILES": "constexpr", "BLOCK_V": "constexpr"}
-            # The three-tile plan runs closest to the register cap (64 at 32 warps): its
-            # decoupled variants are compiled too.
-            for has_old in ((False, True) if row_tiles == 3 else (False,)):
-                for metrics in (False, True):
-                    specs.append(AotSpec(
-                        f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block},"
-                        f"metrics={metrics}{',old' if has_old else ''}]",
-                        _icepop_logits_kernel, sig,
-                        {"HAS_OLD": has_old, "HAS_MASK": True, "STORE_GRAD": True,
-                         "METRICS": metrics, "ROW_TILES": row_tiles, "BLOCK_V": block},
-                        num_warps=warps, maxnreg=icepop_logits_maxnreg(row_tiles)))
+                   "dual_clip": "fp32", "HAS_OLD": "constexpr", "HAS_MASK": "constexpr",
+                   "STORE_GRAD": "constexpr", "METRICS": "constexpr", "DUAL_CLIP": "constexpr",
+                   "ROW_TILES": "constexpr", "BLOCK_V": "constexpr"}
+            # (old, metrics, dual clip): the three-tile plan runs closest to the register cap
+            # (64 at 32 warps): its decoupled variants are compiled too.
+            variants = [(False, False, False), (False, True, False), (False, True, True)]
+            if row_tiles == 3:
+                variants += [(True, False, False), (True, True, False), (True, True, True)]
+            for has_old, metrics, dual in variants:
+                specs.append(AotSpec(
+                    f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block},"
+                    f"metrics={metrics}{',old' if has_old else ''}{',dual' if dual else ''}]",
+                    _icepop_logits_kernel, sig,
+                    {"HAS_OLD": has_old, "HAS_MASK": True, "STORE_GRAD": True,
+                     "METRICS": metrics, "DUAL_CLIP": dual, "ROW_TILES": row_tiles,
+                     "BLOCK_V": block},
+                    num_warps=warps, maxnreg=icepop_logits_maxnreg(row_tiles)))
     for dt in ("bf16", "fp32"):
         specs.append(AotSpec(f"scale_inplace[{dt}]", _scale_kernel,
                              {"x_ptr": f"*{dt}", "factor_ptr": "*fp32", "n": "i64",

@@ -151,7 +151,8 @@ def softmax_grad_of_z(z, token_ids, lse, entropy, coef, coef_entropy, inv_temp, 
 
 
 def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp, gate_low,
-                       gate_high, eps_low, eps_high, need_grad, metrics=False):
+                       gate_high, eps_low, eps_high, need_grad, metrics=False,
+                       dual_clip=None):
     """The fused op in torch: (dL/dlogits [N, V] fp32 or None, IcePop stats rows [N, 8], or
     [N, 14] with ``metrics``).
 
@@ -163,7 +164,7 @@ def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv
     lse = torch.logsumexp(z, -1)
     lp = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - lse
     kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
-                  eps_high=eps_high)
+                  eps_high=eps_high, dual_clip=dual_clip)
     loss, popped, clipped, gate_ratio, masked = icepop_token_terms(lp, rollout, adv, mask,
                                                                    **kwargs)
     mismatch = None

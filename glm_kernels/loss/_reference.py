@@ -14,6 +14,9 @@ Decoupled mode (old_logprobs recomputed by the trainer):
     r    = exp(clamp(logprobs - old, -20, 20))
     l    = w * max(-r * A, -clip(r, 1 - eps_low, 1 + eps_high) * A)
 
+Dual clip (optional, c = dual_clip > 1; verl's clip_ratio_c, slime's --eps-clip-c): for A < 0
+the PPO term max(...) is capped at -c * A, a constant (no gradient) where the cap binds.
+
 A popped (g = 0 or w = 0) or unmasked token contributes exactly 0 to the loss and to the
 gradient, whatever its inputs (inf, NaN): its values are replaced by 0 before any arithmetic.
 
@@ -53,7 +56,8 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def icepop_token_terms(logprobs, rollout_logprobs, advantages, loss_mask=None, *,
-                       old_logprobs=None, gate_low, gate_high, eps_low, eps_high):
+                       old_logprobs=None, gate_low, gate_high, eps_low, eps_high,
+                       dual_clip=None):
     """Per-token IcePop terms, all of the input shape.
 
     Returns (loss l*m fp32, popped bool, clipped bool, gate_ratio fp32, masked bool), where
@@ -85,6 +89,10 @@ def icepop_token_terms(logprobs, rollout_logprobs, advantages, loss_mask=None, *
     unclipped = -ratio * adv_kept
     clipped_term = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_kept
     per_token = torch.maximum(unclipped, clipped_term)
+    if dual_clip is not None:
+        dual_bound = -dual_clip * adv_kept
+        per_token = torch.where((adv_kept < 0) & (per_token > dual_bound), dual_bound,
+                                per_token)
     if old_logprobs is not None:
         per_token = torch.where(keep, gate_ratio, zero) * per_token
     loss = torch.where(keep, per_token, zero)
@@ -102,11 +110,13 @@ def train_side_finite(logprobs, old_logprobs=None):
 
 
 def icepop_token_grad(logprobs, rollout_logprobs, advantages, loss_mask=None, *,
-                      old_logprobs=None, gate_low, gate_high, eps_low, eps_high):
+                      old_logprobs=None, gate_low, gate_high, eps_low, eps_high,
+                      dual_clip=None):
     """d(l*m)/d logprobs per token, written out (tests check it equals autograd of the above).
 
-    dl/dlp = -w * r * A where the unclipped branch is active (ties included) and the log-ratio
-    lies inside the clamp range, else 0; w = 1 (coupled) or k (decoupled), r the ratio.
+    dl/dlp = -w * r * A where the unclipped branch is active (ties included), the dual-clip
+    cap does not bind and the log-ratio lies inside the clamp range, else 0; w = 1 (coupled)
+    or k (decoupled), r the ratio.
     """
     with torch.no_grad():
         lp = logprobs.float()
@@ -121,10 +131,14 @@ def icepop_token_grad(logprobs, rollout_logprobs, advantages, loss_mask=None, *,
         log_ratio = torch.where(keep, lp, zero) - torch.where(keep, base, zero)
         ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         adv = torch.where(keep, advantages.float(), zero)
-        branch_cut = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv > -ratio * adv
+        clipped_term = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+        cut = clipped_term > -ratio * adv                     # the clipped branch is active
+        if dual_clip is not None:
+            ppo_term = torch.maximum(-ratio * adv, clipped_term)
+            cut |= (adv < 0) & (ppo_term > -dual_clip * adv)  # the cap binds
         in_range = (log_ratio >= -LOG_RATIO_CLAMP) & (log_ratio <= LOG_RATIO_CLAMP)
         weight = keep.float() if old_logprobs is None else torch.where(keep, gate_ratio, zero)
-        return torch.where(branch_cut | ~in_range, zero, -weight * ratio * adv)
+        return torch.where(cut | ~in_range, zero, -weight * ratio * adv)
 
 
 def reduce_terms(loss_terms: torch.Tensor, masked: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -243,7 +257,7 @@ def icepop_stats_rows(loss, popped, clipped, gate_ratio, masked, mismatch=None):
 def icepop_loss_reference(logprobs, rollout_logprobs, advantages, loss_mask=None, *,
                           old_logprobs=None, beta=2.0, gate_low=None, gate_high=None,
                           eps_low=0.2, eps_high=0.28, reduction="token_mean",
-                          return_metrics=False):
+                          return_metrics=False, dual_clip=None):
     """The whole DESIGN 3.1 contract in readable torch (autograd gives the gradient)."""
     lo = 1.0 / beta if gate_low is None else gate_low
     hi = beta if gate_high is None else gate_high
@@ -251,7 +265,7 @@ def icepop_loss_reference(logprobs, rollout_logprobs, advantages, loss_mask=None
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     loss_terms, popped, clipped, gate_ratio, masked = icepop_token_terms(
         logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs=old_logprobs,
-        gate_low=lo, gate_high=hi, eps_low=eps_low, eps_high=eps_high)
+        gate_low=lo, gate_high=hi, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
     loss = reduce_terms(loss_terms, masked, reduction)
     if not return_metrics:
         return loss

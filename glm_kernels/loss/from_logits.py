@@ -37,7 +37,7 @@ from . import _logits_reference as ref
 from . import _checks
 from .icepop import (_NUM_STATS, _NUM_STATS_METRICS, _check_hyperparameters, _check_inputs,
                      _metrics_from_stats, _n_seqs, _raise_if_nonfinite, _stats_from_partials,
-                     icepop_loss)
+                     dual_clip_or_none, icepop_loss)
 
 STATS_COLS = {False: _NUM_STATS, True: _NUM_STATS_METRICS}   # stats row width per metrics
 from .logprobs import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
@@ -64,7 +64,7 @@ def token_scales(loss_mask: Optional[torch.Tensor], shape: torch.Size, reduction
 
 
 def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp,
-                     gate_low, gate_high, eps_low, eps_high,
+                     gate_low, gate_high, eps_low, eps_high, dual_clip=float("inf"),
                      config: Optional[LogitsLaunchConfig] = None,
                      metrics: bool = False) -> torch.Tensor:
     """Run the fused pass on [N, V] rows; writes dL/dlogits into ``grad`` unless it is None
@@ -76,7 +76,7 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
         full_grad, rows = ref.icepop_logits_rows(
             logits, token_ids, rollout, old, adv, mask, scale, inv_temp=inv_temp,
             gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-            need_grad=grad is not None, metrics=metrics)
+            need_grad=grad is not None, metrics=metrics, dual_clip=dual_clip_or_none(dual_clip))
         if grad is not None:
             grad.copy_(full_grad)
     else:
@@ -88,7 +88,7 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
             inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, block_v=block_v, row_tiles=row_tiles,
             num_warps=num_warps, max_programs=cfg.fused_programs(logits.device),
-            metrics=metrics)
+            metrics=metrics, dual_clip=dual_clip_or_none(dual_clip))
     check_token_id_flag(flag, v)
     return rows
 
@@ -133,13 +133,13 @@ def scale_by_grad_output(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Te
 def _fused_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
                 old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
                 scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
-                eps_low: float, eps_high: float, need_grad: bool, metrics: bool
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                eps_low: float, eps_high: float, dual_clip: float, need_grad: bool,
+                metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
     rows = icepop_rows_into(grad if need_grad else None, logits, token_ids, rollout, old, adv,
                             mask, scale, inv_temp=inv_temp, gate_low=gate_low,
                             gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-                            metrics=metrics)
+                            dual_clip=dual_clip, metrics=metrics)
     return loss_from_rows(rows, scale), grad, rows
 
 
@@ -147,16 +147,16 @@ def _fused_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Te
 def _fused_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
               old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
               scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
-              eps_low: float, eps_high: float, need_grad: bool, metrics: bool
-              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              eps_low: float, eps_high: float, dual_clip: float, need_grad: bool,
+              metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss fp32 [], dL/dlogits [N, V] for grad_output 1 or [0], stats rows [N, 8 or 14])."""
     return _fused_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                       gate_high, eps_low, eps_high, need_grad, metrics)
+                       gate_high, eps_low, eps_high, dual_clip, need_grad, metrics)
 
 
 @_fused_op.register_fake
 def _fused_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                gate_high, eps_low, eps_high, need_grad, metrics):
+                gate_high, eps_low, eps_high, dual_clip, need_grad, metrics):
     grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
     return (logits.new_empty((), dtype=torch.float32), grad,
             logits.new_empty((logits.shape[0], STATS_COLS[metrics]), dtype=torch.float32))
@@ -166,10 +166,11 @@ def _fused_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: 
                         old: Optional[torch.Tensor], adv: torch.Tensor,
                         mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                         gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                        metrics: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                        dual_clip: float, metrics: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     rows = icepop_rows_into(logits, logits, token_ids, rollout, old, adv, mask, scale,
                             inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high,
-                            eps_low=eps_low, eps_high=eps_high, metrics=metrics)
+                            eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
+                            metrics=metrics)
     if not torch.compiler.is_compiling():
         torch.autograd.graph.increment_version(logits)   # the op does it when dispatched
     return loss_from_rows(rows, scale), rows
@@ -180,15 +181,15 @@ def _fused_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: to
                       old: Optional[torch.Tensor], adv: torch.Tensor,
                       mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                       gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                      metrics: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                      dual_clip: float, metrics: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused op writing dL/dlogits (grad_output 1) over the logits: (loss, stats rows)."""
     return _fused_inplace_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp,
-                               gate_low, gate_high, eps_low, eps_high, metrics)
+                               gate_low, gate_high, eps_low, eps_high, dual_clip, metrics)
 
 
 @_fused_inplace_op.register_fake
 def _fused_inplace_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                        gate_high, eps_low, eps_high, metrics):
+                        gate_high, eps_low, eps_high, dual_clip, metrics):
     return (logits.new_empty((), dtype=torch.float32),
             logits.new_empty((logits.shape[0], STATS_COLS[metrics]), dtype=torch.float32))
 
@@ -196,9 +197,9 @@ def _fused_inplace_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_t
 class _FusedIcePopFromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                gate_high, eps_low, eps_high, need_grad, inplace, metrics, n_seqs):
+                gate_high, eps_low, eps_high, dual_clip, need_grad, inplace, metrics, n_seqs):
         args = (logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                gate_high, eps_low, eps_high)
+                gate_high, eps_low, eps_high, dual_clip)
         if inplace and need_grad:
             loss, rows = run_op(_fused_inplace_op, _fused_inplace_impl, *args, metrics)
             grad = logits
@@ -212,7 +213,7 @@ class _FusedIcePopFromLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
         grad, = ctx.saved_tensors
-        return (scale_by_grad_output(grad, grad_loss),) + (None,) * 15
+        return (scale_by_grad_output(grad, grad_loss),) + (None,) * 16
 
 
 def check_icepop_arguments(shape, device, rollout, advantages, loss_mask, old_logprobs,
@@ -250,7 +251,8 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
                             gate_low: Optional[float] = None, gate_high: Optional[float] = None,
                             eps_low: float = 0.2, eps_high: float = 0.28,
                             reduction: str = "token_mean", return_metrics: bool = False,
-                            raise_on_nonfinite: bool = False):
+                            raise_on_nonfinite: bool = False,
+                            dual_clip: Optional[float] = None):
     """IcePop loss (DESIGN 3.1) computed from logits in one fused pass.
 
     Parameters
@@ -261,7 +263,7 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
     token_ids : Tensor [*S], int32 / int64
         The sampled tokens (ids into the full vocabulary).
     rollout_logprobs, advantages, loss_mask, old_logprobs, beta, gate_low, gate_high,
-    eps_low, eps_high, reduction, return_metrics, raise_on_nonfinite
+    eps_low, eps_high, dual_clip, reduction, return_metrics, raise_on_nonfinite
         As in :func:`glm_kernels.icepop_loss`, with [*S] = ``token_ids.shape``: the mismatch
         metrics come from the fused pass (the kernel's lp, rollout and old of each token, in
         registers), sequences are the rows of the last dim of ``token_ids``.
@@ -306,6 +308,7 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
     lo, hi, eps_low, eps_high, temperature = check_icepop_arguments(
         shape, logits.device, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction,
         beta, gate_low, gate_high, eps_low, eps_high, temperature)
+    dual = _checks.check_dual_clip(dual_clip)
     _checks.check_tp_group(tp_group)
     for name, flag in (("inplace_backward", inplace_backward),
                        ("return_metrics", return_metrics),
@@ -320,7 +323,7 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
                            old_logprobs=old_logprobs, gate_low=lo, gate_high=hi,
                            eps_low=eps_low, eps_high=eps_high, reduction=reduction,
                            return_metrics=return_metrics,
-                           raise_on_nonfinite=raise_on_nonfinite)
+                           raise_on_nonfinite=raise_on_nonfinite, dual_clip=dual_clip)
 
     rollout, adv, mask, old = flat_token_inputs(shape, rollout_logprobs, advantages, loss_mask,
                                                 old_logprobs)
@@ -329,7 +332,7 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
     metrics = return_metrics or raise_on_nonfinite
     loss, stats = _FusedIcePopFromLogits.apply(
         rows_2d(logits), ids, rollout, old, adv, mask, scale, 1.0 / temperature, lo, hi,
-        eps_low, eps_high, need_grad, inplace_backward, metrics, _n_seqs(shape))
+        eps_low, eps_high, dual, need_grad, inplace_backward, metrics, _n_seqs(shape))
     if raise_on_nonfinite:
         _raise_if_nonfinite(stats, "icepop_loss_from_logits")
     if not return_metrics:

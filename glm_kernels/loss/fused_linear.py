@@ -68,8 +68,8 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
                        rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
                        mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                        gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                       chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool,
-                       metrics: bool
+                       dual_clip: float, chunk_size: int, need_grad_hidden: bool,
+                       need_grad_weight: bool, metrics: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, _ = hidden.shape
     v = weight.shape[0]
@@ -90,7 +90,7 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
             logits_c if need_grad else None, logits_c, token_ids[part], rollout[part],
             pick(old), adv[part], pick(mask), scale[part], inv_temp=inv_temp,
             gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-            metrics=metrics)
+            dual_clip=dual_clip, metrics=metrics)
         if need_grad_hidden:
             torch.mm(logits_c, weight, out=grad_hidden[part])
         if need_grad_weight:
@@ -103,20 +103,20 @@ def _fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torc
                      rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
                      mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                      gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                     chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool,
-                     metrics: bool
+                     dual_clip: float, chunk_size: int, need_grad_hidden: bool,
+                     need_grad_weight: bool, metrics: bool
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8], or
     [N, 14] with ``metrics``); gradients for grad_output = 1."""
     return _fused_linear_impl(hidden, weight, token_ids, rollout, old, adv, mask, scale,
-                              inv_temp, gate_low, gate_high, eps_low, eps_high, chunk_size,
-                              need_grad_hidden, need_grad_weight, metrics)
+                              inv_temp, gate_low, gate_high, eps_low, eps_high, dual_clip,
+                              chunk_size, need_grad_hidden, need_grad_weight, metrics)
 
 
 @_fused_linear_op.register_fake
 def _fused_linear_fake(hidden, weight, token_ids, rollout, old, adv, mask, scale, inv_temp,
-                       gate_low, gate_high, eps_low, eps_high, chunk_size, need_grad_hidden,
-                       need_grad_weight, metrics):
+                       gate_low, gate_high, eps_low, eps_high, dual_clip, chunk_size,
+                       need_grad_hidden, need_grad_weight, metrics):
     return (hidden.new_empty((), dtype=torch.float32),
             torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_grad_weight else weight.new_empty(0),
@@ -151,7 +151,8 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
                              gate_low: Optional[float] = None, gate_high: Optional[float] = None,
                              eps_low: float = 0.2, eps_high: float = 0.28,
                              reduction: str = "token_mean", return_metrics: bool = False,
-                             raise_on_nonfinite: bool = False):
+                             raise_on_nonfinite: bool = False,
+                             dual_clip: Optional[float] = None):
     """IcePop loss of ``hidden @ weight.T`` without ever holding [tokens, V] logits.
 
     Parameters
@@ -162,7 +163,7 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
         Output layer (lm_head) weight; differentiable.
     token_ids : Tensor [*S], int32 / int64
     rollout_logprobs, advantages, loss_mask, old_logprobs, beta, gate_low, gate_high,
-    eps_low, eps_high, return_metrics, raise_on_nonfinite
+    eps_low, eps_high, dual_clip, return_metrics, raise_on_nonfinite
         As in :func:`glm_kernels.icepop_loss` (the mismatch metrics come from the fused pass
         of each chunk; sequences are the rows of the last dim of ``token_ids``).
     reduction : {"token_mean", "seq_mean_token_mean", "sum"}
@@ -222,6 +223,7 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     lo, hi, eps_low, eps_high, temperature = check_icepop_arguments(
         shape, hidden.device, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction,
         beta, gate_low, gate_high, eps_low, eps_high, temperature)
+    dual = _checks.check_dual_clip(dual_clip)
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     n_tokens, vocab = shape.numel(), weight.shape[0]
@@ -238,7 +240,8 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     loss, stats = _FusedLinearIcePop.apply(
         hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(), _n_seqs(shape),
         token_ids.reshape(-1).contiguous(), rollout, old, adv, mask, scale, 1.0 / temperature,
-        lo, hi, eps_low, eps_high, config.chunk_size, bool(grad_on and hidden.requires_grad),
+        lo, hi, eps_low, eps_high, dual, config.chunk_size,
+        bool(grad_on and hidden.requires_grad),
         bool(grad_on and weight.requires_grad), return_metrics or raise_on_nonfinite)
     if raise_on_nonfinite:
         _raise_if_nonfinite(stats, "fused_linear_icepop_loss")

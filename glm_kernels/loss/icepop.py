@@ -8,6 +8,7 @@ Math (DESIGN.md 3.1; readable version in ``loss/_reference.py``)::
     decoupled (old_logprobs given):
         k = exp(lp_old - lp_rollout);  w = k * 1[lo <= k <= hi];  r = exp(lp - lp_old)
         l = w * max(-r * A, -clip(r, 1 - eps_low, 1 + eps_high) * A)
+    dual clip (dual_clip = c > 1): where A < 0 the max(...) is capped at -c * A
 
 One Triton pass reads each token once, writes the per-token gradient coefficient
 dl/dlp (and the per-token loss when the reduction needs it) plus per-program sums for the
@@ -32,6 +33,9 @@ from . import _checks, _reference
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8
 _BLOCK_GPU_METRICS = 2048
+# With dual clip at most 1024 tokens a program: at 2048 triton 3.6 gives the decoupled variant
+# an 8 B stack frame (sm_90 AOT); at 1024 every variant stays at 43-88 registers, no spill.
+_BLOCK_GPU_DUAL = 1024
 _BLOCK_INTERPRET = 1024
 _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max / min / count
 _NUM_STATS_METRICS = 14        # + nonfinite, |M|, sums over M of d, k3, chi2, gate_out
@@ -50,12 +54,17 @@ def _n_seqs(shape) -> int:
     return shape.numel() // row_len if row_len else 0
 
 
+def dual_clip_or_none(dual_clip: float) -> Optional[float]:
+    """The ops carry dual clip as a float, inf = off; kernels and reference take None."""
+    return None if dual_clip == float("inf") else dual_clip
+
+
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                       eps_high, need_grad, metrics):
+                       eps_high, dual_clip, need_grad, metrics):
     """The torch backend: reference terms, their written-out gradient, and the stats."""
     # Autograd is off inside a custom op's implementation, hence the closed-form gradient.
     kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
-                  eps_high=eps_high)
+                  eps_high=eps_high, dual_clip=dual_clip_or_none(dual_clip))
     loss_terms, popped, clipped, gate_ratio, masked = _reference.icepop_token_terms(
         logprobs, rollout, adv, mask, **kwargs)
     grad = (_reference.icepop_token_grad(logprobs, rollout, adv, mask, **kwargs)
@@ -73,16 +82,18 @@ def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, e
 
 
 def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                        eps_high, need_grad, store_loss, seq_len, adv_per_seq, interpret,
-                        metrics, row_len):
+                        eps_high, dual_clip, need_grad, store_loss, seq_len, adv_per_seq,
+                        interpret, metrics, row_len):
     from . import _kernels
     n = logprobs.numel()
-    block = _BLOCK_INTERPRET if interpret else _BLOCK_GPU
+    dual_clip = dual_clip_or_none(dual_clip)
+    block = _BLOCK_INTERPRET if interpret else (
+        _BLOCK_GPU if dual_clip is None else _BLOCK_GPU_DUAL)
     if metrics:
         # Rows of row_len tokens, each covered by its own programs (per-sequence sums). On
         # the GPU at most 2048 tokens per program: with the metric sums a 4096-token program
         # needs 146-186 registers a thread at 8 warps (one program per SM, sm_90 AOT).
-        cap = block if interpret else _BLOCK_GPU_METRICS
+        cap = block if interpret else min(block, _BLOCK_GPU_METRICS)
         block = min(cap, max(16, 1 << max(row_len - 1, 0).bit_length()))
     else:
         row_len = max(n, 1)                   # one flat row
@@ -100,7 +111,7 @@ def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, 
             logprobs, rollout, old, adv, mask, loss_terms, grad, partials, seq_len=seq_len,
             gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, adv_per_seq=adv_per_seq, block=block,
-            num_warps=warps, row_len=row_len, metrics=metrics)
+            num_warps=warps, row_len=row_len, metrics=metrics, dual_clip=dual_clip)
     return loss_terms, grad, _stats_from_partials(partials, n // row_len if row_len else 0)
 
 
@@ -157,8 +168,9 @@ def _reduce(loss_terms, loss_mask, stats, reduction, shape):
 def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                advantages: torch.Tensor, loss_mask: Optional[torch.Tensor],
                old_logprobs: Optional[torch.Tensor], gate_low: float, gate_high: float,
-               eps_low: float, eps_high: float, reduction: str, need_grad: bool,
-               metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               eps_low: float, eps_high: float, dual_clip: float, reduction: str,
+               need_grad: bool, metrics: bool
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32: [8], or
     [16] with ``metrics``)."""
     shape = logprobs.shape
@@ -171,13 +183,13 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         adv_full = advantages.unsqueeze(-1).expand(shape) if adv_per_seq else advantages
         loss_terms, grad, stats = _token_stats_torch(
             logprobs, rollout_logprobs, adv_full, loss_mask, old_logprobs, gate_low,
-            gate_high, eps_low, eps_high, need_grad, metrics)
+            gate_high, eps_low, eps_high, dual_clip, need_grad, metrics)
     else:
         flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731 (inputs contiguous)
         loss_terms, grad, stats = _token_stats_triton(
             flat(logprobs), flat(rollout_logprobs), flat(advantages), flat(loss_mask),
-            flat(old_logprobs), gate_low, gate_high, eps_low, eps_high, need_grad, store_loss,
-            seq_len, adv_per_seq, interpret=backend == "interpret", metrics=metrics,
+            flat(old_logprobs), gate_low, gate_high, eps_low, eps_high, dual_clip, need_grad,
+            store_loss, seq_len, adv_per_seq, interpret=backend == "interpret", metrics=metrics,
             row_len=_row_len(shape))
     loss, scale = _reduce(loss_terms, loss_mask, stats, reduction, shape)
     return loss, grad, scale, stats
@@ -185,7 +197,7 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
 
 @_icepop_op.register_fake
 def _icepop_fake(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, gate_low,
-                 gate_high, eps_low, eps_high, reduction, need_grad, metrics):
+                 gate_high, eps_low, eps_high, dual_clip, reduction, need_grad, metrics):
     loss_shape = logprobs.shape if reduction == "none" else ()
     scale_shape = logprobs.shape[:-1] if reduction == "seq_mean_token_mean" else ()
     return (logprobs.new_empty(loss_shape, dtype=torch.float32),
@@ -196,7 +208,7 @@ def _icepop_fake(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs
 
 
 def _setup_context(ctx, inputs, output):
-    logprobs, reduction = inputs[0], inputs[9]
+    logprobs, reduction = inputs[0], inputs[10]
     _, grad, scale, _ = output
     ctx.save_for_backward(grad, scale)
     ctx.reduction = reduction
@@ -216,7 +228,7 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
         out = coef * (scale * grad_loss).unsqueeze(-1)
     else:
         out = coef * (scale * grad_loss)
-    return (out.to(ctx.lp_dtype),) + (None,) * 11
+    return (out.to(ctx.lp_dtype),) + (None,) * 12
 
 
 torch.library.register_autograd("glm_kernels::icepop_loss", _backward,
@@ -314,7 +326,8 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                 old_logprobs: Optional[torch.Tensor] = None, beta: float = 2.0,
                 gate_low: Optional[float] = None, gate_high: Optional[float] = None,
                 eps_low: float = 0.2, eps_high: float = 0.28, reduction: str = "token_mean",
-                return_metrics: bool = False, raise_on_nonfinite: bool = False
+                return_metrics: bool = False, raise_on_nonfinite: bool = False,
+                dual_clip: Optional[float] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
     """IcePop policy loss (GLM-5 RL; Ring-1T "IcePop"), fused forward and gradient.
 
@@ -335,6 +348,11 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     eps_low, eps_high : float, default 0.2, 0.28
         Asymmetric clip of the ratio to [1 - eps_low, 1 + eps_high]; 0 <= eps_low < 1,
         eps_high >= 0.
+    dual_clip : float > 1, optional
+        Dual-clip PPO (verl's ``clip_ratio_c``, slime's ``--eps-clip-c``; TRL's ``delta`` when
+        delta >= 1 + eps_high): for A < 0 the token's max(...) term is capped at
+        -dual_clip * A, a constant where the cap binds (no gradient; clip_frac does not count
+        it). None: off.
     reduction : {"token_mean", "seq_mean_token_mean", "sum", "none"}
         token_mean: sum(l*m) / max(sum(m), 1) (popped tokens stay in the denominator);
         seq_mean_token_mean: mean over rows with tokens of the row's token mean ([B, T] only);
@@ -379,12 +397,13 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
     lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
                                                        eps_high)
+    dual = _checks.check_dual_clip(dual_clip)
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     contiguous = lambda t: None if t is None else t.contiguous()   # noqa: E731
     loss, _, _, stats = _icepop_op(
         contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
-        contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high,
+        contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
         reduction, bool(logprobs.requires_grad and torch.is_grad_enabled()),
         return_metrics or raise_on_nonfinite)
     if raise_on_nonfinite:
@@ -454,7 +473,7 @@ def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     zeros = torch.zeros(rows, dtype=torch.float32, device=train_logprobs.device)
     _, _, _, stats = _icepop_op(
         as_2d(train_logprobs), as_2d(rollout_logprobs), zeros,
-        None if loss_mask is None else as_2d(loss_mask), None, lo, hi, 0.2, 0.28, "sum",
-        False, True)
+        None if loss_mask is None else as_2d(loss_mask), None, lo, hi, 0.2, 0.28,
+        float("inf"), "sum", False, True)
     metrics = _metrics_from_stats(stats)
     return {k: metrics[k] for k in MISMATCH_KEYS}

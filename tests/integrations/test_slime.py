@@ -63,8 +63,10 @@ def slime_batch(seed, *, vocab=37, prompts=(5, 3, 7), responses=(4, 6, 1), pad_m
     return batch, logits.requires_grad_(True), true_lp
 
 
-def hand_icepop(lp, rollout, adv, old=None, lo=0.5, hi=2.0, eps_low=0.2, eps_high=0.28):
-    """DESIGN 3.1 written out token by token (fp64)."""
+def hand_icepop(lp, rollout, adv, old=None, lo=0.5, hi=2.0, eps_low=0.2, eps_high=0.28,
+                dual_clip=None):
+    """DESIGN 3.1 written out token by token (fp64); dual clip as slime's compute_policy_loss
+    applies --eps-clip-c."""
     lp, rollout, adv = lp.double(), rollout.double(), adv.double()
     if old is None:
         ratio = torch.exp(lp - rollout)
@@ -73,14 +75,17 @@ def hand_icepop(lp, rollout, adv, old=None, lo=0.5, hi=2.0, eps_low=0.2, eps_hig
         k = torch.exp(old.double() - rollout)
         gate = k * ((k >= lo) & (k <= hi)).double()
         ratio = torch.exp(lp - old.double())
-    return gate * torch.maximum(-ratio * adv, -ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    ppo = torch.maximum(-ratio * adv, -ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if dual_clip is not None:
+        ppo = torch.where(adv < 0, torch.minimum(-dual_clip * adv, ppo), ppo)
+    return gate * ppo
 
 
 @pytest.mark.parametrize("with_old", [False, True])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_loss_function_matches_icepop_by_hand(with_old, temperature, any_backend):
+@pytest.mark.parametrize("temperature,eps_clip_c", [(1.0, None), (0.7, None), (1.0, 1.1)])
+def test_loss_function_matches_icepop_by_hand(with_old, temperature, eps_clip_c, any_backend):
     batch, logits, true_lp = slime_batch(3, with_old=with_old, temperature=temperature)
-    args = slime_args(rollout_temperature=temperature)
+    args = slime_args(rollout_temperature=temperature, eps_clip_c=eps_clip_c)
     reduce = make_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"],
                                      batch["rollout_mask_sums"])
     loss, metrics = plug.icepop_loss_function(args, batch, logits, reduce)
@@ -94,7 +99,11 @@ def test_loss_function_matches_icepop_by_hand(with_old, temperature, any_backend
         lps.append(rows.gather(-1, toks[-resp:, None]).squeeze(-1))
     old = torch.cat(batch["log_probs"]) if with_old else None
     per_token = hand_icepop(torch.cat(lps), torch.cat(batch["rollout_log_probs"]),
-                            torch.cat(batch["advantages"]), old)
+                            torch.cat(batch["advantages"]), old, dual_clip=eps_clip_c)
+    if eps_clip_c is not None:           # the cap binds on some token: the check can fail
+        assert not torch.equal(per_token, hand_icepop(
+            torch.cat(lps), torch.cat(batch["rollout_log_probs"]),
+            torch.cat(batch["advantages"]), old))
     expected = reduce(per_token)
     expected.backward()
     loss.backward()

@@ -92,13 +92,13 @@ class CraftedRollout:
                 "logprobs": [list(lp) for lp in self.logprobs]}
 
 
-def trainers(tmp_path, loss_type, mode, *, reward=length_reward, bf16=False):
+def trainers(tmp_path, loss_type, mode, *, reward=length_reward, bf16=False, delta=None):
     """(TRL's GRPOTrainer, IcePopGRPOTrainer, rollout) on two identical copies of one model."""
     tokenizer = make_tokenizer()
     model = make_model()
     rollout = CraftedRollout(tokenizer)
     ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
-    common = dict(loss_type=loss_type, mask_truncated_completions=True, bf16=bf16,
+    common = dict(loss_type=loss_type, mask_truncated_completions=True, bf16=bf16, delta=delta,
                   vllm_importance_sampling_mode="token_mask",
                   vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
     theirs = trl.GRPOTrainer(model=copy.deepcopy(model), reward_funcs=reward,
@@ -254,6 +254,24 @@ def test_token_truncate_is_tis(tmp_path):
     assert_close(got[1], ref[1], tol=TOL, name="grad")
 
 
+def test_two_sided_clipping_delta_matches_trl(tmp_path):
+    """TRL's delta (two-sided clipping) is the kernel's dual clip: a policy step large enough
+    that negative-advantage tokens pass r = delta = 1.3, against TRL's own loss."""
+    theirs, ours, rollout = trainers(tmp_path, "dapo", "decoupled", delta=1.3)
+    old = logprobs_of(theirs, generate(theirs, rollout))
+    g = torch.Generator().manual_seed(12)
+    inputs = generate(theirs, rollout, old + 0.2 * torch.randn(old.shape, generator=g))
+    perturb(theirs.model, ours.model, scale=0.3)
+    ratio = torch.exp(logprobs_of(theirs, inputs) - old)
+    mask = inputs["completion_mask"].bool() & (inputs["importance_sampling_ratio"] > 0)
+    negative = (inputs["advantages"] < 0).unsqueeze(-1).expand_as(ratio)
+    assert (mask & negative & (ratio > 1.3)).sum() >= 1     # the cap binds: the check can fail
+    ref = loss_and_grads(theirs, theirs._compute_loss, inputs)
+    got = loss_and_grads(ours, ours._compute_loss, inputs)
+    assert_close(got[0], ref[0], tol=TOL, name="loss")
+    assert_close(got[1], ref[1], tol=TOL, name="grad")
+
+
 def test_decoupled_matches_trl_under_bf16_autocast(tmp_path):
     """TRL's default bf16=True: both LM heads run under CPU bf16 autocast; bf16 tolerance."""
     theirs, ours, rollout = trainers(tmp_path, "dapo", "decoupled", bf16=True)
@@ -333,6 +351,8 @@ def test_bad_configs_are_refused(tmp_path):
         build(config(gt.IcePopGRPOConfig, tmp_path, loss_type="cispo"))
     with pytest.raises(ValueError, match="beta=0.04"):
         build(config(gt.IcePopGRPOConfig, tmp_path, beta=0.04))
+    with pytest.raises(ValueError, match="delta=1.1 below 1 \\+ epsilon_high"):
+        build(config(gt.IcePopGRPOConfig, tmp_path, delta=1.1))
     with pytest.raises(ValueError, match="icepop_mode"):
         config(gt.IcePopGRPOConfig, tmp_path, icepop_mode="tito")
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):

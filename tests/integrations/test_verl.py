@@ -158,6 +158,27 @@ def test_coupled_matches_verl_bypass_gate(mode, any_backend):
     assert_close(ours[1], written[1], tol=TOL, name="grad vs formula")
 
 
+@pytest.mark.parametrize("coupled", [False, True])
+def test_dual_clip_in_the_kernel_matches_verl_vanilla(coupled, any_backend):
+    """clip_ratio_c = 1.2: many negative-advantage tokens hit verl's dual-clip cap, which the
+    kernel applies (no torch pass after it); loss, gradient and pg_clipfrac_lower agree."""
+    lp, old, rollout, adv, mask = make_batch(4)
+    cfg = actor_config(dual=1.2)
+    if coupled:
+        old = rollout
+        weights, ours_w = (verl_decoupled_weights(lp, rollout, mask) > 0).float(), None
+    else:
+        weights = ours_w = verl_decoupled_weights(old, rollout, mask)
+    mode = "token-mean"
+    ours = run(plug.icepop_policy_loss, lp, old, adv, mask, mode, cfg, ours_w)
+    ref = run(core.compute_policy_loss_vanilla, lp, old, adv, mask, mode, cfg, weights)
+    assert ref[2]["actor/pg_clipfrac_lower"] > 0.02       # the cap binds: the check can fail
+    assert_close(ours[0], ref[0], tol=TOL, name="loss")
+    assert_close(ours[1], ref[1], tol=TOL, name="grad")
+    assert ours[2]["actor/pg_clipfrac_lower"] == pytest.approx(
+        ref[2]["actor/pg_clipfrac_lower"], rel=1e-6)
+
+
 def test_gate_bounds_from_verl_config():
     lp, _, rollout, adv, mask = make_batch(4, edge=False, empty_row=False)
     narrow = actor_config(gate="0.9_1.1")

@@ -354,8 +354,8 @@ def test_opcheck_custom_op():
     lp, rollout, adv, mask, _ = _inputs((4, 9), seed=11)
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(icepop._icepop_op, (lp.requires_grad_(True), rollout, adv, mask,
-                                                  None, 0.5, 2.0, 0.2, 0.28, "token_mean",
-                                                  True, True),
+                                                  None, 0.5, 2.0, 0.2, 0.28, 3.0,
+                                                  "token_mean", True, True),
                               test_utils=("test_schema", "test_faketensor",
                                           "test_autograd_registration"))
 

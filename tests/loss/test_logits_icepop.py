@@ -249,7 +249,7 @@ def test_opcheck_fused_op():
     logits, ids, rollout, adv, mask = (t.cpu() for t in _inputs(1, 4, 20, seed=11)[:5])
     args = (logits.reshape(4, 20), ids.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
             mask.reshape(-1).view(torch.uint8), torch.full((4,), 0.25), 1.0, 0.5, 2.0, 0.2,
-            0.28, True, True)
+            0.28, 3.0, True, True)
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(from_logits._fused_op, args,
                               test_utils=("test_schema", "test_faketensor"))
