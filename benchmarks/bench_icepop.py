@@ -90,6 +90,8 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
     compiled = torch.compile(reference)
     providers = {"glm_kernels": lambda lp, r, a, m: glm_kernels.icepop_loss(lp, r, a, m),
                  "glm_kernels_metrics": _with_metrics,
+                 "glm_kernels_dual_clip": lambda lp, r, a, m: glm_kernels.icepop_loss(
+                     lp, r, a, m, dual_clip=3.0),
                  "torch_eager": reference, "torch_compile": compiled}
     notes = {}
     if device == "cuda":
@@ -113,6 +115,9 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
             row[f"{name}/floor"] = seconds / floor_s
         if "glm_kernels_metrics_us" in row and "glm_kernels_us" in row:
             row["metrics_overhead"] = row["glm_kernels_metrics_us"] / row["glm_kernels_us"]
+        if "glm_kernels_dual_clip_us" in row and "glm_kernels_us" in row:
+            row["dual_clip_overhead"] = (row["glm_kernels_dual_clip_us"]
+                                         / row["glm_kernels_us"])
         if "torch_eager_us" in row and "glm_kernels_us" in row:
             row["speedup_vs_eager"] = row["torch_eager_us"] / row["glm_kernels_us"]
         if "torch_compile_us" in row and "glm_kernels_us" in row:
@@ -120,7 +125,8 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
         rows.append(row)
     backend = _dispatch.select_backend("icepop_loss", make_inputs(1, device)[0])
     columns = ["tokens", "floor_us"] + [c for p in providers for c in (f"{p}_us", f"{p}/floor")]
-    columns += ["metrics_overhead", "speedup_vs_eager", "speedup_vs_compile"]
+    columns += ["metrics_overhead", "dual_clip_overhead", "speedup_vs_eager",
+                "speedup_vs_compile"]
     _common.print_table(f"icepop_loss fwd+bwd on {device} (glm_kernels backend: {backend}; "
                         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s measured)", rows, columns)
     result = {"benchmark": "icepop", "device": device, "glm_kernels_backend": backend,
