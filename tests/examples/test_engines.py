@@ -14,6 +14,7 @@ from examples.async_trainer import task                                    # noq
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
 from examples.async_trainer.engines import EngineGroup, RayRollout         # noqa: E402
 from examples.async_trainer.model import TinyLM                            # noqa: E402
+from tests.examples._ray_procs import session_processes, take                # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 
@@ -37,17 +38,6 @@ def _model(cfg, seed=0):
     return TinyLM(cfg, task.vocab_size(cfg))
 
 
-def _take(rollout, n, timeout=60.0):
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        assert time.monotonic() < deadline, f"only {len(out)} of {n} samples"
-        assert rollout.alive(), rollout.error
-        s = rollout.get(0.5)
-        if s is not None:
-            out.append(s)
-    return out
-
-
 def _accounted(rollout, taken):
     acc = rollout.shutdown()
     ids = [s["sample_id"] for s in taken]
@@ -61,7 +51,7 @@ def test_engines_generate_with_the_published_weights(cfg, group):
     rollout = RayRollout(group, cfg, "t1", 1, {"reverse": 1.0, "tool": 0.0}, 4, 32,
                          health_interval=0.5)
     rollout.start(None, model)
-    first = _take(rollout, 32)
+    first = take(rollout, 32)
     v1 = group.version
     assert {s["version"] for s in first} == {v1}
     with torch.no_grad():
@@ -69,7 +59,7 @@ def test_engines_generate_with_the_published_weights(cfg, group):
             p.add_(0.01)
     version, stats = rollout.send(model)                      # a delta to every engine
     assert version == v1 + 1 and not stats.full and stats.changed > 0
-    later = _take(rollout, 96)
+    later = take(rollout, 96)
     assert later[-1]["version"] == version                    # the new weights reach the engines
     assert {s["engine"] for s in first + later} == set(group.alive())   # both serve
     assert all(len(s["rollout_logprobs"]) == len(s["loss_mask"]) for s in later)
@@ -102,7 +92,7 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
     rollout = RayRollout(group, cfg, f"t-{failure}", 2, {"reverse": 1.0}, 4, 64,
                          health_interval=0.3, request_timeout=2.0)
     rollout.start(None, model)
-    taken = _take(rollout, 16)
+    taken = take(rollout, 16)
     before = group.alive()
     victim = before[0]
     if failure == "ray.kill":
@@ -116,7 +106,7 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
     deadline = time.monotonic() + 30
     while not any(s["engine"] == new for s in taken):         # the replacement serves
         assert time.monotonic() < deadline, "the replacement never served"
-        taken += _take(rollout, 32)
+        taken += take(rollout, 32)
     info = ray.get(group.actors[new].ping.remote(), timeout=10)
     assert info["version"] == group.version                   # from a full snapshot
     (event,) = rollout.events
@@ -135,24 +125,6 @@ time.sleep(120)
 """
 
 
-def _session_processes(driver_pid: int):
-    """Live pids with a file open in the Ray session that ``driver_pid`` started (its
-    session directory ends in ``_<driver pid>``)."""
-    mark, out = f"_{driver_pid}/", []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-            if any(mark in os.readlink(f"/proc/{name}/fd/{fd}") for fd in fds):
-                with open(f"/proc/{name}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        out.append(int(name))
-        except OSError:
-            pass
-    return out
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux /proc")
 def test_a_sigkilled_driver_leaves_no_ray_process_of_its_local_instance():
     # Without the watchdog, Ray's DashboardAgent and RuntimeEnvAgent outlive a SIGKILLed
@@ -166,14 +138,14 @@ def test_a_sigkilled_driver_leaves_no_ray_process_of_its_local_instance():
     try:
         line = proc.stdout.readline()
         assert line.startswith("ready"), line
-        assert len(_session_processes(proc.pid)) >= 4       # gcs, raylet, 2 agents, engine
+        assert len(session_processes(proc.pid)) >= 4       # gcs, raylet, 2 agents, engine
     finally:
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 20
-    while _session_processes(proc.pid) and time.monotonic() < deadline:
+    while session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = _session_processes(proc.pid)
+    left = session_processes(proc.pid)
     for pid in left:                                          # never left on the machine
         os.kill(pid, signal.SIGKILL)
     assert left == [], "a process of the SIGKILLed driver's Ray instance outlived it by 20 s"

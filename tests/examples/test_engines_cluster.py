@@ -29,6 +29,7 @@ from examples.async_trainer.config import TrainerConfig                    # noq
 from examples.async_trainer.engines import EngineGroup, RayRollout, init_ray  # noqa: E402
 from examples.async_trainer.log import setup_logging                       # noqa: E402
 from examples.async_trainer.placement import EnginePlacement, PlacementError  # noqa: E402
+from tests.examples._ray_procs import alive, take                           # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals")
 REPO = Path(__file__).resolve().parents[2]
@@ -42,14 +43,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _cluster_processes(temp_dir: str):
@@ -68,7 +61,7 @@ def _cluster_processes(temp_dir: str):
                              for fd in os.listdir(fd_dir))
         except OSError:
             continue
-        if hit and _alive(int(name)):
+        if hit and alive(int(name)):
             out.append(int(name))
     return out
 
@@ -145,17 +138,6 @@ def _placement_states():
     return sorted(v["state"] for v in placement_group_table().values())
 
 
-def _take(rollout, n, timeout=60.0):
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n:
-        assert time.monotonic() < deadline, f"only {len(out)} of {n} samples"
-        assert rollout.alive(), rollout.error
-        s = rollout.get(0.5)
-        if s is not None:
-            out.append(s)
-    return out
-
-
 def test_spread_places_engines_on_both_nodes_and_a_replacement_in_its_bundle(cluster):
     cfg = TrainerConfig(progress=False, placement_strategy="SPREAD", engine_cpus=1.0,
                         ray_address=cluster.address).validate()
@@ -179,7 +161,7 @@ def test_spread_places_engines_on_both_nodes_and_a_replacement_in_its_bundle(clu
         model = TinyLM(cfg, task.vocab_size(cfg))
         rollout = RayRollout(group, cfg, "c1", 1, {"reverse": 1.0}, 4, 32, health_interval=0.3)
         rollout.start(None, model)
-        taken = _take(rollout, 16)
+        taken = take(rollout, 16)
         victim = "e0"
         bundle = group.bundles[victim]
         group.kill(victim)                                       # as a crash would
@@ -195,7 +177,7 @@ def test_spread_places_engines_on_both_nodes_and_a_replacement_in_its_bundle(clu
         assert info["node"] == nodes[bundle]                     # ... on that bundle's node
         while not any(s["engine"] == new for s in taken):       # and it serves
             assert time.monotonic() < deadline, "the replacement never served"
-            taken += _take(rollout, 8)
+            taken += take(rollout, 8)
         acc = rollout.shutdown()
         assert acc["generated"] == len(taken) + acc["unconsumed"] and acc["dropped"] == 0
         assert len({s["sample_id"] for s in taken}) == len(taken)
@@ -204,9 +186,9 @@ def test_spread_places_engines_on_both_nodes_and_a_replacement_in_its_bundle(clu
         group.shutdown()
     assert _placement_states() == ["REMOVED"]                    # the group is released
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "an engine outlived its group's shutdown"
+    assert not any(alive(p) for p in pids), "an engine outlived its group's shutdown"
 
 
 def test_a_placement_the_cluster_cannot_hold_fails_fast_naming_the_resources(cluster, capsys):
@@ -271,10 +253,10 @@ def test_the_trainer_joins_the_cluster_with_ray_address(cluster, tmp_path):
     assert re.search(r"engine e[01] replaced by e2 in its bundle [01] ", log), log[-3000:]
     pids = [int(p) for p in re.search(r"\(pids ([\d, ]+);", log).group(1).split(", ")]
     deadline = time.monotonic() + 30
-    while (any(_alive(p) for p in pids) or "CREATED" in _placement_states()) \
+    while (any(alive(p) for p in pids) or "CREATED" in _placement_states()) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "an engine outlived the trainer"
+    assert not any(alive(p) for p in pids), "an engine outlived the trainer"
     assert "CREATED" not in _placement_states(), "the trainer left its placement group"
     print(f"trainer on the cluster: {time.monotonic() - t0:.1f} s")
 

@@ -18,19 +18,12 @@ import examples.async_trainer.__main__ as cli                              # noq
 from examples.async_trainer import trainer                                 # noqa: E402
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
 from examples.async_trainer.log import setup_logging                       # noqa: E402
+from tests.examples._ray_procs import alive, session_processes              # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals")
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(tasks="reverse", sft_steps=2, rl_steps=12, opd_steps=0, prompts_per_step=2,
             group_size=2, eval_prompts=4, progress=False, rollout_backend="ray")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_kill_engine_at_replaces_it_and_every_sample_is_accounted_for(tmp_path, capsys):
@@ -69,23 +62,6 @@ def test_engine_flags_are_validated_naming_the_flag(args, field, capsys):
     assert f"config.{field}" in err and f"--{field.replace('_', '-')}" in err
 
 
-def _session_processes(driver_pid: int):
-    """Live pids holding files of the Ray session that ``driver_pid`` started (its session
-    directory ends in ``_<driver pid>``)."""
-    mark, out = f"_{driver_pid}/", []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-            if any(mark in os.readlink(f"/proc/{name}/fd/{fd}") for fd in fds) \
-                    and _alive(int(name)):
-                out.append(int(name))
-        except OSError:
-            pass
-    return out
-
-
 def _cli_until_step_3(tmp_path):
     """The CLI on Ray in a subprocess, returned once it has logged RL step 3, with its
     engine pids."""
@@ -110,7 +86,7 @@ def _cli_until_step_3(tmp_path):
 def test_sigterm_on_ray_checkpoints_exits_143_and_stops_every_ray_process(tmp_path):
     proc, log, pids = _cli_until_step_3(tmp_path)
     try:
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
     finally:
@@ -118,29 +94,32 @@ def test_sigterm_on_ray_checkpoints_exits_143_and_stops_every_ray_process(tmp_pa
     assert "interrupted (SIGTERM): checkpoint written to" in log.read_text()
     assert (tmp_path / "checkpoint.pt").is_file()
     deadline = time.monotonic() + 30
-    while (any(_alive(p) for p in pids) or _session_processes(proc.pid)) \
+    while (any(alive(p) for p in pids) or session_processes(proc.pid)) \
             and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "an engine actor outlived its trainer"
-    assert _session_processes(proc.pid) == [], "a Ray process outlived its trainer"
+    assert not any(alive(p) for p in pids), "an engine actor outlived its trainer"
+    assert session_processes(proc.pid) == [], "a Ray process outlived its trainer"
 
 
 def test_a_sigkilled_trainer_leaves_no_engine_behind(tmp_path):
     proc, log, pids = _cli_until_step_3(tmp_path)
     try:
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), "an engine actor outlived its SIGKILLed trainer"
-    # Known Ray limitation (docs/trainer.md): the local instance's per-node agents
-    # (DashboardAgent, RuntimeEnvAgent) can outlive a SIGKILLed driver. Not left on the
-    # test machine: this run's are found by their open files in its session directory.
-    for pid in _session_processes(proc.pid):
+    assert not any(alive(p) for p in pids), "an engine actor outlived its SIGKILLed trainer"
+    # The agents (DashboardAgent, RuntimeEnvAgent) go too: the local instance's watchdog
+    # ends them a few seconds after the driver (engines.py). Never left on the machine.
+    while session_processes(proc.pid) and time.monotonic() < deadline + 20:
+        time.sleep(0.2)
+    left = session_processes(proc.pid)
+    for pid in left:
         os.kill(pid, signal.SIGKILL)
+    assert left == [], "a Ray process outlived its SIGKILLed trainer by 20 s"
 
 
 def test_engines_that_keep_failing_stop_the_run_with_exit_1_and_a_checkpoint(tmp_path, capsys):
