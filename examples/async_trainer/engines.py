@@ -186,8 +186,9 @@ class _EngineImpl:
                 by_task.setdefault(task.task_of(p), []).append(i)
             groups: Dict[int, list] = {}
             for idx in by_task.values():
+                # The router's session id names every turn (ToRA sessions are multi-turn).
                 out = generate(self.cfg, self.model, [req["prompts"][i] for i in idx],
-                               req["group_size"], gen=gen)
+                               req["group_size"], gen=gen, session=req["session"])
                 for j, s in enumerate(out):
                     groups.setdefault(idx[j // req["group_size"]], []).append(s)
             samples = []
