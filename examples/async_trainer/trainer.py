@@ -218,7 +218,7 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
         run.rollout_procs += 1
         tag = f"{stage}/{run.rollout_procs}"
         if run.engines is not None:
-            from .engines import RayRollout
+            from .ray_rollout import RayRollout
             rollout = RayRollout(run.engines, cfg, tag, cfg.seed * 7919 + run.rollout_procs, mix,
                                  group_size, queue_size, health_interval=cfg.health_interval,
                                  max_restarts=cfg.rollout_restarts)

@@ -12,7 +12,8 @@ ray = pytest.importorskip("ray")
 
 from examples.async_trainer import task                                    # noqa: E402
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
-from examples.async_trainer.engines import EngineGroup, RayRollout         # noqa: E402
+from examples.async_trainer.engines import EngineGroup                     # noqa: E402
+from examples.async_trainer.ray_rollout import RayRollout                  # noqa: E402
 from examples.async_trainer.model import TinyLM                            # noqa: E402
 from tests.examples._ray_procs import session_processes, take                # noqa: E402
 

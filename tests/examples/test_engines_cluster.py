@@ -26,7 +26,8 @@ ray = pytest.importorskip("ray")
 
 import examples.async_trainer.__main__ as cli                              # noqa: E402
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
-from examples.async_trainer.engines import EngineGroup, RayRollout, init_ray  # noqa: E402
+from examples.async_trainer.engines import EngineGroup, init_ray          # noqa: E402
+from examples.async_trainer.ray_rollout import RayRollout                  # noqa: E402
 from examples.async_trainer.log import setup_logging                       # noqa: E402
 from examples.async_trainer.placement import EnginePlacement, PlacementError  # noqa: E402
 from tests.examples._ray_procs import alive, take                           # noqa: E402
