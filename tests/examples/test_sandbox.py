@@ -88,7 +88,7 @@ def test_writes_outside_the_working_directory_are_refused(tmp_path, namespaces):
     for code in (f"open({str(target)!r}, 'w').write('x')",
                  f"import os\nos.close(os.open({str(target)!r}, os.O_CREAT | os.O_WRONLY))",
                  f"import os\nos.mkdir({str(tmp_path / 'd')!r})",
-                 f"open('../../escaped', 'w').write('x')"):
+                 "open('../../escaped', 'w').write('x')"):
         r = run_python(code, namespaces=namespaces)
         assert r.exit_code == 1 and "PermissionError" in r.observation(), (code, r)
     assert sorted(os.listdir(tmp_path)) == []
