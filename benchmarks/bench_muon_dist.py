@@ -21,7 +21,6 @@ runs one-process MuonSplit on the full matrices) vs one process alone on the ful
 bench's; the timing here is always CPU gloo (a GPU step time needs two or more GPUs and NCCL:
 not measured).
 """
-import math
 import os
 import sys
 import tempfile

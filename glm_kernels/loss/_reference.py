@@ -48,7 +48,7 @@ pi_rollout: E_rollout[r] = 1 makes k3 and chi2 unbiased (Schulman's k3 estimator
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict
 
 import torch
 

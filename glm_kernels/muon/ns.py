@@ -18,7 +18,6 @@ program each (``_gram_fused_kernel``).
 """
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -203,7 +203,7 @@ class MuonSplit(torch.optim.Optimizer):
         if any(is_dtensor(p) for p in params):
             sharded_muon_step(group, params, self.state, self.comm_stats)
             return
-        lr, momentum, split = group["lr"], group["momentum"], group["head_split"]
+        momentum, split = group["momentum"], group["head_split"]
         schedule = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         by_device: Dict[torch.device, list] = defaultdict(list)
         for p in params:

@@ -3,8 +3,6 @@ traversal and symlinks in the disk transport, unpickling on the IPC queue, two p
 a restarted sender, updates that die half-way, tied receiver tensors, bad arguments."""
 import json
 import os
-import pickle
-import struct
 import threading
 import time
 
@@ -16,7 +14,7 @@ from glm_kernels import sync
 from glm_kernels.sync import disk as disk_mod
 from glm_kernels.sync import sender as sender_mod
 from glm_kernels.sync.disk import MANIFEST, REQUEST
-from glm_kernels.sync.protocol import MAGIC, _SEAL, Frame, assemble, digest, full_entry, pack
+from glm_kernels.sync.protocol import MAGIC, _SEAL, Frame, assemble, digest, full_entry
 from tests.sync._helpers import blank_like, make_state, needs_zstd, plain_bytes, sparse_step
 
 

@@ -1,7 +1,6 @@
 """IPC transport end to end: a spawned receiver process, CPU shared memory (the CUDA path is
 the same code with CUDA tensors: IPC handles instead of shared memory)."""
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from glm_kernels import sync
