@@ -12,12 +12,18 @@ whose loads vectorize. With ``--check`` the script exits non-zero on any spill (
 variant), on a matrix kernel without HGMMA, or on a configuration that fails to compile.
 
     python benchmarks/aot_report.py [--check] [--json out.json] [--only NAME_SUBSTRING]
+                                    [--jobs N]
+
+Configurations compile in ``--jobs`` processes (default: the CPU count, at most 4); the
+report lists them in the same order whatever the count.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
 import json
+import multiprocessing
 import os
 import pkgutil
 import re
@@ -126,14 +132,50 @@ def compile_spec(spec, ints: bool = False) -> dict:
     return row
 
 
+_SPECS: list = []          # this process's specs, in discovery order (see _load_specs)
+
+
+def _load_specs(only) -> list:
+    """The specs to report (and, in a worker process, the ones it compiles by index: spawned
+    workers discover them again rather than pickling @triton.jit functions)."""
+    _SPECS[:] = [s for s in discover_specs() if not only or only in s.name]
+    return _SPECS
+
+
+def _compile_variant(variant) -> dict:
+    """compile_spec of (index into _SPECS, ints); a config that does not compile is a
+    failure row, not a skip."""
+    index, ints = variant
+    spec = _SPECS[index]
+    try:
+        return compile_spec(spec, ints)
+    except Exception as exc:
+        return {"name": spec.name + (" +ints%16" if ints else ""), "compile_failed": True,
+                "problems": [f"compile failed: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200]}"]}
+
+
+def _compile_all(variants, jobs: int, only):
+    if jobs <= 1:
+        return map(_compile_variant, variants)
+    # spawn, not fork: a forked copy of a process that has imported torch and triton can hang.
+    pool = concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_load_specs,
+        initargs=(only,))
+    with pool:
+        return list(pool.map(_compile_variant, variants))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail on spills / missing HGMMA")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--only", help="compile only specs whose name contains this")
+    parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
+                        help="compile in this many processes (default: CPUs, at most 4)")
     args = parser.parse_args(argv)
 
-    specs = [s for s in discover_specs() if not args.only or args.only in s.name]
+    specs = _load_specs(args.only)
     rows, failures = [], []
     header = f"{'kernel configuration':72s} {'warps':>5s} {'regs':>5s} {'spill':>6s} " \
              f"{'smem':>7s} {'HGMMA':>6s} {'LDG.128':>8s} {'STG.128':>8s}"
@@ -141,16 +183,12 @@ def main(argv=None) -> int:
           f"(+ the ints%16 variant of those with integer arguments)")
     print(header)
     print("-" * len(header))
-    variants = [(spec, False) for spec in specs] + [
-        (spec, True) for spec in specs if any(t in _INT_TYPES for t in spec.signature.values())]
-    for spec, ints in variants:
-        try:
-            row = compile_spec(spec, ints)
-        except Exception as exc:  # a config that does not compile is a failure, not a skip
-            name = spec.name + (" +ints%16" if ints else "")
-            row = {"name": name, "problems": [f"compile failed: {type(exc).__name__}: "
-                                              f"{str(exc).splitlines()[0][:200]}"]}
-            print(f"{name:72s} COMPILE FAILED: {row['problems'][0]}")
+    variants = [(i, False) for i in range(len(specs))] + [
+        (i, True) for i, spec in enumerate(specs)
+        if any(t in _INT_TYPES for t in spec.signature.values())]
+    for row in _compile_all(variants, args.jobs, args.only):
+        if row.get("compile_failed"):
+            print(f"{row['name']:72s} COMPILE FAILED: {row['problems'][0]}")
         else:
             hgmma = str(row["hgmma"]) if row["expects_hgmma"] or row["hgmma"] else "-"
             ldg, stg = (f"{row[k].get(128, 0)}/{sum(row[k].values())}"
