@@ -57,11 +57,11 @@ def check_icepop_hyperparameters(beta, gate_low: Optional[float], gate_high: Opt
     return lo, hi, eps_low, eps_high
 
 
-def check_dual_clip(dual_clip: Optional[float]) -> float:
-    """None (off) -> inf; else a finite number > 1: the cap -dual_clip * A of a negative-
+def check_dual_clip(dual_clip: Optional[float]) -> Optional[float]:
+    """None (off), or a finite number > 1 as a float: the cap -dual_clip * A of a negative-
     advantage token's PPO term lies above the clip band's -(1 + eps_high) A only for c > 1."""
     if dual_clip is None:
-        return float("inf")
+        return None
     value = _dispatch.check_finite_number("dual_clip", dual_clip)
     if value <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (dual-clip PPO caps a negative-advantage "

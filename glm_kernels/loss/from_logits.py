@@ -37,7 +37,7 @@ from . import _logits_reference as ref
 from . import _checks
 from .icepop import (_NUM_STATS, _NUM_STATS_METRICS, _check_hyperparameters, _check_inputs,
                      _metrics_from_stats, _n_seqs, _raise_if_nonfinite, _stats_from_partials,
-                     dual_clip_or_none, icepop_loss)
+                     icepop_loss)
 
 STATS_COLS = {False: _NUM_STATS, True: _NUM_STATS_METRICS}   # stats row width per metrics
 from .logprobs import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
@@ -64,7 +64,7 @@ def token_scales(loss_mask: Optional[torch.Tensor], shape: torch.Size, reduction
 
 
 def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp,
-                     gate_low, gate_high, eps_low, eps_high, dual_clip=float("inf"),
+                     gate_low, gate_high, eps_low, eps_high, dual_clip=None,
                      config: Optional[LogitsLaunchConfig] = None,
                      metrics: bool = False) -> torch.Tensor:
     """Run the fused pass on [N, V] rows; writes dL/dlogits into ``grad`` unless it is None
@@ -76,7 +76,7 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
         full_grad, rows = ref.icepop_logits_rows(
             logits, token_ids, rollout, old, adv, mask, scale, inv_temp=inv_temp,
             gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-            need_grad=grad is not None, metrics=metrics, dual_clip=dual_clip_or_none(dual_clip))
+            need_grad=grad is not None, metrics=metrics, dual_clip=dual_clip)
         if grad is not None:
             grad.copy_(full_grad)
     else:
@@ -88,7 +88,7 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *,
             inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, block_v=block_v, row_tiles=row_tiles,
             num_warps=num_warps, max_programs=cfg.fused_programs(logits.device),
-            metrics=metrics, dual_clip=dual_clip_or_none(dual_clip))
+            metrics=metrics, dual_clip=dual_clip)
     check_token_id_flag(flag, v)
     return rows
 
@@ -133,7 +133,7 @@ def scale_by_grad_output(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Te
 def _fused_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
                 old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
                 scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
-                eps_low: float, eps_high: float, dual_clip: float, need_grad: bool,
+                eps_low: float, eps_high: float, dual_clip: Optional[float], need_grad: bool,
                 metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
     rows = icepop_rows_into(grad if need_grad else None, logits, token_ids, rollout, old, adv,
@@ -147,7 +147,7 @@ def _fused_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Te
 def _fused_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
               old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
               scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
-              eps_low: float, eps_high: float, dual_clip: float, need_grad: bool,
+              eps_low: float, eps_high: float, dual_clip: Optional[float], need_grad: bool,
               metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss fp32 [], dL/dlogits [N, V] for grad_output 1 or [0], stats rows [N, 8 or 14])."""
     return _fused_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
@@ -166,7 +166,8 @@ def _fused_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: 
                         old: Optional[torch.Tensor], adv: torch.Tensor,
                         mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                         gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                        dual_clip: float, metrics: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                        dual_clip: Optional[float], metrics: bool
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     rows = icepop_rows_into(logits, logits, token_ids, rollout, old, adv, mask, scale,
                             inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high,
                             eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
@@ -181,7 +182,8 @@ def _fused_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: to
                       old: Optional[torch.Tensor], adv: torch.Tensor,
                       mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                       gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                      dual_clip: float, metrics: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                      dual_clip: Optional[float], metrics: bool
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The fused op writing dL/dlogits (grad_output 1) over the logits: (loss, stats rows)."""
     return _fused_inplace_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp,
                                gate_low, gate_high, eps_low, eps_high, dual_clip, metrics)

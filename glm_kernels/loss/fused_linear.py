@@ -68,7 +68,7 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
                        rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
                        mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                        gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                       dual_clip: float, chunk_size: int, need_grad_hidden: bool,
+                       dual_clip: Optional[float], chunk_size: int, need_grad_hidden: bool,
                        need_grad_weight: bool, metrics: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, _ = hidden.shape
@@ -103,7 +103,7 @@ def _fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torc
                      rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
                      mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                      gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                     dual_clip: float, chunk_size: int, need_grad_hidden: bool,
+                     dual_clip: Optional[float], chunk_size: int, need_grad_hidden: bool,
                      need_grad_weight: bool, metrics: bool
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8], or

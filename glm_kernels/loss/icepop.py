@@ -54,17 +54,12 @@ def _n_seqs(shape) -> int:
     return shape.numel() // row_len if row_len else 0
 
 
-def dual_clip_or_none(dual_clip: float) -> Optional[float]:
-    """The ops carry dual clip as a float, inf = off; kernels and reference take None."""
-    return None if dual_clip == float("inf") else dual_clip
-
-
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
                        eps_high, dual_clip, need_grad, metrics):
     """The torch backend: reference terms, their written-out gradient, and the stats."""
     # Autograd is off inside a custom op's implementation, hence the closed-form gradient.
     kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
-                  eps_high=eps_high, dual_clip=dual_clip_or_none(dual_clip))
+                  eps_high=eps_high, dual_clip=dual_clip)
     loss_terms, popped, clipped, gate_ratio, masked = _reference.icepop_token_terms(
         logprobs, rollout, adv, mask, **kwargs)
     grad = (_reference.icepop_token_grad(logprobs, rollout, adv, mask, **kwargs)
@@ -86,7 +81,6 @@ def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, 
                         interpret, metrics, row_len):
     from . import _kernels
     n = logprobs.numel()
-    dual_clip = dual_clip_or_none(dual_clip)
     block = _BLOCK_INTERPRET if interpret else (
         _BLOCK_GPU if dual_clip is None else _BLOCK_GPU_DUAL)
     if metrics:
@@ -168,7 +162,7 @@ def _reduce(loss_terms, loss_mask, stats, reduction, shape):
 def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                advantages: torch.Tensor, loss_mask: Optional[torch.Tensor],
                old_logprobs: Optional[torch.Tensor], gate_low: float, gate_high: float,
-               eps_low: float, eps_high: float, dual_clip: float, reduction: str,
+               eps_low: float, eps_high: float, dual_clip: Optional[float], reduction: str,
                need_grad: bool, metrics: bool
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32: [8], or
@@ -474,6 +468,6 @@ def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     _, _, _, stats = _icepop_op(
         as_2d(train_logprobs), as_2d(rollout_logprobs), zeros,
         None if loss_mask is None else as_2d(loss_mask), None, lo, hi, 0.2, 0.28,
-        float("inf"), "sum", False, True)
+        None, "sum", False, True)
     metrics = _metrics_from_stats(stats)
     return {k: metrics[k] for k in MISMATCH_KEYS}
