@@ -15,28 +15,15 @@ from examples.async_trainer.model import TinyLM
 from examples.async_trainer.rollout import generate
 from examples.async_trainer.tora_task import OBS_WIDTH, TOKENIZER, ToraEnv
 from glm_kernels.topk import routing_header
+from tests.examples._policies import ScriptedPolicy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sandbox: Linux")
 SPAN = OBS_WIDTH + 2
 
 
-class Oracle(torch.nn.Module):
-    """All probability on ``script(prompt)``'s next token at each length (environment
-    positions included: it never looks at what the environment actually wrote)."""
-
-    def __init__(self, cfg, script):
-        super().__init__()
-        self.cfg, self.script = cfg, script
-        self.dummy = torch.nn.Parameter(torch.zeros(()))
-
-    def forward(self, toks):
-        b, t = toks.shape
-        logits = torch.full((b, t, task.vocab_size(self.cfg)), -30.0)
-        for i, row in enumerate(toks.tolist()):
-            p = row[:tora_task.PROMPT_LEN]
-            want = p + self.script(p)
-            logits[i, -1, want[t] if t < len(want) else task.EOS] = 30.0
-        return logits
+def Oracle(cfg, script):
+    """All probability on ``script(prompt)``'s next token at each length."""
+    return ScriptedPolicy(cfg, tora_task.PROMPT_LEN, script)
 
 
 def _answer(p):

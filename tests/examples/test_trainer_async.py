@@ -13,6 +13,7 @@ from examples.async_trainer.packing import assign_to_ranks, first_fit, karmarkar
 from examples.async_trainer.rollout import generate
 from examples.async_trainer.trainer import train
 from glm_kernels import icepop_loss_from_logits, selective_logprobs
+from tests.examples._policies import ScriptedPolicy
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -62,26 +63,13 @@ def test_packing_and_buffer():
         buf.add({"prompt_id": 0})
 
 
-class Oracle(torch.nn.Module):
-    """Puts all probability on the passing next token (or on ``first`` for the first policy
-    token), so ``generate`` walks a known path through the tool environment."""
-
-    def __init__(self, cfg, first=None):
-        super().__init__()
-        self.cfg, self.first = cfg, first
-        self.dummy = torch.nn.Parameter(torch.zeros(()))
-
-    def forward(self, toks):
-        b, t = toks.shape
-        logits = torch.full((b, t, task.vocab_size(self.cfg)), -30.0)
-        for i, row in enumerate(toks.tolist()):
-            prompt = row[:self.cfg.num_digits + 4]
-            want = prompt + task.expected_completion(self.cfg, prompt)
-            nxt = want[t] if t < len(want) else task.EOS
-            if t == len(prompt) and self.first is not None:
-                nxt = self.first
-            logits[i, -1, nxt] = 30.0
-        return logits
+def Oracle(cfg, first=None):
+    """All probability on the passing completion (its first token replaced by ``first`` when
+    given), so ``generate`` walks a known path through the tool environment."""
+    def script(prompt):
+        want = task.expected_completion(cfg, prompt)
+        return want if first is None else [first] + want[1:]
+    return ScriptedPolicy(cfg, cfg.num_digits + 4, script)
 
 
 def test_tool_trajectory_observation_is_environment_and_masked():
