@@ -8,12 +8,13 @@ Public API (see README.md and the DESIGN contracts):
     top-k       topk, moe_route (replay_ids=, return_mismatch=: rollout routing replay);
                 glm_kernels.topk: routing_mismatch, encode_routing, decode_routing
     weight sync glm_kernels.delta (codec), glm_kernels.sync (transports)
+Batch invariance: ``with glm_kernels.batch_invariant(): ...`` (or GLM_KERNELS_BATCH_INVARIANT=1).
 Backends: ``glm_kernels.force_backend("torch"|"triton"|"interpret")`` or the environment
 variable ``GLM_KERNELS_BACKEND``.
 """
 from . import _dispatch  # first: sets TRITON_INTERPRET before any kernel module is imported
 from . import delta, optim, sync
-from ._dispatch import force_backend, select_backend
+from ._dispatch import batch_invariant, batch_invariant_enabled, force_backend, select_backend
 from .loss import (fused_linear_icepop_loss, group_advantages, icepop_loss,
                    icepop_loss_from_logits, mismatch_metrics, opd_advantages,
                    reverse_kl_from_logits, selective_logprobs)
@@ -26,5 +27,6 @@ __version__ = "0.1.0"
 __all__ = ["icepop_loss", "icepop_loss_from_logits", "fused_linear_icepop_loss",
            "selective_logprobs", "reverse_kl_from_logits", "mismatch_metrics", "group_advantages",
            "opd_advantages", "newton_schulz", "HeadSplit", "muon_split_orthogonalize",
-           "optim", "topk", "moe_route", "delta", "sync", "force_backend", "select_backend",
+           "optim", "topk", "moe_route", "delta", "sync", "force_backend",
+           "batch_invariant", "batch_invariant_enabled", "select_backend",
            "__version__"]

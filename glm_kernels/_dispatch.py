@@ -39,6 +39,13 @@ if _env_backend == "interpret":
     # Must precede the first import of any module that defines @triton.jit kernels.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+_BATCH_INVARIANT_ENV = "GLM_KERNELS_BATCH_INVARIANT"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+_env_batch_invariant = os.environ.get(_BATCH_INVARIANT_ENV, "").strip().lower()
+if _env_batch_invariant not in _TRUE + _FALSE:
+    raise ValueError(f"{_BATCH_INVARIANT_ENV}={_env_batch_invariant!r}: expected 1 or 0")
+_env_batch_invariant = _env_batch_invariant in _TRUE
+
 _local = threading.local()
 _warned: set = set()
 
@@ -150,6 +157,32 @@ def force_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _local.backend = previous
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Inside the block (this thread), the log-prob, loss and metric ops give every row of a
+    batch a result bitwise independent of the other rows, their order and the chunking.
+
+    Off by default: the default plans may tile by batch size for speed. ``enabled=False``
+    turns it off inside a block where ``GLM_KERNELS_BATCH_INVARIANT=1`` turned it on.
+    docs/batch_invariance.md lists the ops it covers and what it costs.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {enabled!r} "
+                        f"({type(enabled).__name__})")
+    previous = getattr(_local, "batch_invariant", None)
+    _local.batch_invariant = enabled
+    try:
+        yield
+    finally:
+        _local.batch_invariant = previous
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether :func:`batch_invariant` (or ``GLM_KERNELS_BATCH_INVARIANT=1``) is in force."""
+    local = getattr(_local, "batch_invariant", None)
+    return _env_batch_invariant if local is None else local
 
 
 def warn_once(key: str, message: str) -> None:
