@@ -32,6 +32,12 @@ import torch
 
 from ..loss import icepop_loss, opd_advantages, selective_logprobs
 
+# The mismatch metrics that are token means (the rest are per sequence: see
+# icepop_loss_function's Returns).
+TOKEN_MISMATCH_KEYS = ("kl", "k3_kl", "chi2_token", "rollout_is_mean",
+                       "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low",
+                       "rollout_is_oob_ratio", "nonfinite_frac")
+
 __all__ = ["icepop_loss_function", "icepop_tis_function", "opd_log_ratio_advantages",
            "icepop_gate_weights"]
 
@@ -180,12 +186,13 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     (loss, metrics): scalar ``pg_loss - entropy_coef * entropy_loss`` with gradient to
     ``logits``; metrics of 0-dim detached tensors, each a sum over samples that slime divides
     by the step's sample count: ``loss``, ``pg_loss``, ``entropy_loss``, ``pop_frac``,
-    ``clip_frac``, ``train_rollout_logprob_abs_diff``, the mismatch metrics of
-    ``icepop_loss`` (``mismatch_k1``, ``mismatch_k3``, ``mismatch_chi2``, ``log_ppl_gap``,
-    ``gate_out_frac``, ``nonfinite_frac``: the kernel's micro-batch means times the
-    micro-batch's sample count, or token count with ``--calculate-per-token-loss``, split over
-    CP ranks like clip_frac), ``log_ppl_gap_seq`` (slime's per-sample mean of log pi_rollout -
-    log pi_train over finite tokens; train = the recomputed old log-probs when decoupled) and
+    ``clip_frac``, ``train_rollout_logprob_abs_diff``, the token-level mismatch metrics of
+    ``icepop_loss`` under verl's names (``TOKEN_MISMATCH_KEYS``: kl, k3_kl, chi2_token, the
+    IcePop gate's rollout_is_mean / fraction_high / fraction_low / oob_ratio, nonfinite_frac:
+    the micro-batch means times the micro-batch's sample count, or token count with
+    ``--calculate-per-token-loss``, split over CP ranks like clip_frac), ``log_ppl_diff``
+    (slime's per-sample mean of log pi_rollout - log pi_train over finite tokens = verl's
+    per-sequence log_ppl_diff; train = the recomputed old log-probs when decoupled) and
     ``opd_reverse_kl`` when the batch carries teacher log-probs.
     """
     if getattr(args, "use_kl_loss", False):
@@ -243,17 +250,17 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
         "train_rollout_logprob_abs_diff":
             sum_of_sample_mean((logprobs.detach() - rollout).abs()).detach(),
     }
-    # The kernel's mismatch metrics are micro-batch means, weighted like clip_frac so that
+    # The token-level mismatch metrics are micro-batch means, weighted like clip_frac so that
     # slime's sum / samples (or / tokens) gives their sample- (token-) weighted average
     # (a NaN mean over no tokens counts 0). The per-sequence gap is slime's own per-sample
-    # mean: sum_of_sample_mean of log pi_rollout - log pi_train (train = old when decoupled).
-    for key in ("mismatch_k1", "mismatch_k3", "mismatch_chi2", "log_ppl_gap",
-                "gate_out_frac", "nonfinite_frac"):
+    # mean: sum_of_sample_mean of log pi_rollout - log pi_train (train = old when decoupled);
+    # the other per-sequence metrics need whole samples, which a CP rank does not hold.
+    for key in TOKEN_MISMATCH_KEYS:
         metrics[key] = (torch.nan_to_num(m[key], nan=0.0) * weight).detach()
     # In fp64: a signed near-zero sum, so CP ranks' parts add up to the single-rank value.
     train = (old if old is not None else logprobs.detach()).double()
     finite = torch.isfinite(train) & torch.isfinite(rollout)
-    metrics["log_ppl_gap_seq"] = sum_of_sample_mean(
+    metrics["log_ppl_diff"] = sum_of_sample_mean(
         torch.where(finite, rollout.double() - train, 0.0)).float().detach()
     if batch.get("teacher_log_probs"):
         teacher = _cat(batch["teacher_log_probs"], device)

@@ -2,7 +2,8 @@
 from .advantages import group_advantages, opd_advantages
 from .from_logits import icepop_loss_from_logits
 from .fused_linear import fused_linear_icepop_loss
-from .icepop import icepop_loss, mismatch_metrics
+from .icepop import icepop_loss
+from .mismatch import MISMATCH_KEYS, mismatch_metrics
 from .logprobs import selective_logprobs
 from .reverse_kl import reverse_kl_from_logits
 

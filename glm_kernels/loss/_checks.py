@@ -6,6 +6,8 @@ or inverted band and a silently wrong loss.
 """
 from typing import Optional, Tuple
 
+import torch
+
 from .. import _dispatch
 
 
@@ -15,6 +17,15 @@ def check_bool(name: str, value) -> bool:
         raise TypeError(f"{name} must be True or False, got {value!r} "
                         f"({type(value).__name__})")
     return value
+
+
+def check_loss_mask(loss_mask, ref_name: str, ref: torch.Tensor) -> None:
+    """loss_mask: bool or 0/1 numbers of ``ref``'s shape."""
+    _dispatch.check_tensor("loss_mask", loss_mask)
+    if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
+            or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
+        raise TypeError(f"loss_mask must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
+    _dispatch.check_same_shape("loss_mask", loss_mask, ref_name, ref)
 
 
 def check_tp_group(tp_group) -> None:

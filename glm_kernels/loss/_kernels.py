@@ -6,56 +6,17 @@ import triton.language as tl
 
 from .._aot import AotSpec
 
-# Order of the per-program statistics row written by _icepop_fwd_kernel; the mismatch
-# metrics (METRICS=True) append six columns: non-finite train-side tokens, |M|, and the sums
-# over M of d, r - 1 - d, r^2 - 1 and of gate-outside tokens (loss/_reference.py has the math).
+# Order of the per-program statistics row written by _icepop_fwd_kernel (the ratio columns
+# over M: masked tokens whose log-probs are all finite).
 STAT_LOSS_SUM, STAT_MASKED, STAT_POPPED, STAT_CLIPPED, STAT_RATIO_SUM, STAT_RATIO_MAX, \
     STAT_RATIO_MIN, STAT_RATIO_COUNT = range(8)
 NUM_STATS = 8
-STAT_NONFINITE, STAT_M_COUNT, STAT_M_D_SUM, STAT_M_K3_SUM, STAT_M_CHI2_SUM, \
-    STAT_M_GATE_OUT = range(8, 14)
-NUM_STATS_METRICS = 14
 
 
 @triton.jit
 def is_finite(x):
     """Neither NaN nor +-inf (NaN fails the comparison)."""
     return tl.abs(x) < float("inf")
-
-
-@triton.jit
-def _exp_m1_m_x(x):
-    """e^x - 1 - x without cancellation: its Taylor series through x^9 where |x| < 0.5
-    (truncation < 3e-10 relative), else the direct difference. Lanes outside |x| < 0.5 get
-    0 here; the caller selects the direct form there from the e^x it already holds."""
-    small = tl.abs(x) < 0.5
-    xs = tl.where(small, x, 0.0)
-    p = 2.755731922398589e-06 * xs + 2.48015873015873e-05      # 1/9!, 1/8!
-    p = p * xs + 0.0001984126984126984                            # 1/7!
-    p = p * xs + 0.001388888888888889                             # 1/6!
-    p = p * xs + 0.008333333333333333                             # 1/5!
-    p = p * xs + 0.041666666666666664                             # 1/4!
-    p = p * xs + 0.16666666666666666                              # 1/3!
-    p = p * xs + 0.5                                              # 1/2!
-    return small, xs * xs * p
-
-
-@triton.jit
-def mismatch_token_math(train, rollout, ratio, in_gate, masked, train_ok):
-    """Mismatch terms of a tile (fp32): train-side non-finite tokens, the set M (masked, all
-    log-probs finite), and over M: d = clamp(train - rollout, -20, 20), k3 = r - 1 - d,
-    chi2 = r^2 - 1, gate_out; ``ratio`` = e^d is the gate ratio already in registers.
-    Returns (nonfinite, in_m, d, k3, chi2, gate_out), the floats 0 outside M."""
-    nonfinite = masked & ~train_ok
-    in_m = masked & train_ok & is_finite(rollout)
-    d = tl.where(in_m, tl.clamp(train - rollout, -20.0, 20.0), 0.0)
-    r = tl.where(in_m, ratio, 1.0)
-    small, series = _exp_m1_m_x(d)
-    k3 = tl.where(small, series, r - 1.0 - d)
-    small2, series2 = _exp_m1_m_x(2.0 * d)
-    chi2 = tl.where(small2, 2.0 * d + series2, r * r - 1.0)
-    gate_out = in_m & ~in_gate
-    return nonfinite, in_m, d, k3, chi2, gate_out
 
 
 @triton.jit
@@ -111,36 +72,22 @@ def icepop_token_math(lp, rollout, base, adv, masked, train_ok, gate_low, gate_h
 
 @triton.jit
 def _icepop_fwd_kernel(
-    # inputs, [rows, row_len] row-major (flat [N] = one row)
+    # inputs, flat [N]
     logprobs_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr,
     # outputs: per-token loss terms [N], per-token d(l*m)/d logprobs [N],
-    # stats [rows * col_blocks, 8 or 14] (one row per program)
+    # stats [programs, 8] (one row per program)
     loss_ptr, grad_ptr, stats_ptr,
     # shapes and runtime hyper-parameters (runtime floats: no recompile per value)
-    row_len, col_blocks, seq_len, gate_low, gate_high, clip_low, clip_high, dual_clip,
+    n_tokens, seq_len, gate_low, gate_high, clip_low, clip_high, dual_clip,
     # code-path switches and tile size
     HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, ADV_PER_SEQ: tl.constexpr,
-    STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr, METRICS: tl.constexpr,
-    DUAL_CLIP: tl.constexpr, BLOCK: tl.constexpr,
+    STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr, DUAL_CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """IcePop forward and per-token gradient in one pass; one stats row per program.
-
-    With METRICS, program p covers columns [c BLOCK, (c + 1) BLOCK) of row p // col_blocks
-    (c = p mod col_blocks), so the per-row (per-sequence) sums are the sums of that row's
-    programs, and the stats row gets the mismatch columns, from values already in registers.
-    Without, the input is one flat row of row_len = N tokens.
-    """
+    """IcePop forward and per-token gradient in one pass; one stats row per program."""
     pid = tl.program_id(0)
-    if METRICS:
-        row = (pid // col_blocks).to(tl.int64)
-        cols = (pid % col_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_bounds = cols < row_len
-        offs = row * row_len + cols
-    else:
-        # One flat row (col_blocks = programs): the index math of the metrics-free kernel
-        # stays the plain one, which the compiler vectorizes and keeps at fewer registers.
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_bounds = offs < row_len
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offs < n_tokens
 
     lp = tl.load(logprobs_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
     rollout = tl.load(rollout_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
@@ -167,11 +114,9 @@ def _icepop_fwd_kernel(
     if STORE_GRAD:
         tl.store(grad_ptr + offs, grad, mask=in_bounds)
 
-    counted = masked & (gate_ratio == gate_ratio)
-    if METRICS:
-        stats = stats_ptr + pid.to(tl.int64) * 14
-    else:
-        stats = stats_ptr + pid.to(tl.int64) * 8
+    # The ratio statistics describe M: masked tokens whose log-probs are all finite.
+    counted = masked & train_ok & is_finite(rollout)
+    stats = stats_ptr + pid.to(tl.int64) * 8
     tl.store(stats + 0, tl.sum(loss, axis=0))
     tl.store(stats + 1, tl.sum(masked.to(tl.float32), axis=0))
     tl.store(stats + 2, tl.sum((masked & train_ok & ~in_gate).to(tl.float32), axis=0))
@@ -180,41 +125,25 @@ def _icepop_fwd_kernel(
     tl.store(stats + 5, tl.max(tl.where(counted, gate_ratio, -float("inf")), axis=0))
     tl.store(stats + 6, tl.min(tl.where(counted, gate_ratio, float("inf")), axis=0))
     tl.store(stats + 7, tl.sum(counted.to(tl.float32), axis=0))
-    if METRICS:
-        # train = old (decoupled) or lp (coupled): ``base`` / ``lp``; e^d is gate_ratio.
-        if HAS_OLD:
-            train = base
-        else:
-            train = lp
-        nonfinite, in_m, d, k3, chi2, gate_out = mismatch_token_math(
-            train, rollout, gate_ratio, in_gate, masked, train_ok)
-        tl.store(stats + 8, tl.sum(nonfinite.to(tl.float32), axis=0))
-        tl.store(stats + 9, tl.sum(in_m.to(tl.float32), axis=0))
-        tl.store(stats + 10, tl.sum(d, axis=0))
-        tl.store(stats + 11, tl.sum(k3, axis=0))
-        tl.store(stats + 12, tl.sum(chi2, axis=0))
-        tl.store(stats + 13, tl.sum(gate_out.to(tl.float32), axis=0))
 
 
 def icepop_fwd(logprobs, rollout, old, adv, mask, loss_out, grad_out, stats_out, *,
                seq_len, gate_low, gate_high, clip_low, clip_high, adv_per_seq, block,
-               num_warps, row_len=None, metrics=False, dual_clip=None):
-    """Launch _icepop_fwd_kernel over rows of ``row_len`` tokens (default: one row of all
-    tokens); stats_out must have rows * cdiv(row_len, block) rows of NUM_STATS (or
-    NUM_STATS_METRICS with ``metrics``) columns."""
+               num_warps, dual_clip=None):
+    """Launch _icepop_fwd_kernel over flat tokens; stats_out must have cdiv(N, block) rows
+    of NUM_STATS columns."""
     n_tokens = logprobs.numel()
-    row_len = n_tokens if row_len is None else row_len
-    if n_tokens == 0 or row_len == 0:
+    if n_tokens == 0:
         return
-    col_blocks = triton.cdiv(row_len, block)
-    grid = (col_blocks * (n_tokens // row_len),)
+    grid = (triton.cdiv(n_tokens, block),)
     _icepop_fwd_kernel[grid](
         logprobs, rollout, logprobs if old is None else old, adv,
         logprobs if mask is None else mask,
         loss_out, grad_out, stats_out,
-        row_len, col_blocks, max(seq_len, 1), gate_low, gate_high, clip_low, clip_high,
-        1.0 if dual_clip is None else dual_clip, HAS_OLD=old is not None, HAS_MASK=mask is not None, ADV_PER_SEQ=adv_per_seq,
-        STORE_LOSS=loss_out.numel() > 0, STORE_GRAD=grad_out.numel() > 0, METRICS=metrics,
+        n_tokens, max(seq_len, 1), gate_low, gate_high, clip_low, clip_high,
+        1.0 if dual_clip is None else dual_clip, HAS_OLD=old is not None,
+        HAS_MASK=mask is not None, ADV_PER_SEQ=adv_per_seq,
+        STORE_LOSS=loss_out.numel() > 0, STORE_GRAD=grad_out.numel() > 0,
         DUAL_CLIP=dual_clip is not None, BLOCK=block, num_warps=num_warps)
 
 
@@ -223,27 +152,23 @@ def _icepop_aot_specs():
     signature = {
         "logprobs_ptr": "*fp32", "rollout_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32",
         "mask_ptr": "*u8", "loss_ptr": "*fp32", "grad_ptr": "*fp32", "stats_ptr": "*fp32",
-        "row_len": "i32", "col_blocks": "i32", "seq_len": "i32", "gate_low": "fp32",
+        "n_tokens": "i32", "seq_len": "i32", "gate_low": "fp32",
         "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32", "dual_clip": "fp32",
     }
     specs = []
     for lp_dtype in ("fp32", "bf16"):
         for has_old in (False, True):
-            for metrics in (False, True):
-                for dual in (False, True):
-                    sig = dict(signature, logprobs_ptr=f"*{lp_dtype}")
-                    # Tokens a program on the GPU (icepop.py): 1024 with dual clip, else 2048
-                    # with metrics, else 4096.
-                    constexprs = dict(HAS_OLD=has_old, HAS_MASK=True, ADV_PER_SEQ=False,
-                                      STORE_LOSS=False, STORE_GRAD=True, METRICS=metrics,
-                                      DUAL_CLIP=dual,
-                                      BLOCK=1024 if dual else 2048 if metrics else 4096)
-                    for name in constexprs:
-                        sig[name] = "constexpr"
-                    specs.append(AotSpec(
-                        f"icepop_fwd[{lp_dtype},old={has_old},metrics={metrics}"
-                        f"{',dual' if dual else ''}]", _icepop_fwd_kernel, sig, constexprs,
-                        num_warps=8))
+            for dual in (False, True):
+                sig = dict(signature, logprobs_ptr=f"*{lp_dtype}")
+                # Tokens a program on the GPU (icepop.py): 1024 with dual clip, else 4096.
+                constexprs = dict(HAS_OLD=has_old, HAS_MASK=True, ADV_PER_SEQ=False,
+                                  STORE_LOSS=False, STORE_GRAD=True, DUAL_CLIP=dual,
+                                  BLOCK=1024 if dual else 4096)
+                for name in constexprs:
+                    sig[name] = "constexpr"
+                specs.append(AotSpec(
+                    f"icepop_fwd[{lp_dtype},old={has_old}{',dual' if dual else ''}]",
+                    _icepop_fwd_kernel, sig, constexprs, num_warps=8))
     return specs
 
 

@@ -13,7 +13,6 @@ so H = log s - t / s never subtracts two large numbers.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -187,8 +186,9 @@ def _store_softmax_grad_tile(out, x, cols, V, inv_temp, lse, coef):
 def _icepop_logits_kernel(
     # inputs: logits [N, V]; per token [N]: ids, rollout, old, advantages, mask, reduction scale
     logits_ptr, ids_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr, scale_ptr,
-    # outputs: dL/dlogits [N, V] (may alias logits_ptr), IcePop stats rows [N, 8], flag [1]
-    grad_ptr, rows_ptr, flag_ptr,
+    # outputs: dL/dlogits [N, V] (may alias logits_ptr), IcePop stats rows [N, 8], flag [1],
+    # with METRICS the train-side log-prob lp [N] (the mismatch metrics' input)
+    grad_ptr, rows_ptr, flag_ptr, lp_ptr,
     # shapes and runtime floats
     n_rows, V, stride_row, stride_grad, inv_temp, gate_low, gate_high, clip_low, clip_high,
     dual_clip, HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, STORE_GRAD: tl.constexpr,
@@ -201,8 +201,8 @@ def _icepop_logits_kernel(
     (in its storage dtype) until its gradient is written. ROW_TILES = 0: the row is streamed, and
     a second sweep re-reads it right after the first one (the persistent grid keeps few rows in
     flight so that sweep mostly hits L2). dL/dz = scale * dl/dlp * (onehot - softmax); the
-    stats row has the layout of _kernels._icepop_fwd_kernel's (METRICS: the six mismatch
-    columns too, from the token's lp / rollout / old already in registers).
+    stats row has the layout of _kernels._icepop_fwd_kernel's; METRICS also stores each row's
+    lp (one value a row: the mismatch metrics are computed from it, never from the logits).
     """
     pid = tl.program_id(0).to(tl.int64)
     for row in range(pid, n_rows, tl.num_programs(0)):
@@ -252,27 +252,18 @@ def _icepop_logits_kernel(
             lp, rollout, base_lp, adv, masked, train_ok, gate_low, gate_high, clip_low,
             clip_high, dual_clip, HAS_OLD, DUAL_CLIP)
 
-        counted = masked & (gate_ratio == gate_ratio)
+        # The ratio statistics describe M: masked tokens whose log-probs are all finite.
+        counted = masked & train_ok & is_finite(rollout)
         stats = rows_ptr + row * 8
         tl.store(stats + 0, loss)
         tl.store(stats + 1, masked.to(tl.float32))
         tl.store(stats + 2, (masked & train_ok & ~in_gate).to(tl.float32))
         tl.store(stats + 3, (keep & branch_cut).to(tl.float32))
+        tl.store(stats + 4, tl.where(counted, gate_ratio, 0.0))
+        tl.store(stats + 5, tl.where(counted, gate_ratio, float("-inf")))
+        tl.store(stats + 6, tl.where(counted, gate_ratio, float("inf")))
         if METRICS:
-            # Per token, columns 4-6 (the ratio as sum / max / min candidates) follow from the
-            # gate's log-ratio train - rollout and column 7: with metrics the kernel stores
-            # that raw log-ratio in column 4 and the train-side non-finite flag in column 5,
-            # and ``expand_metric_rows`` builds the 14-column rows: no extra store or math in
-            # the kernel.
-            if HAS_OLD:
-                tl.store(stats + 4, base_lp - rollout)
-            else:
-                tl.store(stats + 4, lp - rollout)
-            tl.store(stats + 5, (masked & ~train_ok).to(tl.float32))
-        else:
-            tl.store(stats + 4, tl.where(counted, gate_ratio, 0.0))
-            tl.store(stats + 5, tl.where(counted, gate_ratio, float("-inf")))
-            tl.store(stats + 6, tl.where(counted, gate_ratio, float("inf")))
+            tl.store(lp_ptr + row, lp)
         tl.store(stats + 7, counted.to(tl.float32))
 
         if STORE_GRAD:
@@ -350,49 +341,25 @@ def icepop_logits_maxnreg(row_tiles: int):
     return 128 if row_tiles == 0 and triton_version() < (3, 7) else None
 
 
-def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag, *, inv_temp,
-                  gate_low, gate_high, clip_low, clip_high, block_v, row_tiles, num_warps,
-                  max_programs, metrics=False, dual_clip=None):
+def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag, lp, *,
+                  inv_temp, gate_low, gate_high, clip_low, clip_high, block_v, row_tiles,
+                  num_warps, max_programs, dual_clip=None):
     """row_tiles 0: streamed rows (tile block_v); 1..3: rows held in that many register
     tiles of block_v columns (V <= row_tiles * block_v). ``rows`` [N, 8] receives the stats;
-    returns them, or with ``metrics`` the [N, 14] rows built from them."""
+    ``lp`` [N] (or None: no metrics) each row's log-prob."""
     n, v = logits.shape
     if n == 0:
-        return expand_metric_rows(rows) if metrics else rows
+        return
     store_grad = grad is not None
     _icepop_logits_kernel[(min(n, max_programs),)](
         logits, ids, rollout, rollout if old is None else old, adv,
         ids if mask is None else mask, scale, grad if store_grad else logits, rows, flag,
+        rows if lp is None else lp,
         n, v, logits.stride(0), grad.stride(0) if store_grad else 0, inv_temp, gate_low,
         gate_high, clip_low, clip_high, 1.0 if dual_clip is None else dual_clip,
         HAS_OLD=old is not None, HAS_MASK=mask is not None, STORE_GRAD=store_grad,
-        METRICS=metrics, DUAL_CLIP=dual_clip is not None, ROW_TILES=row_tiles, BLOCK_V=block_v,
-        num_warps=num_warps, maxnreg=icepop_logits_maxnreg(row_tiles))
-    return expand_metric_rows(rows) if metrics else rows
-
-
-def expand_metric_rows(rows):
-    """[N, 8] rows of a METRICS launch -> the [N, 14] stats rows of loss/_kernels.py's layout.
-
-    Column 4 holds the gate's raw log-ratio x = train - rollout, column 5 the train-side
-    non-finite flag (column 6 is unused). With masked (1), popped (2) and counted (7): the
-    ratio e^clamp(x, -20, 20) for columns 4-6; M = masked & ~nonfinite & finite(x);
-    d = clamp(x, -20, 20) on M; gate_out = M & popped (on M, popped = outside the gate);
-    r - 1 - d = expm1(d) - d and r^2 - 1 = expm1(2 d) in fp64 (no cancellation). Device
-    elementwise ops on the O(tokens) rows the kernel wrote: no input is read again, no sync.
-    """
-    counted = rows[:, 7] != 0
-    raw = rows[:, 4]
-    ratio = torch.exp(raw.clamp(-20.0, 20.0))
-    nonfinite = rows[:, 5] != 0
-    in_m = (rows[:, 1] != 0) & ~nonfinite & torch.isfinite(raw)
-    d = torch.where(in_m, raw.double().clamp(-20.0, 20.0), 0.0)
-    inf = float("inf")
-    return torch.stack([
-        rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], torch.where(counted, ratio, 0.0),
-        torch.where(counted, ratio, -inf), torch.where(counted, ratio, inf), rows[:, 7],
-        nonfinite.float(), in_m.float(), d.float(), (torch.expm1(d) - d).float(),
-        torch.expm1(2.0 * d).float(), (in_m & (rows[:, 2] != 0)).float()], -1)
+        METRICS=lp is not None, DUAL_CLIP=dual_clip is not None, ROW_TILES=row_tiles,
+        BLOCK_V=block_v, num_warps=num_warps, maxnreg=icepop_logits_maxnreg(row_tiles))
 
 
 def scale_inplace(x, factor, *, block=4096, num_warps=4):
@@ -437,7 +404,8 @@ def _aot_specs():
             sig = {"logits_ptr": f"*{dt}", "ids_ptr": "*i64", "rollout_ptr": "*fp32",
                    "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8",
                    "scale_ptr": "*fp32", "grad_ptr": f"*{dt}", "rows_ptr": "*fp32",
-                   "flag_ptr": "*i32", "n_rows": "i32", "V": "i32", "stride_row": "i64",
+                   "flag_ptr": "*i32", "lp_ptr": "*fp32", "n_rows": "i32", "V": "i32",
+                   "stride_row": "i64",
                    "stride_grad": "i64", "inv_temp": "fp32", "gate_low": "fp32",
                    "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32",
                    "dual_clip": "fp32", "HAS_OLD": "constexpr", "HAS_MASK": "constexpr",

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ._invariant import row_logsumexp, row_shift, row_sum
 from ._reference import (icepop_loss_reference, icepop_stats_rows, icepop_token_grad,
-                         icepop_token_terms, mismatch_token_terms)
+                         icepop_token_terms, ratio_counted)
 
 NEG_INF = float("-inf")
 
@@ -66,11 +67,6 @@ def fused_linear_icepop_loss_reference(hidden, weight, token_ids, rollout_logpro
 
 
 # --------------------------------------------------------------------------- torch backend
-def row_shift(m):
-    """The row max, or 0 for rows of only -inf (so e^(z - shift) is 0, not NaN)."""
-    return torch.where(m == NEG_INF, 0.0, m)
-
-
 def logprob_partial_stats(logits, token_ids, inv_temp, vocab_start, want_entropy):
     """[N, 4] fp32 statistics of the columns this tensor holds: (m, s, t, z_t).
 
@@ -82,9 +78,9 @@ def logprob_partial_stats(logits, token_ids, inv_temp, vocab_start, want_entropy
     m = z.amax(-1)
     shifted = z - row_shift(m).unsqueeze(-1)
     e = shifted.exp()
-    s = e.sum(-1)
+    s = row_sum(e)
     if want_entropy:
-        t = (e * torch.where(z > NEG_INF, shifted, 0.0)).sum(-1)
+        t = row_sum(e * torch.where(z > NEG_INF, shifted, 0.0))
     else:
         t = torch.zeros_like(s)
     local = token_ids.long() - vocab_start
@@ -110,11 +106,12 @@ def logprobs_lse_entropy(logits, token_ids, inv_temp, want_entropy):
     """(lp, lse, entropy or None) of whole rows: lse = logsumexp z, lp = z_t - lse,
     H = sum entr(softmax z) (entr(0) = 0: -inf entries contribute 0)."""
     z = scaled_fp32(logits, inv_temp)
-    lse = torch.logsumexp(z, -1)
+    lse = row_logsumexp(z)
     lp = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - lse
     if not want_entropy:
         return lp, lse, None
-    return lp, lse, torch.special.entr(torch.softmax(z, -1)).sum(-1)
+    # softmax as e^(z - lse): elementwise, so the same bits in any batch (torch.softmax is not).
+    return lp, lse, row_sum(torch.special.entr(torch.exp(z - lse.unsqueeze(-1))))
 
 
 def softmax_grad(logits, token_ids, lse, entropy, coef, coef_entropy, inv_temp, vocab_start):
@@ -151,32 +148,26 @@ def softmax_grad_of_z(z, token_ids, lse, entropy, coef, coef_entropy, inv_temp, 
 
 
 def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp, gate_low,
-                       gate_high, eps_low, eps_high, need_grad, metrics=False,
-                       dual_clip=None):
-    """The fused op in torch: (dL/dlogits [N, V] fp32 or None, IcePop stats rows [N, 8], or
-    [N, 14] with ``metrics``).
+                       gate_high, eps_low, eps_high, need_grad, dual_clip=None):
+    """The fused op in torch: (dL/dlogits [N, V] fp32 or None, IcePop stats rows [N, 8],
+    log-probs [N] fp32).
 
     ``scale`` [N] is the reduction's factor per token; rows follow the layout of the IcePop
-    kernel's per-program statistics (loss, masked, popped, clipped, ratio sum/max/min, count;
-    then nonfinite, |M|, d, k3, chi2, gate_out).
+    kernel's per-program statistics (loss, masked, popped, clipped, ratio sum/max/min, count).
     """
     z = scaled_fp32(logits, inv_temp)
-    lse = torch.logsumexp(z, -1)
+    lse = row_logsumexp(z)
     lp = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - lse
     kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
                   eps_high=eps_high, dual_clip=dual_clip)
     loss, popped, clipped, gate_ratio, masked = icepop_token_terms(lp, rollout, adv, mask,
                                                                    **kwargs)
-    mismatch = None
-    if metrics:
-        mismatch = mismatch_token_terms(lp if old is None else old, rollout, mask,
-                                        gate_low=gate_low, gate_high=gate_high,
-                                        also_finite=None if old is None else lp)
-    rows = icepop_stats_rows(loss, popped, clipped, gate_ratio, masked, mismatch)
+    rows = icepop_stats_rows(loss, popped, clipped, gate_ratio, masked,
+                             ratio_counted(masked, lp, rollout, old))
     if not need_grad:
-        return None, rows
+        return None, rows, lp
     coef = icepop_token_grad(lp, rollout, adv, mask, **kwargs) * scale
-    return softmax_grad_of_z(z, token_ids, lse, None, coef, None, inv_temp, 0), rows
+    return softmax_grad_of_z(z, token_ids, lse, None, coef, None, inv_temp, 0), rows, lp
 
 
 def reverse_kl_partial_stats(student, teacher, inv_temp):

@@ -28,29 +28,18 @@ popped (its ratio is NaN or clamped out of the gate). A NaN/inf advantage of a k
 propagates (NaN/inf loss, and that token's gradient NaN/inf); masked-out or popped tokens
 never read theirs.
 
-Mismatch metrics (train = old_logprobs when given, else logprobs; rollout = rollout_logprobs),
-over the set M of masked tokens whose log-probs (logprobs, old_logprobs, rollout) are all
-finite, with d = clamp(train - rollout, -20, 20) and r = e^d = pi_train / pi_rollout (the
-gate's ratio):
-
-    mismatch_k1    = mean_M(-d)             = mean(log pi_rollout - log pi_train)
-    mismatch_k3    = mean_M(r - 1 - d)      (>= 0; unbiased for KL(pi_rollout || pi_train))
-    mismatch_chi2  = mean_M(r^2 - 1)        (unbiased for chi^2(pi_train || pi_rollout))
-    log_ppl_gap    = mean_M(-d)             = log PPL_train - log PPL_rollout, tokens pooled
-                                              (the same number as mismatch_k1)
-    log_ppl_gap_seq = mean over rows b with M_b non-empty of mean_{M_b}(-d)
-                                              (rows: the last dim is the sequence)
-    gate_out_frac  = |{t in M : r outside [lo, hi]}| / |M|
-    nonfinite_frac = |non-finite masked tokens| / max(|masked|, 1)
-
-Every mean over an empty set is NaN. The samples come from pi_rollout, hence r = pi_train /
-pi_rollout: E_rollout[r] = 1 makes k3 and chi2 unbiased (Schulman's k3 estimator).
+IcePop's metrics (``token_metrics``): pop_frac and clip_frac over masked tokens; the gate
+ratio's mean / max / min over M, the masked tokens whose log-probs (logprobs, old_logprobs,
+rollout) are all finite. The train/rollout mismatch metrics are defined in ``loss/mismatch.py``
+(plain torch on every backend: they read O(tokens) inputs, never the logits).
 """
 from __future__ import annotations
 
 from typing import Dict
 
 import torch
+
+from .mismatch import mismatch_from_tokens
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -157,11 +146,16 @@ def reduce_terms(loss_terms: torch.Tensor, masked: torch.Tensor, reduction: str)
     raise ValueError(f"reduction={reduction!r}")
 
 
-def token_metrics(popped, clipped, gate_ratio, masked) -> Dict[str, torch.Tensor]:
-    """pop_frac, clip_frac over masked tokens; ratio_mean/max/min over masked non-NaN ratios."""
+def ratio_counted(masked, logprobs, rollout_logprobs, old_logprobs=None):
+    """M: masked tokens whose log-probs are all finite (what the ratio statistics describe)."""
+    return (masked & train_side_finite(logprobs.detach(), old_logprobs)
+            & torch.isfinite(rollout_logprobs.detach()))
+
+
+def token_metrics(popped, clipped, gate_ratio, masked, counted) -> Dict[str, torch.Tensor]:
+    """pop_frac, clip_frac over masked tokens; ratio_mean/max/min over ``counted`` (M)."""
     n_masked = masked.sum().float()
     denom = n_masked.clamp(min=1)
-    counted = masked & ~torch.isnan(gate_ratio)
     ratios = gate_ratio.float()[counted]
     nan = torch.tensor(float("nan"))
     return {
@@ -173,84 +167,14 @@ def token_metrics(popped, clipped, gate_ratio, masked) -> Dict[str, torch.Tensor
     }
 
 
-def mismatch_token_terms(train_logprobs, rollout_logprobs, loss_mask=None, *, gate_low,
-                         gate_high, also_finite=None):
-    """Per-token mismatch terms of the set M (see the module docstring), all of the input shape.
-
-    Returns (in_m bool, nonfinite bool, d fp64, k3 fp64, chi2 fp64, gate_out bool). ``d``,
-    ``k3`` and ``chi2`` are 0 outside M. fp64 (k3 = r - 1 - d loses most of its digits to
-    cancellation in fp32 when |d| is small). ``also_finite``: another train-side tensor that
-    must be finite (``logprobs`` in the decoupled mode, where train = old_logprobs).
-    """
-    train = train_logprobs.detach()
-    rollout = rollout_logprobs.detach()
-    masked = torch.ones_like(train, dtype=torch.bool) if loss_mask is None else loss_mask != 0
-    train_ok = torch.isfinite(train)
-    if also_finite is not None:
-        train_ok = train_ok & torch.isfinite(also_finite.detach())
-    nonfinite = masked & ~train_ok
-    in_m = masked & train_ok & torch.isfinite(rollout)
-    d = (train.double() - rollout.double()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    d = torch.where(in_m, d, 0.0)
-    k3 = torch.expm1(d) - d                                   # r - 1 - log r
-    chi2 = torch.expm1(2.0 * d)                               # r^2 - 1
-    # The gate test on the fp32 ratio, exactly as the loss applies it.
-    ratio32 = torch.exp((train.float() - rollout.float()).clamp(-LOG_RATIO_CLAMP,
-                                                                LOG_RATIO_CLAMP))
-    gate_out = in_m & ~((ratio32 >= gate_low) & (ratio32 <= gate_high))
-    return in_m, nonfinite, d, k3, chi2, gate_out
-
-
-def mismatch_metrics_reference(train_logprobs, rollout_logprobs, loss_mask=None, *,
-                               gate_low=0.5, gate_high=2.0, also_finite=None
-                               ) -> Dict[str, torch.Tensor]:
-    """The seven mismatch metrics of the module docstring, written out (fp32 scalars)."""
-    in_m, nonfinite, d, k3, chi2, gate_out = mismatch_token_terms(
-        train_logprobs, rollout_logprobs, loss_mask, gate_low=gate_low, gate_high=gate_high,
-        also_finite=also_finite)
-    masked = (torch.ones_like(in_m) if loss_mask is None else loss_mask != 0)
-    n_m = in_m.sum().double()
-    nan = torch.tensor(float("nan"), dtype=torch.float64)
-
-    def mean_m(x):
-        return x.sum() / n_m if n_m > 0 else nan
-
-    # Per sequence: rows of the last dim (a 1-D input is one sequence).
-    row_len = in_m.shape[-1] if in_m.dim() else 1
-    rows_m = in_m.reshape(-1, row_len).sum(-1).double()
-    rows_gap = (-d).reshape(-1, row_len).sum(-1)
-    valid = rows_m > 0
-    seq_gap = ((rows_gap[valid] / rows_m[valid]).mean() if bool(valid.any()) else nan)
-    out = {
-        "mismatch_k1": mean_m(-d),
-        "mismatch_k3": mean_m(k3),
-        "mismatch_chi2": mean_m(chi2),
-        "log_ppl_gap": mean_m(-d),
-        "log_ppl_gap_seq": seq_gap,
-        "gate_out_frac": mean_m(gate_out.double()),
-        "nonfinite_frac": nonfinite.sum().double() / masked.sum().clamp(min=1).double(),
-    }
-    return {k: v.float() for k, v in out.items()}
-
-
-MISMATCH_KEYS = ("mismatch_k1", "mismatch_k3", "mismatch_chi2", "log_ppl_gap",
-                 "log_ppl_gap_seq", "gate_out_frac", "nonfinite_frac")
-
-
-def icepop_stats_rows(loss, popped, clipped, gate_ratio, masked, mismatch=None):
-    """Per-token statistics rows [N, 8] (or [N, 14] with ``mismatch`` terms) in the layout of
-    the kernels' per-program rows: loss, masked, popped, clipped, ratio sum / max / min /
-    count, then nonfinite, |M|, sum d, sum k3, sum chi2, gate_out (the torch backend's input
-    to the same fixed-order reduction the kernels' rows go through)."""
-    counted = masked & ~torch.isnan(gate_ratio)
+def icepop_stats_rows(loss, popped, clipped, gate_ratio, masked, counted):
+    """Per-token statistics rows [N, 8] in the layout of the kernels' per-program rows: loss,
+    masked, popped, clipped, ratio sum / max / min / count over ``counted`` (M) (the torch
+    backend's input to the same fixed-order reduction the kernels' rows go through)."""
     inf = float("inf")
     cols = [loss.float(), masked.float(), popped.float(), clipped.float(),
             torch.where(counted, gate_ratio, 0.0), torch.where(counted, gate_ratio, -inf),
             torch.where(counted, gate_ratio, inf), counted.float()]
-    if mismatch is not None:
-        in_m, nonfinite, d, k3, chi2, gate_out = mismatch
-        cols += [nonfinite.float(), in_m.float(), d.float(), k3.float(), chi2.float(),
-                 gate_out.float()]
     return torch.stack([c.reshape(-1).float() for c in cols], -1)
 
 
@@ -269,9 +193,10 @@ def icepop_loss_reference(logprobs, rollout_logprobs, advantages, loss_mask=None
     loss = reduce_terms(loss_terms, masked, reduction)
     if not return_metrics:
         return loss
-    metrics = token_metrics(popped, clipped, gate_ratio, masked)
+    counted = ratio_counted(masked, logprobs, rollout_logprobs, old_logprobs)
+    metrics = token_metrics(popped, clipped, gate_ratio, masked, counted)
     train = logprobs if old_logprobs is None else old_logprobs
-    metrics.update(mismatch_metrics_reference(
+    metrics.update(mismatch_from_tokens(
         train, rollout_logprobs, loss_mask, gate_low=lo, gate_high=hi,
         also_finite=None if old_logprobs is None else logprobs))
     return loss, metrics

@@ -35,11 +35,9 @@ import torch
 from .. import _dispatch
 from . import _logits_reference as ref
 from . import _checks
-from .icepop import (_NUM_STATS, _NUM_STATS_METRICS, _check_hyperparameters, _check_inputs,
-                     _metrics_from_stats, _n_seqs, _raise_if_nonfinite, _stats_from_partials,
-                     icepop_loss)
-
-STATS_COLS = {False: _NUM_STATS, True: _NUM_STATS_METRICS}   # stats row width per metrics
+from .icepop import (_NUM_STATS, _check_hyperparameters, _check_inputs, _stats_from_partials,
+                     icepop_loss, icepop_metrics)
+from .mismatch import raise_if_nonfinite
 from .logprobs import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
                        kernels_or_none, logprobs_rows, prepare_call, rows_2d, run_op)
 
@@ -63,34 +61,40 @@ def token_scales(loss_mask: Optional[torch.Tensor], shape: torch.Size, reduction
     return row_scale.unsqueeze(-1).expand(shape).reshape(-1).contiguous()
 
 
-def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp,
-                     gate_low, gate_high, eps_low, eps_high, dual_clip=None,
-                     config: Optional[LogitsLaunchConfig] = None,
-                     metrics: bool = False) -> torch.Tensor:
+def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, rows, lp, *,
+                     inv_temp, gate_low, gate_high, eps_low, eps_high, dual_clip=None,
+                     config: Optional[LogitsLaunchConfig] = None) -> None:
     """Run the fused pass on [N, V] rows; writes dL/dlogits into ``grad`` unless it is None
-    (``grad`` may be ``logits`` itself). Returns the IcePop stats rows [N, 8] fp32 ([N, 14]
-    with the mismatch columns when ``metrics``)."""
+    (``grad`` may be ``logits`` itself), the IcePop stats rows into ``rows`` [N, 8] fp32 and,
+    unless ``lp`` is None, each row's log-prob into ``lp`` [N] fp32 (the metrics' input)."""
     n, v = logits.shape
     kernels, cfg, flag = prepare_call("icepop_loss_from_logits", logits, token_ids, v)
     if kernels is None:
-        full_grad, rows = ref.icepop_logits_rows(
+        full_grad, torch_rows, torch_lp = ref.icepop_logits_rows(
             logits, token_ids, rollout, old, adv, mask, scale, inv_temp=inv_temp,
             gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-            need_grad=grad is not None, metrics=metrics, dual_clip=dual_clip)
+            need_grad=grad is not None, dual_clip=dual_clip)
         if grad is not None:
             grad.copy_(full_grad)
+        rows.copy_(torch_rows)
+        if lp is not None:
+            lp.copy_(torch_lp)
     else:
         cfg = config or cfg
-        rows = torch.empty((n, _NUM_STATS), dtype=torch.float32, device=logits.device)
         row_tiles, block_v, num_warps = cfg.row_plan(v, logits.element_size())
-        rows = kernels.icepop_logits(
-            logits, token_ids, rollout, old, adv, mask, scale, grad, rows, flag,
+        kernels.icepop_logits(
+            logits, token_ids, rollout, old, adv, mask, scale, grad, rows, flag, lp,
             inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, block_v=block_v, row_tiles=row_tiles,
             num_warps=num_warps, max_programs=cfg.fused_programs(logits.device),
-            metrics=metrics, dual_clip=dual_clip)
+            dual_clip=dual_clip)
     check_token_id_flag(flag, v)
-    return rows
+
+
+def new_rows(n: int, metrics: bool, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fused pass's outputs: stats rows [N, 8] and the log-probs [N] ([0]: no metrics)."""
+    return (torch.empty((n, _NUM_STATS), dtype=torch.float32, device=device),
+            torch.empty(n if metrics else 0, dtype=torch.float32, device=device))
 
 
 def loss_from_rows(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -134,13 +138,14 @@ def _fused_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Te
                 old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
                 scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
                 eps_low: float, eps_high: float, dual_clip: Optional[float], need_grad: bool,
-                metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
-    rows = icepop_rows_into(grad if need_grad else None, logits, token_ids, rollout, old, adv,
-                            mask, scale, inv_temp=inv_temp, gate_low=gate_low,
-                            gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-                            dual_clip=dual_clip, metrics=metrics)
-    return loss_from_rows(rows, scale), grad, rows
+    rows, lp = new_rows(logits.shape[0], metrics, logits.device)
+    icepop_rows_into(grad if need_grad else None, logits, token_ids, rollout, old, adv, mask,
+                     scale, rows, lp if metrics else None, inv_temp=inv_temp,
+                     gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
+                     eps_high=eps_high, dual_clip=dual_clip)
+    return loss_from_rows(rows, scale), grad, rows, lp
 
 
 @torch.library.custom_op("glm_kernels::icepop_loss_from_logits", mutates_args=())
@@ -148,8 +153,9 @@ def _fused_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tens
               old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
               scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
               eps_low: float, eps_high: float, dual_clip: Optional[float], need_grad: bool,
-              metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss fp32 [], dL/dlogits [N, V] for grad_output 1 or [0], stats rows [N, 8 or 14])."""
+              metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss fp32 [], dL/dlogits [N, V] for grad_output 1 or [0], stats rows [N, 8],
+    log-probs [N] fp32 with ``metrics`` else [0])."""
     return _fused_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
                        gate_high, eps_low, eps_high, dual_clip, need_grad, metrics)
 
@@ -159,7 +165,7 @@ def _fused_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gat
                 gate_high, eps_low, eps_high, dual_clip, need_grad, metrics):
     grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
     return (logits.new_empty((), dtype=torch.float32), grad,
-            logits.new_empty((logits.shape[0], STATS_COLS[metrics]), dtype=torch.float32))
+            *new_rows(logits.shape[0], metrics, logits.device))
 
 
 def _fused_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
@@ -167,14 +173,15 @@ def _fused_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: 
                         mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                         gate_low: float, gate_high: float, eps_low: float, eps_high: float,
                         dual_clip: Optional[float], metrics: bool
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
-    rows = icepop_rows_into(logits, logits, token_ids, rollout, old, adv, mask, scale,
-                            inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high,
-                            eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
-                            metrics=metrics)
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, lp = new_rows(logits.shape[0], metrics, logits.device)
+    icepop_rows_into(logits, logits, token_ids, rollout, old, adv, mask, scale, rows,
+                     lp if metrics else None, inv_temp=inv_temp, gate_low=gate_low,
+                     gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
+                     dual_clip=dual_clip)
     if not torch.compiler.is_compiling():
         torch.autograd.graph.increment_version(logits)   # the op does it when dispatched
-    return loss_from_rows(rows, scale), rows
+    return loss_from_rows(rows, scale), rows, lp
 
 
 @torch.library.custom_op("glm_kernels::icepop_loss_from_logits_", mutates_args=("logits",))
@@ -183,8 +190,9 @@ def _fused_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: to
                       mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
                       gate_low: float, gate_high: float, eps_low: float, eps_high: float,
                       dual_clip: Optional[float], metrics: bool
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The fused op writing dL/dlogits (grad_output 1) over the logits: (loss, stats rows)."""
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused op writing dL/dlogits (grad_output 1) over the logits: (loss, stats rows,
+    log-probs or [0])."""
     return _fused_inplace_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp,
                                gate_low, gate_high, eps_low, eps_high, dual_clip, metrics)
 
@@ -193,29 +201,29 @@ def _fused_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: to
 def _fused_inplace_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
                         gate_high, eps_low, eps_high, dual_clip, metrics):
     return (logits.new_empty((), dtype=torch.float32),
-            logits.new_empty((logits.shape[0], STATS_COLS[metrics]), dtype=torch.float32))
+            *new_rows(logits.shape[0], metrics, logits.device))
 
 
 class _FusedIcePopFromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                gate_high, eps_low, eps_high, dual_clip, need_grad, inplace, metrics, n_seqs):
+                gate_high, eps_low, eps_high, dual_clip, need_grad, inplace, metrics):
         args = (logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
                 gate_high, eps_low, eps_high, dual_clip)
         if inplace and need_grad:
-            loss, rows = run_op(_fused_inplace_op, _fused_inplace_impl, *args, metrics)
+            loss, rows, lp = run_op(_fused_inplace_op, _fused_inplace_impl, *args, metrics)
             grad = logits
         else:
-            loss, grad, rows = run_op(_fused_op, _fused_impl, *args, need_grad, metrics)
-        stats = _stats_from_partials(rows, n_seqs)
+            loss, grad, rows, lp = run_op(_fused_op, _fused_impl, *args, need_grad, metrics)
+        stats = _stats_from_partials(rows)
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(stats)
-        return loss, stats
+        ctx.mark_non_differentiable(stats, lp)
+        return loss, stats, lp
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_stats):
+    def backward(ctx, grad_loss, _grad_stats, _grad_lp):
         grad, = ctx.saved_tensors
-        return (scale_by_grad_output(grad, grad_loss),) + (None,) * 16
+        return (scale_by_grad_output(grad, grad_loss),) + (None,) * 15
 
 
 def check_icepop_arguments(shape, device, rollout, advantages, loss_mask, old_logprobs,
@@ -332,11 +340,25 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
     scale = token_scales(loss_mask, shape, reduction, logits.device)
     need_grad = bool(logits.requires_grad and torch.is_grad_enabled())
     metrics = return_metrics or raise_on_nonfinite
-    loss, stats = _FusedIcePopFromLogits.apply(
+    loss, stats, lp = _FusedIcePopFromLogits.apply(
         rows_2d(logits), ids, rollout, old, adv, mask, scale, 1.0 / temperature, lo, hi,
-        eps_low, eps_high, dual, need_grad, inplace_backward, metrics, _n_seqs(shape))
+        eps_low, eps_high, dual, need_grad, inplace_backward, metrics)
+    return finish_fused_loss("icepop_loss_from_logits", loss, stats, lp, shape,
+                             rollout_logprobs, loss_mask, old_logprobs, lo, hi,
+                             return_metrics, raise_on_nonfinite)
+
+
+def finish_fused_loss(what, loss, stats, lp, shape, rollout_logprobs, loss_mask, old_logprobs,
+                      gate_low, gate_high, return_metrics, raise_on_nonfinite):
+    """The fused losses' return value from the pass's stats and log-probs (metrics, the
+    non-finite check: the train side is the pass's lp, or old_logprobs when given)."""
+    if not (return_metrics or raise_on_nonfinite):
+        return loss
+    lp = lp.reshape(shape)
+    train, also_finite = (lp, None) if old_logprobs is None else (old_logprobs, lp)
     if raise_on_nonfinite:
-        _raise_if_nonfinite(stats, "icepop_loss_from_logits")
+        raise_if_nonfinite(what, train, loss_mask, also_finite)
     if not return_metrics:
         return loss
-    return loss, _metrics_from_stats(stats)
+    return loss, icepop_metrics(stats, train, rollout_logprobs, loss_mask, also_finite,
+                                gate_low, gate_high)

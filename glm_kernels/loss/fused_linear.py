@@ -22,10 +22,11 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _dispatch
-from . import _checks
-from .from_logits import (STATS_COLS, check_icepop_arguments, flat_token_inputs,
-                          icepop_rows_into, loss_from_rows, scale_by_grad_output, token_scales)
-from .icepop import _metrics_from_stats, _n_seqs, _raise_if_nonfinite, _stats_from_partials
+from . import _checks, _invariant
+from .from_logits import (check_icepop_arguments, finish_fused_loss, flat_token_inputs,
+                          icepop_rows_into, loss_from_rows, new_rows, scale_by_grad_output,
+                          token_scales)
+from .icepop import _stats_from_partials
 from .logprobs import run_op
 
 DEFAULT_MEMORY_BUDGET = 512 << 20          # bytes for the [C, V] logits chunk
@@ -70,10 +71,11 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
                        gate_low: float, gate_high: float, eps_low: float, eps_high: float,
                        dual_clip: Optional[float], chunk_size: int, need_grad_hidden: bool,
                        need_grad_weight: bool, metrics: bool
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
     n, _ = hidden.shape
     v = weight.shape[0]
-    rows = torch.empty((n, STATS_COLS[metrics]), dtype=torch.float32, device=hidden.device)
+    rows, lp = new_rows(n, metrics, hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
     grad_weight = (torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0))
     need_grad = need_grad_hidden or need_grad_weight
@@ -84,18 +86,18 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
         part = slice(start, end)
         hidden_c = hidden[part]
         logits_c = chunk_buffer[: end - start]
-        torch.mm(hidden_c, weight.t(), out=logits_c)
+        _invariant.linear(hidden_c, weight, out=logits_c)
         pick = lambda t: None if t is None else t[part]   # noqa: E731
-        rows[part] = icepop_rows_into(
+        icepop_rows_into(
             logits_c if need_grad else None, logits_c, token_ids[part], rollout[part],
-            pick(old), adv[part], pick(mask), scale[part], inv_temp=inv_temp,
-            gate_low=gate_low, gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-            dual_clip=dual_clip, metrics=metrics)
+            pick(old), adv[part], pick(mask), scale[part], rows[part],
+            lp[part] if metrics else None, inv_temp=inv_temp, gate_low=gate_low,
+            gate_high=gate_high, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
         if need_grad_hidden:
-            torch.mm(logits_c, weight, out=grad_hidden[part])
+            _invariant.linear(logits_c, weight.t(), out=grad_hidden[part])
         if need_grad_weight:
             grad_weight.addmm_(logits_c.t(), hidden_c)
-    return loss_from_rows(rows, scale), grad_hidden, grad_weight, rows
+    return loss_from_rows(rows, scale), grad_hidden, grad_weight, rows, lp
 
 
 @torch.library.custom_op("glm_kernels::fused_linear_icepop_loss", mutates_args=())
@@ -105,9 +107,10 @@ def _fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torc
                      gate_low: float, gate_high: float, eps_low: float, eps_high: float,
                      dual_clip: Optional[float], chunk_size: int, need_grad_hidden: bool,
                      need_grad_weight: bool, metrics: bool
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8], or
-    [N, 14] with ``metrics``); gradients for grad_output = 1."""
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
+    """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8],
+    log-probs [N] fp32 with ``metrics`` else [0]); gradients for grad_output = 1."""
     return _fused_linear_impl(hidden, weight, token_ids, rollout, old, adv, mask, scale,
                               inv_temp, gate_low, gate_high, eps_low, eps_high, dual_clip,
                               chunk_size, need_grad_hidden, need_grad_weight, metrics)
@@ -120,22 +123,22 @@ def _fused_linear_fake(hidden, weight, token_ids, rollout, old, adv, mask, scale
     return (hidden.new_empty((), dtype=torch.float32),
             torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_grad_weight else weight.new_empty(0),
-            hidden.new_empty((hidden.shape[0], STATS_COLS[metrics]), dtype=torch.float32))
+            *new_rows(hidden.shape[0], metrics, hidden.device))
 
 
 class _FusedLinearIcePop(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, n_seqs, *args):
-        loss, grad_hidden, grad_weight, rows = run_op(_fused_linear_op, _fused_linear_impl,
-                                                      hidden, weight, *args)
-        stats = _stats_from_partials(rows, n_seqs)
+    def forward(ctx, hidden, weight, *args):
+        loss, grad_hidden, grad_weight, rows, lp = run_op(
+            _fused_linear_op, _fused_linear_impl, hidden, weight, *args)
+        stats = _stats_from_partials(rows)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.num_args = len(args) + 1
-        ctx.mark_non_differentiable(stats)
-        return loss, stats
+        ctx.num_args = len(args)
+        ctx.mark_non_differentiable(stats, lp)
+        return loss, stats, lp
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_stats):
+    def backward(ctx, grad_loss, _grad_stats, _grad_lp):
         grad_hidden, grad_weight = ctx.saved_tensors
         grads = [scale_by_grad_output(g, grad_loss) if g.numel() else None
                  for g in (grad_hidden, grad_weight)]
@@ -237,14 +240,12 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
                                                 old_logprobs)
     scale = token_scales(loss_mask, shape, reduction, hidden.device)
     grad_on = torch.is_grad_enabled()
-    loss, stats = _FusedLinearIcePop.apply(
-        hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(), _n_seqs(shape),
+    loss, stats, lp = _FusedLinearIcePop.apply(
+        hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
         token_ids.reshape(-1).contiguous(), rollout, old, adv, mask, scale, 1.0 / temperature,
         lo, hi, eps_low, eps_high, dual, config.chunk_size,
         bool(grad_on and hidden.requires_grad),
         bool(grad_on and weight.requires_grad), return_metrics or raise_on_nonfinite)
-    if raise_on_nonfinite:
-        _raise_if_nonfinite(stats, "fused_linear_icepop_loss")
-    if not return_metrics:
-        return loss
-    return loss, _metrics_from_stats(stats)
+    return finish_fused_loss("fused_linear_icepop_loss", loss, stats, lp, shape,
+                             rollout_logprobs, loss_mask, old_logprobs, lo, hi,
+                             return_metrics, raise_on_nonfinite)

@@ -16,11 +16,10 @@ loss and the metrics; backward only scales the coefficient by the reduction's fa
 ``grad_output``. Registered as the ``glm_kernels::icepop_loss`` custom op, so it traces
 through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs.
 
-With ``return_metrics`` the kernel's METRICS variant also sums the train/rollout mismatch
-terms (k1, k3, chi2, log-ppl gaps, gate_out, non-finite; ``loss/_reference.py`` writes them
-out), its programs following the rows of the last dim so the per-sequence gap is a sum of
-whole programs. :func:`mismatch_metrics` runs the same kernel for trainers with their own
-loss.
+``return_metrics`` adds the train/rollout mismatch metrics (verl's names and values,
+``loss/mismatch.py``), computed from the same per-token inputs after the kernel: turning them on
+never changes the loss or the gradient by a bit. :func:`mismatch_metrics` computes them alone
+for trainers with their own loss.
 """
 
 from typing import Dict, Optional, Tuple, Union
@@ -29,33 +28,19 @@ import torch
 
 from .. import _dispatch
 from . import _checks, _reference
+from .mismatch import MISMATCH_KEYS, mismatch_from_tokens, raise_if_nonfinite
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8
-_BLOCK_GPU_METRICS = 2048
 # With dual clip at most 1024 tokens a program: at 2048 triton 3.6 gives the decoupled variant
 # an 8 B stack frame (sm_90 AOT); at 1024 every variant stays at 43-88 registers, no spill.
 _BLOCK_GPU_DUAL = 1024
 _BLOCK_INTERPRET = 1024
 _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max / min / count
-_NUM_STATS_METRICS = 14        # + nonfinite, |M|, sums over M of d, k3, chi2, gate_out
-_NUM_STATS_OUT = 16            # + sum over rows of the row's log-ppl gap, rows with |M_b| > 0
-MISMATCH_KEYS = _reference.MISMATCH_KEYS
-
-
-def _row_len(shape) -> int:
-    """Tokens per sequence: the last dim (a 1-D or 0-D input is one sequence)."""
-    return shape[-1] if len(shape) >= 2 else shape.numel()
-
-
-def _n_seqs(shape) -> int:
-    """Sequences (rows of the last dim) holding at least one token."""
-    row_len = _row_len(shape)
-    return shape.numel() // row_len if row_len else 0
 
 
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                       eps_high, dual_clip, need_grad, metrics):
+                       eps_high, dual_clip, need_grad):
     """The torch backend: reference terms, their written-out gradient, and the stats."""
     # Autograd is off inside a custom op's implementation, hence the closed-form gradient.
     kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
@@ -64,40 +49,25 @@ def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, e
         logprobs, rollout, adv, mask, **kwargs)
     grad = (_reference.icepop_token_grad(logprobs, rollout, adv, mask, **kwargs)
             if need_grad else logprobs.new_empty(0, dtype=torch.float32))
-    mismatch = None
-    if metrics:
-        train = logprobs if old is None else old
-        mismatch = _reference.mismatch_token_terms(
-            train, rollout, mask, gate_low=gate_low, gate_high=gate_high,
-            also_finite=None if old is None else logprobs)
-    rows = _reference.icepop_stats_rows(loss_terms.detach(), popped, clipped, gate_ratio,
-                                        masked, mismatch)
-    stats = _stats_from_partials(rows, _n_seqs(logprobs.shape))
-    return loss_terms.detach().reshape(-1), grad.reshape(-1), stats
+    rows = _reference.icepop_stats_rows(
+        loss_terms.detach(), popped, clipped, gate_ratio, masked,
+        _reference.ratio_counted(masked, logprobs, rollout, old))
+    return loss_terms.detach().reshape(-1), grad.reshape(-1), _stats_from_partials(rows)
 
 
 def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
                         eps_high, dual_clip, need_grad, store_loss, seq_len, adv_per_seq,
-                        interpret, metrics, row_len):
+                        interpret):
     from . import _kernels
     n = logprobs.numel()
     block = _BLOCK_INTERPRET if interpret else (
         _BLOCK_GPU if dual_clip is None else _BLOCK_GPU_DUAL)
-    if metrics:
-        # Rows of row_len tokens, each covered by its own programs (per-sequence sums). On
-        # the GPU at most 2048 tokens per program: with the metric sums a 4096-token program
-        # needs 146-186 registers a thread at 8 warps (one program per SM, sm_90 AOT).
-        cap = block if interpret else min(block, _BLOCK_GPU_METRICS)
-        block = min(cap, max(16, 1 << max(row_len - 1, 0).bit_length()))
-    else:
-        row_len = max(n, 1)                   # one flat row
     warps = _WARPS_GPU if block >= 2048 else 4
     device = logprobs.device
-    programs = -(-row_len // block) * (n // row_len) if n and row_len else 0
+    programs = -(-n // block)
     loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
     grad = torch.empty(n if need_grad else 0, dtype=torch.float32, device=device)
-    cols = _NUM_STATS_METRICS if metrics else _NUM_STATS
-    partials = torch.empty((programs, cols), dtype=torch.float32, device=device)
+    partials = torch.empty((programs, _NUM_STATS), dtype=torch.float32, device=device)
     if mask is not None and mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     if programs:
@@ -105,35 +75,21 @@ def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, 
             logprobs, rollout, old, adv, mask, loss_terms, grad, partials, seq_len=seq_len,
             gate_low=gate_low, gate_high=gate_high, clip_low=1.0 - eps_low,
             clip_high=1.0 + eps_high, adv_per_seq=adv_per_seq, block=block,
-            num_warps=warps, row_len=row_len, metrics=metrics, dual_clip=dual_clip)
-    return loss_terms, grad, _stats_from_partials(partials, n // row_len if row_len else 0)
+            num_warps=warps, dual_clip=dual_clip)
+    return loss_terms, grad, _stats_from_partials(partials)
 
 
-def _stats_from_partials(partials: torch.Tensor, n_seqs: int = 0) -> torch.Tensor:
-    """[rows, 8 or 14] per-program (or per-token) statistics -> the stats vector: [8], or
-    [16] for 14 columns, the last two from the per-sequence grouping of the rows.
+def _stats_from_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[rows, 8] per-program (or per-token) statistics -> the stats vector [8].
 
-    With metrics, the rows must come in sequence order, ``n_seqs`` sequences with the same
-    number of rows each (one row per token, or cdiv(row_len, block) programs per sequence).
     Every reduction runs in a fixed order on the device: deterministic, no atomics, no sync.
     """
     sums = partials.double().sum(0).float()
     has_rows = partials.shape[0] > 0
-    stats = [sums[0], sums[1], sums[2], sums[3], sums[4],
-             partials[:, 5].max() if has_rows else sums.new_tensor(float("-inf")),
-             partials[:, 6].min() if has_rows else sums.new_tensor(float("inf")),
-             sums[7]]
-    if partials.shape[1] == _NUM_STATS:
-        return torch.stack(stats)
-    stats += [sums[k] for k in range(_NUM_STATS, _NUM_STATS_METRICS)]
-    if has_rows and n_seqs:
-        per_seq = partials[:, 9:11].double().reshape(n_seqs, -1, 2).sum(1)
-        valid = per_seq[:, 0] > 0
-        gap = torch.where(valid, -per_seq[:, 1] / per_seq[:, 0].clamp(min=1.0), 0.0)
-        stats += [gap.sum().float(), valid.sum().float()]
-    else:
-        stats += [sums.new_zeros(()), sums.new_zeros(())]
-    return torch.stack(stats)
+    return torch.stack([sums[0], sums[1], sums[2], sums[3], sums[4],
+                        partials[:, 5].max() if has_rows else sums.new_tensor(float("-inf")),
+                        partials[:, 6].min() if has_rows else sums.new_tensor(float("inf")),
+                        sums[7]])
 
 
 def _reduce(loss_terms, loss_mask, stats, reduction, shape):
@@ -163,10 +119,9 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                advantages: torch.Tensor, loss_mask: Optional[torch.Tensor],
                old_logprobs: Optional[torch.Tensor], gate_low: float, gate_high: float,
                eps_low: float, eps_high: float, dual_clip: Optional[float], reduction: str,
-               need_grad: bool, metrics: bool
+               need_grad: bool
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32: [8], or
-    [16] with ``metrics``)."""
+    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32 [8])."""
     shape = logprobs.shape
     adv_per_seq = advantages.shape != shape
     seq_len = shape[-1] if adv_per_seq else 1
@@ -177,28 +132,26 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         adv_full = advantages.unsqueeze(-1).expand(shape) if adv_per_seq else advantages
         loss_terms, grad, stats = _token_stats_torch(
             logprobs, rollout_logprobs, adv_full, loss_mask, old_logprobs, gate_low,
-            gate_high, eps_low, eps_high, dual_clip, need_grad, metrics)
+            gate_high, eps_low, eps_high, dual_clip, need_grad)
     else:
         flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731 (inputs contiguous)
         loss_terms, grad, stats = _token_stats_triton(
             flat(logprobs), flat(rollout_logprobs), flat(advantages), flat(loss_mask),
             flat(old_logprobs), gate_low, gate_high, eps_low, eps_high, dual_clip, need_grad,
-            store_loss, seq_len, adv_per_seq, interpret=backend == "interpret", metrics=metrics,
-            row_len=_row_len(shape))
+            store_loss, seq_len, adv_per_seq, interpret=backend == "interpret")
     loss, scale = _reduce(loss_terms, loss_mask, stats, reduction, shape)
     return loss, grad, scale, stats
 
 
 @_icepop_op.register_fake
 def _icepop_fake(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, gate_low,
-                 gate_high, eps_low, eps_high, dual_clip, reduction, need_grad, metrics):
+                 gate_high, eps_low, eps_high, dual_clip, reduction, need_grad):
     loss_shape = logprobs.shape if reduction == "none" else ()
     scale_shape = logprobs.shape[:-1] if reduction == "seq_mean_token_mean" else ()
     return (logprobs.new_empty(loss_shape, dtype=torch.float32),
             logprobs.new_empty((logprobs.numel() if need_grad else 0,), dtype=torch.float32),
             logprobs.new_empty(scale_shape, dtype=torch.float32),
-            logprobs.new_empty((_NUM_STATS_OUT if metrics else _NUM_STATS,),
-                               dtype=torch.float32))
+            logprobs.new_empty((_NUM_STATS,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
@@ -222,16 +175,18 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
         out = coef * (scale * grad_loss).unsqueeze(-1)
     else:
         out = coef * (scale * grad_loss)
-    return (out.to(ctx.lp_dtype),) + (None,) * 12
+    return (out.to(ctx.lp_dtype),) + (None,) * 11
 
 
 torch.library.register_autograd("glm_kernels::icepop_loss", _backward,
                                 setup_context=_setup_context)
 
 
-def _metrics_from_stats(stats: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The metrics dict from a stats vector ([8]: the IcePop metrics; [16]: also the mismatch
-    metrics of ``loss/_reference.py``). Device ops only: no host sync."""
+def icepop_metrics(stats: torch.Tensor, train, rollout, loss_mask, also_finite, gate_low,
+                   gate_high) -> Dict[str, torch.Tensor]:
+    """The metrics dict: IcePop's from the kernel's stats [8] (pop_frac, clip_frac and the
+    gate ratio's mean / max / min over M, the masked tokens with finite log-probs) and the
+    mismatch metrics of ``loss/mismatch.py`` from the per-token tensors. Device ops only."""
     masked = stats[1]
     denom = masked.clamp(min=1.0)
     counted = stats[7]
@@ -244,43 +199,9 @@ def _metrics_from_stats(stats: torch.Tensor) -> Dict[str, torch.Tensor]:
         "ratio_max": torch.where(has_ratio, stats[5], nan),
         "ratio_min": torch.where(has_ratio, stats[6], nan),
     }
-    if stats.shape[0] == _NUM_STATS_OUT:
-        out.update(_mismatch_from_stats(stats))
+    out.update(mismatch_from_tokens(train, rollout, loss_mask, gate_low=gate_low,
+                                    gate_high=gate_high, also_finite=also_finite))
     return {k: v.detach() for k, v in out.items()}
-
-
-def _mismatch_from_stats(stats: torch.Tensor) -> Dict[str, torch.Tensor]:
-    n_m = stats[9]
-    nan = torch.full_like(n_m, float("nan"))
-    per_m = lambda x: torch.where(n_m > 0, x / n_m.clamp(min=1.0), nan)   # noqa: E731
-    k1 = per_m(-stats[10])
-    seqs = stats[15]
-    return {
-        "mismatch_k1": k1,
-        "mismatch_k3": per_m(stats[11]),
-        "mismatch_chi2": per_m(stats[12]),
-        "log_ppl_gap": k1.clone(),
-        "log_ppl_gap_seq": torch.where(seqs > 0, stats[14] / seqs.clamp(min=1.0), nan),
-        "gate_out_frac": per_m(stats[13]),
-        "nonfinite_frac": stats[8] / stats[1].clamp(min=1.0),
-    }
-
-
-def _raise_if_nonfinite(stats: torch.Tensor, what: str) -> None:
-    """raise_on_nonfinite=True: one host read of the count (a device sync on a GPU)."""
-    bad = int(stats[8].item())
-    if bad:
-        raise ValueError(f"{what}: {bad} of {int(stats[1].item())} masked tokens have a "
-                         f"non-finite (NaN/inf) train-side log-prob (raise_on_nonfinite=True)")
-
-
-def _check_loss_mask(loss_mask, ref_name: str, ref: torch.Tensor) -> None:
-    """loss_mask: bool or 0/1 numbers of ``ref``'s shape."""
-    _dispatch.check_tensor("loss_mask", loss_mask)
-    if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
-            or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
-        raise TypeError(f"loss_mask must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
-    _dispatch.check_same_shape("loss_mask", loss_mask, ref_name, ref)
 
 
 def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs,
@@ -297,7 +218,7 @@ def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprob
                 f"advantages must have the shape of logprobs {tuple(logprobs.shape)} or, for "
                 f"2-D logprobs [B, T], shape [B]; got shape {tuple(advantages.shape)}")
     if loss_mask is not None:
-        _check_loss_mask(loss_mask, "logprobs", logprobs)
+        _checks.check_loss_mask(loss_mask, "logprobs", logprobs)
     if old_logprobs is not None:
         check("old_logprobs", old_logprobs, floating=True)
         _dispatch.check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
@@ -354,14 +275,17 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     return_metrics : bool
         Also return detached fp32 scalars: pop_frac (popped / masked), clip_frac (masked kept
         tokens whose clipped branch is strictly active), ratio_mean / ratio_max / ratio_min of
-        the gated ratio (rho coupled, k decoupled) over masked tokens (NaN if none), and the
-        train/rollout mismatch metrics, computed in the same kernel pass: mismatch_k1,
-        mismatch_k3, mismatch_chi2, log_ppl_gap, log_ppl_gap_seq (per row of the last dim),
-        gate_out_frac, nonfinite_frac (formulas: docs/icepop.md, loss/_reference.py).
+        the gated ratio (rho coupled, k decoupled) over the masked tokens whose log-probs are
+        all finite (NaN if none), and the train/rollout mismatch metrics of
+        :func:`glm_kernels.mismatch_metrics` (verl's names and values: training_ppl, kl,
+        k3_kl, log_ppl_diff, chi2_token, chi2_seq, rollout_is_*, ...; nonfinite_frac,
+        rollout_nonfinite_count), train = old_logprobs when given. Turning them on changes
+        neither the loss nor the gradient by a bit.
     raise_on_nonfinite : bool
-        Raise ValueError when a masked token has a NaN/inf train-side log-prob (logprobs, or
-        old_logprobs); costs one host read of a count (a device sync on a GPU). Default: such
-        tokens contribute 0 and are counted in nonfinite_frac.
+        Raise ValueError, before anything is computed, when a masked token has a NaN/inf
+        train-side log-prob (logprobs, or old_logprobs); costs one host read of a count (a
+        device sync on a GPU). Default: such tokens contribute 0 and are counted in
+        nonfinite_frac.
 
     Returns
     -------
@@ -395,79 +319,14 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     contiguous = lambda t: None if t is None else t.contiguous()   # noqa: E731
+    train, also_finite = ((logprobs, None) if old_logprobs is None
+                          else (old_logprobs, logprobs))
+    if raise_on_nonfinite:
+        raise_if_nonfinite("icepop_loss", train, loss_mask, also_finite)
     loss, _, _, stats = _icepop_op(
         contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
         contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
-        reduction, bool(logprobs.requires_grad and torch.is_grad_enabled()),
-        return_metrics or raise_on_nonfinite)
-    if raise_on_nonfinite:
-        _raise_if_nonfinite(stats, "icepop_loss")
+        reduction, bool(logprobs.requires_grad and torch.is_grad_enabled()))
     if not return_metrics:
         return loss
-    return loss, _metrics_from_stats(stats)
-
-
-def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                     loss_mask: Optional[torch.Tensor] = None, *, beta: float = 2.0,
-                     gate_low: Optional[float] = None, gate_high: Optional[float] = None
-                     ) -> Dict[str, torch.Tensor]:
-    """Train/rollout mismatch metrics for trainers that keep their own loss.
-
-    The same numbers ``icepop_loss(..., return_metrics=True)`` reports, from the same kernel
-    (one read of each input, per-program partial sums reduced in a fixed order: deterministic,
-    no host sync).
-
-    Parameters
-    ----------
-    train_logprobs : Tensor [*S], float32 / bfloat16 / float16
-        log pi_train of the sampled tokens (the trainer's recompute). Not differentiated.
-    rollout_logprobs : Tensor [*S], any float dtype
-        log pi_rollout recorded by the inference engine.
-    loss_mask : Tensor [*S], bool or 0/1, optional
-        Tokens that count. None = all.
-    beta, gate_low, gate_high
-        The gate [gate_low or 1/beta, gate_high or beta] that gate_out_frac measures.
-
-    Returns
-    -------
-    dict of detached fp32 scalars; with M the masked tokens whose two log-probs are finite,
-    d = clamp(train - rollout, -20, 20), r = e^d:
-    mismatch_k1 = mean_M(-d); mismatch_k3 = mean_M(r - 1 - d); mismatch_chi2 = mean_M(r^2 - 1);
-    log_ppl_gap = mean_M(-d) (log PPL_train - log PPL_rollout); log_ppl_gap_seq = the mean
-    over rows of the last dim (sequences) with tokens in M of each row's gap; gate_out_frac =
-    share of M outside the gate; nonfinite_frac = masked tokens with a NaN/inf train log-prob
-    / masked tokens. Means over an empty set are NaN.
-
-    Example
-    -------
-    >>> import torch, glm_kernels
-    >>> train = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])
-    >>> m = glm_kernels.loss.mismatch_metrics(train, train - 0.1)   # rollout 0.1 nats lower
-    >>> round(m["mismatch_k1"].item(), 4), round(m["log_ppl_gap_seq"].item(), 4)
-    (-0.1, -0.1)
-    >>> round(m["mismatch_k3"].item(), 6)                          # e^0.1 - 1 - 0.1
-    0.005171
-    """
-    check = _dispatch.check_tensor
-    check("train_logprobs", train_logprobs, dtypes=(torch.float32, torch.bfloat16,
-                                                    torch.float16))
-    check("rollout_logprobs", rollout_logprobs, floating=True)
-    _dispatch.check_same_shape("rollout_logprobs", rollout_logprobs, "train_logprobs",
-                               train_logprobs)
-    if loss_mask is not None:
-        _check_loss_mask(loss_mask, "train_logprobs", train_logprobs)
-    _dispatch.check_same_device(dict(train_logprobs=train_logprobs,
-                                     rollout_logprobs=rollout_logprobs, loss_mask=loss_mask))
-    lo, hi, _, _ = _check_hyperparameters(beta, gate_low, gate_high, 0.2, 0.28)
-    # As [rows, row_len] (same sequences) with zero per-sequence advantages: the loss terms
-    # vanish and the kernel reports the metrics; nothing per token is read besides the inputs.
-    shape = train_logprobs.shape
-    rows = shape[:-1].numel() if len(shape) >= 2 else 1
-    as_2d = lambda t: t.detach().reshape(rows, _row_len(shape)).contiguous()   # noqa: E731
-    zeros = torch.zeros(rows, dtype=torch.float32, device=train_logprobs.device)
-    _, _, _, stats = _icepop_op(
-        as_2d(train_logprobs), as_2d(rollout_logprobs), zeros,
-        None if loss_mask is None else as_2d(loss_mask), None, lo, hi, 0.2, 0.28,
-        None, "sum", False, True)
-    metrics = _metrics_from_stats(stats)
-    return {k: metrics[k] for k in MISMATCH_KEYS}
+    return loss, icepop_metrics(stats, train, rollout_logprobs, loss_mask, also_finite, lo, hi)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glm_kernels.integrations import slime as plug
-from glm_kernels.loss._reference import MISMATCH_KEYS, mismatch_metrics_reference
+from glm_kernels.loss.mismatch import mismatch_from_tokens
 
 
 def slime_args(**overrides):
@@ -126,7 +126,7 @@ def test_loss_function_matches_icepop_by_hand(with_old, temperature, eps_clip_c,
 @pytest.mark.parametrize("per_token", [False, True])
 def test_loss_function_reports_the_mismatch_metrics(with_old, per_token, any_backend):
     """The kernel's micro-batch means times the sample (token) count, so that slime's
-    sum / samples (tokens) averages them; log_ppl_gap_seq is slime's per-sample mean."""
+    sum / samples (tokens) averages them; log_ppl_diff is slime's per-sample mean."""
     batch, logits, true_lp = slime_batch(11, with_old=with_old)
     batch["rollout_log_probs"][2][0] = float("nan")            # rollout-side: not in M
     args = slime_args(calculate_per_token_loss=per_token)
@@ -136,15 +136,14 @@ def test_loss_function_reports_the_mismatch_metrics(with_old, per_token, any_bac
     train = torch.cat(batch["log_probs"] if with_old else true_lp)
     rollout = torch.cat(batch["rollout_log_probs"])
     mask = torch.cat(batch["loss_masks"])
-    ref = mismatch_metrics_reference(train, rollout, mask,
-                                     also_finite=torch.cat(true_lp) if with_old else None)
+    ref = mismatch_from_tokens(train, rollout, mask, gate_low=0.5, gate_high=2.0,
+                               also_finite=torch.cat(true_lp) if with_old else None)
     weight = int(mask.sum()) if per_token else len(batch["response_lengths"])
-    for key in ("mismatch_k1", "mismatch_k3", "mismatch_chi2", "log_ppl_gap",
-                "gate_out_frac", "nonfinite_frac"):
+    for key in plug.TOKEN_MISMATCH_KEYS:
         torch.testing.assert_close(metrics[key], ref[key] * weight, rtol=1e-4, atol=1e-5)
     finite = torch.isfinite(rollout)
     expected_seq = reduce(torch.where(finite, rollout - train, 0.0))
-    torch.testing.assert_close(metrics["log_ppl_gap_seq"], expected_seq, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["log_ppl_diff"], expected_seq, rtol=1e-5, atol=1e-6)
     assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
 
 
@@ -256,7 +255,7 @@ def test_docs_first_example_runs():
     exec(compile(block, "docs/slime.md", "exec"), namespace)
     assert set(namespace["metrics"]) == {"clip_frac", "entropy_loss", "loss", "pg_loss",
                                          "pop_frac", "train_rollout_logprob_abs_diff",
-                                         *MISMATCH_KEYS}
+                                         "log_ppl_diff", *plug.TOKEN_MISMATCH_KEYS}
     assert namespace["weighted"].tolist() == [1.0] * 3 + [0.0] * 5
     grad = namespace["logits"].grad[0]
     assert float(grad[7 + 2 - 1:7 + 7 - 1].abs().sum()) > 0 and float(grad[14:].abs().sum()) == 0

@@ -201,10 +201,11 @@ def test_popped_nonfinite_inputs_give_exact_zero(any_backend, with_old):
     assert metrics["nonfinite_frac"].item() == pytest.approx(2 / 5)
     # Only token 5 has finite log-probs on both sides: the mismatch metrics are its own.
     d = -1.0 + 1.05                                      # train (lp or old) - rollout
-    assert metrics["mismatch_k1"].item() == pytest.approx(-d, rel=1e-5)
-    assert metrics["mismatch_k3"].item() == pytest.approx(math.expm1(d) - d, rel=1e-5)
-    assert metrics["mismatch_chi2"].item() == pytest.approx(math.expm1(2 * d), rel=1e-5)
-    assert metrics["gate_out_frac"].item() == 0.0
+    assert metrics["kl"].item() == pytest.approx(-d, rel=1e-5)
+    assert metrics["k3_kl"].item() == pytest.approx(math.expm1(d) - d, rel=1e-5)
+    assert metrics["chi2_token"].item() == pytest.approx(math.expm1(2 * d), rel=1e-5)
+    assert metrics["rollout_is_oob_ratio"].item() == 0.0
+    assert metrics["rollout_nonfinite_count"].item() == 2.0
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -355,7 +356,7 @@ def test_opcheck_custom_op():
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(icepop._icepop_op, (lp.requires_grad_(True), rollout, adv, mask,
                                                   None, 0.5, 2.0, 0.2, 0.28, 3.0,
-                                                  "token_mean", True, True),
+                                                  "token_mean", True),
                               test_utils=("test_schema", "test_faketensor",
                                           "test_autograd_registration"))
 

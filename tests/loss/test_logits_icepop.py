@@ -174,7 +174,8 @@ def test_no_grad_forward_matches(any_backend):
 
 
 def test_fused_kernel_writes_every_element(kernel_backend):
-    """Poisoned gradient and stats rows; 3 programs walk 10 rows (persistent loop)."""
+    """Poisoned gradient, stats rows and log-probs (the metrics' input); 3 programs walk 10
+    rows (persistent loop)."""
     for v, dtype in ((517, torch.float32), (300, torch.bfloat16), (100, torch.float32)):
         logits, ids, rollout, adv, mask, _ = _inputs(2, 5, v, seed=v, dtype=dtype)
         n = 10
@@ -183,14 +184,17 @@ def test_fused_kernel_writes_every_element(kernel_backend):
         grad = torch.full((n, v), float("nan"), dtype=dtype, device=DEVICE)
         rows = torch.full((n, 8), float("nan"), device=DEVICE)
         flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        lp = torch.full((n,), float("nan"), device=DEVICE)
         _logits_kernels.icepop_logits(
             logits.reshape(n, v), ids.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
             mask.reshape(-1).view(torch.uint8), torch.full((n,), 0.1, device=DEVICE), grad,
-            rows, flag,
+            rows, flag, lp,
             inv_temp=1.0, gate_low=0.5, gate_high=2.0, clip_low=0.8, clip_high=1.28,
             block_v=block_v, row_tiles=row_tiles, num_warps=warps, max_programs=3)
-        assert not torch.isnan(grad).any() and not torch.isnan(rows[:, :5]).any()
-        assert not torch.isnan(rows[:, 7]).any() and flag.item() == 0
+        assert not torch.isnan(grad).any() and not torch.isnan(rows).any()
+        assert flag.item() == 0
+        assert_close(lp, selective_logprobs_reference(logits.reshape(n, v), ids.reshape(-1)),
+                     tol=1e-5, name="lp")
 
 
 def test_row_plans_cover_every_path():

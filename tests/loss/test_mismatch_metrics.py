@@ -1,7 +1,9 @@
-"""Train/rollout mismatch metrics (issue 15) and loss-argument validation (issue 17).
+"""Train/rollout mismatch metrics under verl's names (issue 22) and loss-argument validation.
 
-Every metric: the kernels (interpreter / GPU) and the torch backend against the written-out
-formulas of loss/_reference.py; the reference against values worked out by hand here.
+The metrics against verl 0.9.1's own functions (``compute_offpolicy_metrics``,
+``compute_rollout_correction_weights`` with the IcePop threshold), imported from the installed
+package, on ragged batches with all-masked rows; hand-computed cases for the non-finite policy;
+metrics on or off never move the loss or the gradient by a bit, on every API and plan.
 """
 import math
 
@@ -9,15 +11,16 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import (_kernels, _logits_kernels, _reference, icepop,
-                              icepop_loss_from_logits, fused_linear_icepop_loss,
-                              mismatch_metrics, reverse_kl_from_logits, selective_logprobs)
+from glm_kernels.loss import (MISMATCH_KEYS, _reference, fused_linear_icepop_loss,
+                              icepop_loss_from_logits, mismatch_metrics,
+                              reverse_kl_from_logits, selective_logprobs)
 from glm_kernels.loss._logits_reference import selective_logprobs_reference
 from tests.conftest import DEVICE
 from tests.loss._metrics import assert_metrics_close, metric_scales
 
-KEYS = set(_reference.MISMATCH_KEYS)
+KEYS = set(MISMATCH_KEYS)
 NAN, INF = float("nan"), float("inf")
+ICEPOP_KEYS = {"pop_frac", "clip_frac", "ratio_mean", "ratio_max", "ratio_min"}
 
 
 def _drift(shape, seed, spread=0.5):
@@ -28,275 +31,172 @@ def _drift(shape, seed, spread=0.5):
     return train.to(DEVICE), rollout.to(DEVICE), mask.to(DEVICE)
 
 
-# --------------------------------------------------------------------------- the reference
-def test_reference_by_hand():
-    """Two sequences; d = train - rollout per token, written out."""
-    train = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, NAN, -3.0]])
-    rollout = torch.tensor([[-1.5, -2.0, -0.5], [-0.2, -1.0, INF]])
-    mask = torch.tensor([[True, True, False], [True, True, True]])
-    m = _reference.mismatch_metrics_reference(train, rollout, mask, gate_low=0.5,
-                                              gate_high=2.0)
-    # M = {(0,0): d=0.5, (0,1): d=0, (1,0): d=-0.8}; (0,2) unmasked, (1,1) train NaN
-    # (non-finite), (1,2) rollout inf (not in M, not non-finite).
-    ds = [0.5, 0.0, -0.8]
-    assert m["mismatch_k1"].item() == pytest.approx(-sum(ds) / 3, rel=1e-5)
-    assert m["log_ppl_gap"].item() == pytest.approx(-sum(ds) / 3, rel=1e-5)
-    assert m["mismatch_k3"].item() == pytest.approx(
-        sum(math.exp(d) - 1 - d for d in ds) / 3, rel=1e-5)
-    assert m["mismatch_chi2"].item() == pytest.approx(
-        sum(math.exp(2 * d) - 1 for d in ds) / 3, rel=1e-5)
-    # Row 0: mean(-0.5, 0) = -0.25; row 1: 0.8 -> mean over the two rows.
-    assert m["log_ppl_gap_seq"].item() == pytest.approx((-0.25 + 0.8) / 2, rel=1e-5)
-    assert m["gate_out_frac"].item() == pytest.approx(1 / 3)     # e^-0.8 = 0.449 < 0.5
+def _verl_metrics(train, rollout, mask, lo, hi):
+    """verl's own numbers on the same inputs (fp64, so only our rounding differs)."""
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    train, rollout = train.double().cpu(), rollout.double().cpu()
+    mask = mask.double().cpu()
+    out = helper.compute_offpolicy_metrics(train, rollout, mask)
+    _, is_metrics = helper.compute_rollout_correction_weights(
+        train - rollout, mask, rollout_is="token", rollout_is_threshold=f"{lo}_{hi}")
+    out.update(is_metrics)
+    return {k: torch.tensor(float(v)) for k, v in out.items()}
+
+
+def _assert_equals_verl(got, train, rollout, mask, lo=0.5, hi=2.0):
+    want = _verl_metrics(train, rollout, mask, lo, hi)
+    assert KEYS - set(want) == {"nonfinite_frac", "rollout_nonfinite_count"}
+    assert set(want) <= KEYS, set(want) - KEYS
+    assert_metrics_close({k: got[k] for k in want}, want, metric_scales(train, rollout, mask))
+
+
+# --------------------------------------------------------------------------- against verl
+@pytest.mark.parametrize("shape", [(1, 40), (6, 33), (3, 4, 129), (2, 2100)])
+def test_standalone_equals_verl(shape):
+    train, rollout, mask = _drift(shape, seed=sum(shape))
+    if mask.numel() > shape[-1]:
+        mask.reshape(-1, shape[-1])[1] = False           # an all-masked row
+    got = mismatch_metrics(train, rollout, mask, gate_low=0.6, gate_high=1.5)
+    assert set(got) == KEYS
+    assert all(v.dtype == torch.float32 and v.dim() == 0 for v in got.values())
+    rows = shape[-1]
+    _assert_equals_verl(got, train.reshape(-1, rows), rollout.reshape(-1, rows),
+                        mask.reshape(-1, rows), 0.6, 1.5)
+
+
+@pytest.mark.parametrize("with_old", [False, True])
+def test_losses_report_verl_metrics(any_backend, with_old):
+    """icepop_loss, from logits and fused-linear: train = old when decoupled, else the
+    policy's log-probs (the pass's own lp on the logits paths)."""
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(4, 9, 16, generator=g)
+    weight = torch.randn(70, 16, generator=g) / 2
+    ids = torch.randint(0, 70, (4, 9), generator=g)
+    lp = selective_logprobs_reference(hidden @ weight.t(), ids)
+    rollout = lp + 0.3 * torch.randn(4, 9, generator=g)
+    mask = torch.rand(4, 9, generator=g) > 0.2
+    mask[2] = False
+    old = lp + 0.05 * torch.randn(4, 9, generator=g) if with_old else None
+    adv = torch.randn(4, 9, generator=g)
+    to = lambda t: None if t is None else t.to(DEVICE)   # noqa: E731
+    hidden, weight, ids, lp, rollout, mask, old, adv = map(
+        to, (hidden, weight, ids, lp, rollout, mask, old, adv))
+    train = lp if old is None else old
+    _, m = glm_kernels.icepop_loss(lp, rollout, adv, mask, old_logprobs=old,
+                                   return_metrics=True)
+    assert set(m) == KEYS | ICEPOP_KEYS
+    _assert_equals_verl(m, train, rollout, mask)
+    _, m = icepop_loss_from_logits(hidden @ weight.t(), ids, rollout, adv, mask,
+                                   old_logprobs=old, return_metrics=True)
+    _assert_equals_verl(m, train, rollout, mask)
+    _, m = fused_linear_icepop_loss(hidden, weight, ids, rollout, adv, mask, old_logprobs=old,
+                                    chunk_size=7, return_metrics=True)
+    _assert_equals_verl(m, train, rollout, mask)
+
+
+# --------------------------------------------------------------------------- by hand
+def test_nonfinite_policy_by_hand():
+    """M leaves out non-finite tokens and counts them; a row without tokens counts as 0."""
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, NAN, -3.0], [-1.0, -1.0, -1.0]])
+    rollout = torch.tensor([[-1.5, -2.0, -0.5], [-0.2, -1.0, INF], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
+    m = mismatch_metrics(train, rollout, mask)
+    # M = {(0,0): lr=0.5, (0,1): 0, (1,0): -0.8}; (1,1) train NaN; (1,2) rollout inf.
+    lrs = [0.5, 0.0, -0.8]
+    assert m["kl"].item() == pytest.approx(-sum(lrs) / 3, rel=1e-5)
+    assert m["k3_kl"].item() == pytest.approx(
+        sum(math.exp(x) - 1 - x for x in lrs) / 3, rel=1e-5)
+    assert m["chi2_token"].item() == pytest.approx(
+        sum(math.exp(2 * x) for x in lrs) / 3 - 1, rel=1e-5)
+    # Per row: -0.25, 0.8 and the empty row's 0, averaged over the three rows (verl, slime).
+    assert m["log_ppl_diff"].item() == pytest.approx((-0.25 + 0.8 + 0.0) / 3, rel=1e-5)
+    assert m["log_ppl_diff_max"].item() == pytest.approx(0.8, rel=1e-5)
+    assert m["rollout_is_oob_ratio"].item() == pytest.approx(1 / 3)   # e^-0.8 < 0.5
     assert m["nonfinite_frac"].item() == pytest.approx(1 / 5)
-
-
-def test_reference_empty_set_is_nan():
-    m = _reference.mismatch_metrics_reference(torch.tensor([NAN, -1.0]),
-                                              torch.tensor([-1.0, -1.0]),
-                                              torch.tensor([True, False]))
-    assert all(math.isnan(m[k].item()) for k in KEYS - {"nonfinite_frac"})
-    assert m["nonfinite_frac"].item() == 1.0
+    assert m["rollout_nonfinite_count"].item() == 1.0
 
 
 def test_k3_has_no_cancellation_for_tiny_gaps():
-    """d = 1e-4: r - 1 - d = d^2/2 + ... ; fp32 would lose every digit."""
     train = torch.full((4,), -1.0, device=DEVICE)
     rollout = train - 1e-4
-    d = float(train[0].double() - rollout[0].float().double())
-    want = math.expm1(d) - d
-    for backend in ("torch", "kernel"):
-        m = _standalone(backend, train, rollout, None)
-        assert m["mismatch_k3"].item() == pytest.approx(want, rel=1e-4)
-        assert m["mismatch_chi2"].item() == pytest.approx(math.expm1(2 * d), rel=1e-5)
+    d = float(train[0].double() - rollout[0].double())
+    m = mismatch_metrics(train, rollout)
+    assert m["k3_kl"].item() == pytest.approx(math.expm1(d) - d, rel=1e-4)
+    assert m["chi2_token"].item() == pytest.approx(math.expm1(2 * d), rel=1e-5)
 
 
-def _standalone(backend, *args, **kw):
-    from tests.conftest import KERNEL_BACKEND, skip_without_kernels
-    if backend == "kernel":
-        skip_without_kernels()
-        backend = KERNEL_BACKEND
-    with glm_kernels.force_backend(backend):
-        return mismatch_metrics(*args, **kw)
+def test_empty_set_is_nan(any_backend):
+    for train, rollout, mask in [
+            (torch.tensor([NAN, -1.0]), torch.tensor([-1.0, -1.0]), torch.tensor([True, False])),
+            (torch.zeros(0), torch.zeros(0), None), (torch.zeros(3, 0), torch.zeros(3, 0), None)]:
+        m = mismatch_metrics(train.to(DEVICE), rollout.to(DEVICE),
+                             None if mask is None else mask.to(DEVICE))
+        assert all(math.isnan(m[k].item())
+                   for k in KEYS - {"nonfinite_frac", "rollout_nonfinite_count"}), m
+    assert m["nonfinite_frac"].item() == 0.0
 
 
-# --------------------------------------------------------------------------- standalone
-@pytest.mark.parametrize("shape", [(1,), (3000,), (5, 333), (3, 4, 129), (2, 2100)])
-def test_standalone_matches_reference(any_backend, shape):
-    train, rollout, mask = _drift(shape, seed=sum(shape))
-    got = mismatch_metrics(train, rollout, mask, gate_low=0.6, gate_high=1.5)
-    ref = _reference.mismatch_metrics_reference(train, rollout, mask, gate_low=0.6,
-                                                gate_high=1.5)
-    assert set(got) == KEYS
-    assert all(v.dtype == torch.float32 and v.dim() == 0 for v in got.values())
-    assert_metrics_close(got, ref, metric_scales(train, rollout, mask))
-
-
-def test_standalone_nonfinite_and_empty(any_backend):
-    train = torch.tensor([[NAN, -1.0, INF], [-INF, -2.0, -1.0]], device=DEVICE)
-    rollout = torch.tensor([[-1.0, NAN, -1.0], [-1.0, -2.5, -INF]], device=DEVICE)
-    got = mismatch_metrics(train, rollout)
-    ref = _reference.mismatch_metrics_reference(train, rollout)
-    assert_metrics_close(got, ref)
-    assert got["nonfinite_frac"].item() == pytest.approx(3 / 6)
-    assert got["mismatch_k1"].item() == pytest.approx(-0.5)    # M = {(1,1)}: d = 0.5
-    for empty in (torch.zeros(0, device=DEVICE), torch.zeros(3, 0, device=DEVICE)):
-        got = mismatch_metrics(empty, empty)
-        assert all(math.isnan(got[k].item()) for k in KEYS - {"nonfinite_frac"})
-        assert got["nonfinite_frac"].item() == 0.0
-    got = mismatch_metrics(train, rollout, torch.zeros(2, 3, dtype=torch.bool, device=DEVICE))
-    assert math.isnan(got["mismatch_k3"].item()) and got["nonfinite_frac"].item() == 0.0
-
-
-def test_standalone_bad_inputs():
-    x = torch.zeros(3)
-    with pytest.raises(ValueError, match="rollout_logprobs"):
-        mismatch_metrics(x, torch.zeros(4))
-    with pytest.raises(ValueError, match="loss_mask"):
-        mismatch_metrics(x, x, torch.ones(4, dtype=torch.bool))
-    with pytest.raises(TypeError, match="train_logprobs"):
-        mismatch_metrics(torch.zeros(3, dtype=torch.int64), x)
-    with pytest.raises(ValueError, match="beta"):
-        mismatch_metrics(x, x, beta=1.0)
-    with pytest.raises(TypeError, match="loss_mask"):
-        mismatch_metrics(x, x, torch.ones(3, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="gate_low"):
-        mismatch_metrics(x, x, gate_low=-1.0)
-
-
-# --------------------------------------------------------------------------- in the losses
-@pytest.mark.parametrize("with_old", [False, True])
-def test_icepop_loss_metrics_with_nonfinite_inputs(any_backend, with_old):
-    """Reference equality where inf/NaN sit on every side (train, old, rollout, masked or
-    not), over two kernel programs per row."""
-    shape = (3, 1500)
-    train, rollout, mask = _drift(shape, seed=1)
-    g = torch.Generator().manual_seed(2)
-    pick = lambda p: (torch.rand(shape, generator=g) < p).to(DEVICE)   # noqa: E731
-    lp = torch.where(pick(0.02), NAN, torch.where(pick(0.02), -INF, train))
-    rollout = torch.where(pick(0.02), NAN, torch.where(pick(0.02), INF, rollout))
-    old = torch.where(pick(0.02), INF, train + 0.1) if with_old else None
-    adv = torch.randn(shape, generator=g).to(DEVICE)
-    _, got = glm_kernels.icepop_loss(lp, rollout, adv, mask, old_logprobs=old,
-                                     return_metrics=True)
-    _, ref = _reference.icepop_loss_reference(lp, rollout, adv, mask, old_logprobs=old,
-                                              return_metrics=True)
-    scales = metric_scales(lp if old is None else old, rollout, mask,
-                           also_finite=None if old is None else lp)
-    assert_metrics_close(got, ref, scales)
-    assert got["nonfinite_frac"].item() > 0.02
-
-
-def test_per_sequence_gap_uses_rows_of_the_last_dim(any_backend):
-    """Row 0 drifts by 1 nat on 1 token, row 1 by 0.1 on 3: the token mean and the sequence
-    mean differ."""
-    train = torch.zeros(2, 3, device=DEVICE)
-    rollout = torch.tensor([[1.0, 0.0, 0.0], [0.1, 0.1, 0.1]], device=DEVICE)
-    mask = torch.tensor([[True, False, False], [True, True, True]], device=DEVICE)
-    _, m = glm_kernels.icepop_loss(train, rollout, torch.ones(2, device=DEVICE), mask,
-                                   return_metrics=True)
-    assert m["log_ppl_gap"].item() == pytest.approx((1.0 + 0.3) / 4, rel=1e-5)
-    assert m["log_ppl_gap_seq"].item() == pytest.approx((1.0 + 0.1) / 2, rel=1e-5)
-    flat = glm_kernels.icepop_loss(train.reshape(-1), rollout.reshape(-1),
-                                   torch.ones(6, device=DEVICE), mask.reshape(-1),
-                                   return_metrics=True)[1]
-    assert flat["log_ppl_gap_seq"].item() == pytest.approx(flat["log_ppl_gap"].item())
-
-
-def test_metrics_off_is_the_same_loss_and_gradient(any_backend):
-    lp, rollout, mask = _drift((4, 300), seed=3)
-    adv = torch.randn(4, 300).to(DEVICE)
-    outs = []
-    for metrics in (False, True):
-        x = lp.clone().requires_grad_(True)
-        loss = glm_kernels.icepop_loss(x, rollout, adv, mask, return_metrics=metrics)
-        loss = loss[0] if metrics else loss
-        loss.backward()
-        outs.append((loss.detach(), x.grad))
-    # Same gradient bit for bit; the loss sum may differ in the last bit (with metrics the
-    # kernel's programs follow the rows, so the fp32 partial sums group tokens differently).
-    assert torch.equal(outs[0][1], outs[1][1])
-    assert outs[0][0].item() == pytest.approx(outs[1][0].item(), rel=1e-5, abs=1e-9)
-
-
-def test_from_logits_and_fused_linear_metrics(any_backend):
-    g = torch.Generator().manual_seed(4)
-    hidden = torch.randn(3, 7, 16, generator=g)
-    weight = torch.randn(90, 16, generator=g) / 2
-    ids = torch.randint(0, 90, (3, 7), generator=g)
-    logits = hidden @ weight.t()
-    lp = selective_logprobs_reference(logits, ids)
-    rollout = lp + 0.4 * torch.randn(3, 7, generator=g)
-    rollout[0, 1] = NAN
-    logits[1, 2] = NAN                                     # train-side non-finite
-    mask = torch.rand(3, 7, generator=g) > 0.2
-    adv = torch.randn(3, 7, generator=g)
-    dev = [t.to(DEVICE) for t in (hidden, weight, ids, logits, rollout, mask, adv)]
-    hidden, weight, ids, logits, rollout, mask, adv = dev
-    lp = selective_logprobs_reference(logits, ids)
-    ref = _reference.mismatch_metrics_reference(lp, rollout, mask)
-    scales = metric_scales(lp, rollout, mask)
-    for reduction in ("token_mean", "none"):               # fused pass / composed path
-        _, m = icepop_loss_from_logits(logits, ids, rollout, adv, mask, reduction=reduction,
+def test_ratio_statistics_leave_out_nonfinite_tokens(any_backend):
+    """An inf train-side log-prob on a masked-out, a popped or a non-finite masked token
+    never reaches ratio_mean / ratio_max / ratio_min (issue 25): they describe M."""
+    lp = torch.tensor([[INF, -1.0, -1.2, -INF], [-1.0, -5.0, -1.1, -0.9]], device=DEVICE)
+    rollout = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, INF, -1.0]], device=DEVICE)
+    mask = torch.tensor([[False, True, True, True], [True, True, True, True]], device=DEVICE)
+    adv = torch.ones(2, device=DEVICE)
+    in_m = [(0, 1), (0, 2), (1, 0), (1, 1), (1, 3)]
+    ratios = torch.tensor([math.exp(float(lp[i, j] - rollout[i, j])) for i, j in in_m])
+    for old in (None, lp.clone()):
+        _, m = glm_kernels.icepop_loss(lp, rollout, adv, mask, old_logprobs=old,
                                        return_metrics=True)
-        assert_metrics_close({k: m[k] for k in KEYS}, ref, scales)
-    lp_fl = selective_logprobs_reference(hidden @ weight.t(), ids)
-    _, m = fused_linear_icepop_loss(hidden, weight, ids, rollout, adv, mask, chunk_size=5,
-                                    return_metrics=True)
-    assert_metrics_close({k: m[k] for k in KEYS},
-                         _reference.mismatch_metrics_reference(lp_fl, rollout, mask),
-                         metric_scales(lp_fl, rollout, mask))
-    with pytest.raises(ValueError, match="non-finite"):
-        icepop_loss_from_logits(logits, ids, rollout, adv, mask, raise_on_nonfinite=True)
+        assert m["ratio_max"].item() == pytest.approx(ratios.max().item(), rel=1e-5)
+        assert m["ratio_min"].item() == pytest.approx(ratios.min().item(), rel=1e-5)
+        assert m["ratio_mean"].item() == pytest.approx(ratios.mean().item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("v,dtype", [(300, torch.bfloat16), (517, torch.float32)])
-def test_from_logits_metrics_on_every_row_plan(any_backend, v, dtype):
-    """Under the interpreter's launch config 300 bf16 columns take the three-register-tile
-    plan and 517 fp32 columns the streamed one (90 columns, one tile, is the test above).
-    Metrics on or off: the same plan, so the same loss and gradient bit for bit."""
+# --------------------------------------------------------------------------- bits
+def _loss_and_grad(fn, x, metrics, **kw):
+    x = x.clone().requires_grad_(True)
+    out = fn(x, return_metrics=metrics, **kw)
+    loss = out[0] if metrics else out
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("shape", [(4, 300), (3, 2500)])
+def test_metrics_never_change_the_token_loss(any_backend, shape):
+    lp, rollout, mask = _drift(shape, seed=3)
+    adv = torch.randn(shape).to(DEVICE)
+    for reduction in ("token_mean", "sum", "seq_mean_token_mean"):
+        fn = lambda x, **kw: glm_kernels.icepop_loss(x, rollout, adv, mask,  # noqa: E731
+                                                     reduction=reduction, **kw)
+        off, on = _loss_and_grad(fn, lp, False), _loss_and_grad(fn, lp, True)
+        assert torch.equal(off[0], on[0]) and torch.equal(off[1], on[1]), reduction
+
+
+@pytest.mark.parametrize("v,dtype", [(90, torch.float32), (300, torch.bfloat16),
+                                     (517, torch.float32)])
+def test_metrics_never_change_the_logits_losses(any_backend, v, dtype):
+    """Under the interpreter's launch config: one register tile, three tiles (bf16), the
+    streamed plan. From logits and fused-linear, loss and gradient bit for bit."""
     g = torch.Generator().manual_seed(v)
-    logits = (torch.randn(2, 6, v, generator=g) * 2).to(dtype)
+    hidden = torch.randn(2, 6, 8, generator=g).to(dtype)
+    weight = torch.randn(v, 8, generator=g).to(dtype)
     ids = torch.randint(0, v, (2, 6), generator=g)
+    logits = (hidden.float() @ weight.float().t()).to(dtype)
     lp = selective_logprobs_reference(logits, ids)
     rollout = lp + 0.3 * torch.randn(2, 6, generator=g)
     rollout[1, 0] = NAN
     mask = torch.rand(2, 6, generator=g) > 0.2
     adv = torch.randn(2, 6, generator=g)
-    logits, ids, lp, rollout, mask, adv = (t.to(DEVICE)
-                                           for t in (logits, ids, lp, rollout, mask, adv))
-    outs = []
-    for metrics in (False, True):
-        x = logits.clone().requires_grad_(True)
-        out = icepop_loss_from_logits(x, ids, rollout, adv, mask, return_metrics=metrics)
-        loss = out[0] if metrics else out
-        loss.backward()
-        outs.append((loss.detach(), x.grad))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    assert_metrics_close({k: out[1][k] for k in KEYS},
-                         _reference.mismatch_metrics_reference(lp, rollout, mask),
-                         metric_scales(lp, rollout, mask))
-
-
-# --------------------------------------------------------------------------- kernels
-def test_token_kernel_writes_every_metric_column(kernel_backend):
-    lp, rollout, mask = _drift((3, 1100), seed=5)
-    adv = torch.randn(3, 1100).to(DEVICE)
-    block = 512
-    programs = 3 * -(-1100 // block)
-    stats = torch.full((programs, _kernels.NUM_STATS_METRICS), NAN, device=DEVICE)
-    loss = torch.full((3300,), NAN, device=DEVICE)
-    grad = torch.full((3300,), NAN, device=DEVICE)
-    _kernels.icepop_fwd(lp.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
-                        mask.reshape(-1).view(torch.uint8), loss, grad, stats, seq_len=1,
-                        gate_low=0.5, gate_high=2.0, clip_low=0.8, clip_high=1.28,
-                        adv_per_seq=False, block=block, num_warps=4, row_len=1100,
-                        metrics=True)
-    assert not torch.isnan(stats).any() and not torch.isnan(loss).any()
-    assert not torch.isnan(grad).any()
-    # The per-row programs' sums give each row's |M| exactly.
-    in_m = _reference.mismatch_token_terms(lp, rollout, mask, gate_low=0.5, gate_high=2.0)[0]
-    per_row = stats[:, _kernels.STAT_M_COUNT].reshape(3, -1).sum(1)
-    assert per_row.tolist() == in_m.sum(-1).float().tolist()
-
-
-def test_logits_kernel_writes_every_metric_column(kernel_backend):
-    from glm_kernels.loss import logprobs
-    g = torch.Generator().manual_seed(6)
-    n, v = 10, 300
-    logits = torch.randn(n, v, generator=g).to(DEVICE)
-    ids_all = torch.randint(0, v, (n,), generator=g).to(DEVICE)
-    cfg = logprobs.make_launch_config("interpret")
-    # 300 columns: streamed (fp32), three register tiles (bf16); 200: one register tile.
-    for dtype, v in ((torch.float32, 300), (torch.bfloat16, 300), (torch.float32, 200)):
-        x = logits[:, :v].to(dtype)
-        ids = ids_all % v
-        rollout = selective_logprobs_reference(x, ids) + 0.3
-        row_tiles, block_v, warps = cfg.row_plan(v, x.element_size())
-        rows = torch.full((n, _kernels.NUM_STATS), NAN, device=DEVICE)
-        full = _logits_kernels.icepop_logits(
-            x, ids, rollout, None, torch.ones(n, device=DEVICE), None,
-            torch.full((n,), 0.1, device=DEVICE), None, rows,
-            torch.zeros(1, dtype=torch.int32, device=DEVICE), inv_temp=1.0, gate_low=0.5,
-            gate_high=2.0, clip_low=0.8, clip_high=1.28, block_v=block_v, row_tiles=row_tiles,
-            num_warps=warps, max_programs=3, metrics=True)
-        # Every column the kernel owns was written (4, 5 carry the metric terms; 6 unused).
-        assert not torch.isnan(rows[:, [0, 1, 2, 3, 4, 5, 7]]).any()
-        assert full.shape == (n, _kernels.NUM_STATS_METRICS)
-        assert not torch.isnan(full[:, :5]).any() and not torch.isnan(full[:, 7:]).any()
-        d = full[:, 10].double()
-        assert torch.equal(full[:, 11], (torch.expm1(d) - d).float())
-
-
-def test_glm5_vocab_shard_keeps_its_row_in_registers_with_metrics():
-    """GLM-5's TP=8 bf16 vocab shard (19360 columns) takes the three-register-tile plan with
-    or without metrics (one read of the row), and the METRICS variant of that plan is among
-    the sm_90 configurations the AOT check compiles (and fails on any spill)."""
-    from glm_kernels.loss import logprobs
-    assert logprobs.LogitsLaunchConfig().row_plan(19360, 2) == (3, 8192, 32)
-    compiled = {spec.name for spec in _logits_kernels.AOT_SPECS}
-    for old in ("", ",old"):
-        assert f"icepop_logits[bf16,row_tiles=3,BLOCK_V=8192,metrics=True{old}]" in compiled
+    hidden, weight, ids, logits, rollout, mask, adv = (
+        t.to(DEVICE) for t in (hidden, weight, ids, logits, rollout, mask, adv))
+    fn = lambda x, **kw: icepop_loss_from_logits(x, ids, rollout, adv, mask, **kw)  # noqa
+    assert all(torch.equal(a, b) for a, b in zip(_loss_and_grad(fn, logits, False),
+                                                   _loss_and_grad(fn, logits, True)))
+    fn = lambda x, **kw: fused_linear_icepop_loss(x, weight, ids, rollout, adv, mask,  # noqa
+                                                  chunk_size=5, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(_loss_and_grad(fn, hidden, False),
+                                                   _loss_and_grad(fn, hidden, True)))
 
 
 def test_reductions_are_deterministic(kernel_backend):
@@ -313,12 +213,32 @@ def test_metrics_under_torch_compile():
 
     def step(x):
         loss, m = glm_kernels.icepop_loss(x, rollout, adv, mask, return_metrics=True)
-        return loss, m["mismatch_k3"], m["log_ppl_gap_seq"]
+        return loss, m["k3_kl"], m["log_ppl_diff"], m["rollout_is_seq_std"]
 
     with glm_kernels.force_backend("torch"):
         eager = step(lp)
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(lp)
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+        for backend in ("aot_eager", "inductor"):
+            compiled = torch.compile(step, fullgraph=True, backend=backend)(lp)
+            torch._dynamo.reset()
+            assert torch.equal(eager[0], compiled[0]), backend
+            for a, b in zip(eager[1:], compiled[1:]):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), backend
+
+
+def test_standalone_bad_inputs():
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        mismatch_metrics(x, torch.zeros(4))
+    with pytest.raises(ValueError, match="loss_mask"):
+        mismatch_metrics(x, x, torch.ones(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="train_logprobs"):
+        mismatch_metrics(torch.zeros(3, dtype=torch.int64), x)
+    with pytest.raises(ValueError, match="beta"):
+        mismatch_metrics(x, x, beta=1.0)
+    with pytest.raises(TypeError, match="loss_mask"):
+        mismatch_metrics(x, x, torch.ones(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="gate_low"):
+        mismatch_metrics(x, x, gate_low=-1.0)
 
 
 # --------------------------------------------------------------------------- validation
@@ -355,8 +275,9 @@ class TestArgumentsNameThemselves:
         with pytest.raises(TypeError, match="tp_group"):
             reverse_kl_from_logits(logits, logits, tp_group=3)
 
-    def test_icepop_module_exports(self):
-        assert icepop.mismatch_metrics is mismatch_metrics
+    def test_module_exports(self):
+        assert glm_kernels.mismatch_metrics is mismatch_metrics
+        assert set(glm_kernels.loss.MISMATCH_KEYS) == KEYS
 
 
 def test_docs_icepop_examples_run():

@@ -1,0 +1,87 @@
+"""Batch-invariant torch primitives: each row's result is bitwise the same whatever else is in
+the batch, where the row sits in it, and how the batch is chunked (``glm_kernels.batch_invariant``).
+
+Why torch's own ops are not: a reduction over a row (``sum``, ``logsumexp``) is split across
+threads depending on how many rows there are, and a matrix product picks another kernel (and
+another summation order) for a single row than for a block of rows. What does hold, and what
+these helpers are built from:
+
+- elementwise ops give the same bits for an element wherever it sits (vector body or tail);
+- ``amax`` is exact, so its order does not matter;
+- a sum as a fixed binary tree of elementwise adds (pad the row to a power of two with zeros,
+  then add its two halves until one column is left) has one order for every row;
+- a matrix product on row tiles of one fixed shape: every call has the same shape, so the same
+  kernel and the same order over K for every row, at every position of the tile. This holds
+  for one thread count: on CPU, rollout and training must run with the same number of torch
+  threads (``torch.get_num_threads()``) for their products to agree.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._dispatch import batch_invariant_enabled
+
+NEG_INF = float("-inf")
+# Rows a product tile holds: a multiple of every CPU micro-kernel height, large enough that the
+# weight is re-read rarely (one read per ROW_TILE rows).
+ROW_TILE = 64
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in a fixed binary tree (the same order for every row)."""
+    n = x.shape[-1]
+    if n == 0:
+        return x.new_zeros(x.shape[:-1])
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = torch.nn.functional.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+def row_shift(m: torch.Tensor) -> torch.Tensor:
+    """The row max, or 0 for rows of only -inf (so e^(z - shift) is 0, not NaN)."""
+    return torch.where(m == NEG_INF, 0.0, m)
+
+
+def logsumexp(z: torch.Tensor) -> torch.Tensor:
+    """log sum_v e^z_v over the last dim, the exp-sum as :func:`tree_sum`."""
+    m = z.amax(-1)
+    shift = row_shift(m)
+    return shift + torch.log(tree_sum(torch.exp(z - shift.unsqueeze(-1))))
+
+
+def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    """a [M, K] @ b[N, K]^T on tiles of exactly ROW_TILE rows (the last one zero-padded)."""
+    m = a.shape[0]
+    if out is None:
+        out = a.new_empty((m, b.shape[0]))
+    tile = a.new_zeros((ROW_TILE, a.shape[1]))
+    for start in range(0, m, ROW_TILE):
+        rows = min(ROW_TILE, m - start)
+        if rows == ROW_TILE:
+            torch.mm(a[start:start + rows], b.t(), out=out[start:start + rows])
+        else:
+            tile[:rows].copy_(a[start:start + rows])
+            tile[rows:].zero_()
+            out[start:start + rows].copy_(torch.mm(tile, b.t())[:rows])
+    return out
+
+
+# The torch backend's row reductions: the fixed-order ones under batch_invariant(), torch's
+# (faster, thread-split) otherwise.
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    return tree_sum(x) if batch_invariant_enabled() else x.sum(-1)
+
+
+def row_logsumexp(z: torch.Tensor) -> torch.Tensor:
+    return logsumexp(z) if batch_invariant_enabled() else torch.logsumexp(z, -1)
+
+
+def linear(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    """a @ b^T: on fixed row tiles under batch_invariant(), else one torch.mm."""
+    if batch_invariant_enabled():
+        return matmul_nt(a, b, out)
+    return torch.mm(a, b.t(), out=out)
