@@ -1,0 +1,88 @@
+"""What glm_kernels.batch_invariant() costs: the same op with the switch off and on, one run.
+
+selective_logprobs (with entropy) and fused_linear_icepop_loss (forward + backward), at
+shapes that fit the device: on the GPU the Triton kernels (the log-prob kernels are already
+row-invariant, so the switch changes only the fused-linear GEMMs: fixed 64-row tiles), on the
+CPU the torch backend (fixed-order tree reductions and the tiled GEMMs). Columns: the time off
+and on, their ratio, and the floor (bytes / copy bandwidth for log-probs, FLOPs / matmul rate
+for the fused-linear loss). ``bitwise`` says whether a row computed alone equals the same row
+inside the batch, off and on (the switch's promise, checked in the same run).
+"""
+from __future__ import annotations
+
+import torch
+
+import _common
+import glm_kernels
+from glm_kernels.loss import fused_linear_icepop_loss, selective_logprobs
+
+
+def _logprob_case(n, v, dtype, device):
+    logits = torch.randn(n, v, device=device, dtype=dtype) * 3
+    ids = torch.randint(0, v, (n,), device=device)
+    run = lambda x=logits, i=ids: selective_logprobs(x, i, return_entropy=True)  # noqa: E731
+    floor_s = logits.numel() * logits.element_size() / _common.copy_bandwidth(device)
+    return run, floor_s, lambda: run(logits[:1], ids[:1])[0], lambda: run()[0][:1]
+
+
+def _fused_linear_case(n, h, v, dtype, device):
+    hidden = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(v, h, device=device, dtype=dtype) / h ** 0.5).requires_grad_(True)
+    ids = torch.randint(0, v, (n,), device=device)
+    rollout = -torch.rand(n, device=device) * 3
+    adv = torch.randn(n, device=device)
+
+    def run(rows=n):
+        loss = fused_linear_icepop_loss(hidden[:rows], weight, ids[:rows], rollout[:rows],
+                                        adv[:rows], reduction="sum")
+        loss.backward()
+        return hidden.grad
+
+    def row0(rows):
+        hidden.grad = None
+        return run(rows)[:1].clone()
+
+    floor_s = 3 * 2 * n * h * v / _common.matmul_rate(device)      # three GEMMs
+    return run, floor_s, lambda: row0(1), lambda: row0(n)
+
+
+def _measure(label, case, device, quick):
+    run, floor_s, alone, in_batch = case
+    row = {"case": label}
+    for mode in ("off", "on"):
+        with glm_kernels.batch_invariant(mode == "on"):
+            row[f"{mode}_ms"] = _common.time_fn(run, device=device,
+                                                repeats=3 if quick else 10) * 1e3
+            row[f"bitwise_{mode}"] = bool(torch.equal(alone(), in_batch()))
+    row["on_vs_off"] = row["on_ms"] / row["off_ms"]
+    row["floor_ms"] = floor_s * 1e3
+    row["on_vs_floor"] = row["on_ms"] / row["floor_ms"]
+    return row
+
+
+def run(quick: bool = False, cpu: bool = False) -> dict:
+    device = "cpu" if cpu else _common.default_device()
+    on_gpu = device.startswith("cuda")
+    torch.manual_seed(0)
+    if on_gpu:
+        logprob_shapes = [(4096, 154880 // 8, torch.bfloat16), (4096, 154880, torch.bfloat16)]
+        linear_shapes = [(4096, 6144, 154880 // 8, torch.bfloat16)]
+    else:
+        logprob_shapes = [(512, 32000, torch.float32)] if quick else [
+            (512, 32000, torch.float32), (2048, 19360, torch.float32)]
+        linear_shapes = [(256, 512, 8192, torch.float32)]
+    rows = [_measure(f"logprobs N={n} V={v} {str(dt)[6:]}", _logprob_case(n, v, dt, device),
+                     device, quick) for n, v, dt in logprob_shapes]
+    rows += [_measure(f"fused_linear N={n} H={h} V={v} {str(dt)[6:]}",
+                      _fused_linear_case(n, h, v, dt, device), device, quick)
+             for n, h, v, dt in linear_shapes]
+    title = f"batch_invariant() off vs on, {device}" + ("" if on_gpu else " (torch backend)")
+    _common.print_table(title, rows, ["case", "off_ms", "on_ms", "on_vs_off", "floor_ms",
+                                      "on_vs_floor", "bitwise_off", "bitwise_on"])
+    result = {"device": device, "environment": _common.environment(), "rows": rows}
+    notes = {"gpu": "measured" if on_gpu else "not measured on GPU"}
+    return _common.finish(result, notes, {})
+
+
+if __name__ == "__main__":
+    _common.main(__doc__, run)
