@@ -8,8 +8,8 @@ correctly rounded once). Why: torch's bf16 ``g.add(M, alpha=momentum)`` rounds d
 in its vectorized body and its scalar tail (a fused multiply-add in one, not in the other),
 so the same element could round two ways depending on where a shard boundary put it -- a
 sharded step was then not bitwise one process (measured: 9 elements differed over five row
-slices of a random 24 x 13 bf16 matrix; none in fp32). Elementwise ops with one rounding each give the same bits at any
-offset. fp32 also keeps the NS input from being rounded to bf16 once more.
+slices of a random 24 x 13 bf16 matrix; none in fp32). Elementwise ops with one rounding
+each give the same bits at any offset. fp32 also spares the NS input one bf16 rounding.
 """
 import torch
 

@@ -21,14 +21,14 @@ Every rank builds the same plan from shapes alone (no communication), once per g
   at most 2 (W-1)/W M for a W-way even shard, where gathering it on every rank moves (W-1) M.
 
 Bitwise equality with one process (same device, same thread count): the elementwise steps
-(momentum, decay, p - lr * scale * O) round once per element (Nesterov in fp32:
-``momentum.py``), so shards compute them exactly as the whole tensor does, bf16 included; NS is per block, and the torch (CPU) path computes every block of a batch
-of two or more with its own single-threaded gemm, whatever the batch -- but a batch of ONE
-goes to a threaded gemm (bitwise different with 2+ threads). So a block is never run in a
-batch of one here where one process runs it in a batch of num_heads >= 2: a lone head is
-paired with a copy of itself. On the Triton path each block is computed by its own programs;
-the row tile of the left products is pinned to the one-process choice (it depends on the
-batch): bitwise under the interpreter (tested), expected on GPU (not measured there).
+(momentum, decay, p - lr * scale * O) round once per element (Nesterov in fp32,
+``momentum.py``), so shards compute them as the whole tensor does, bf16 included; NS is per
+block, and torch's CPU path computes each block of a batch of two or more with its own
+single-threaded gemm -- but a batch of ONE goes to a threaded gemm (other bits with 2+
+threads), so a lone head is paired with a copy of itself where one process batches heads.
+On the Triton path each block is computed by its own programs; the row tile of the left
+products is pinned to the one-process choice (it depends on the batch): bitwise under the
+interpreter (tested), expected on GPU (not measured there).
 """
 import functools
 import math
