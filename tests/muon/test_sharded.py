@@ -2,7 +2,8 @@
 
 One spawn per world size runs everything on one model (aligned heads, straddling heads, lone
 heads, plain and 3-D matrices, uneven and empty shards, AdamW parameters): five steps against
-one-process MuonSplit fed the same full gradients (bitwise), the state round trip (sharded ->
+one-process MuonSplit fed the same full gradients (bitwise, in fp32 and again in bf16, with
+the parameter and state dtypes one process keeps), the state round trip (sharded ->
 sharded, full -> sharded, sharded -> full), the bytes moved by the step, counted by wrapping
 torch.distributed's collectives and DTensor's functional ones, a bad placement, and plain data
 parallelism through torch's ZeroRedundancyOptimizer; world 2 also runs blocks big enough for
@@ -227,6 +228,9 @@ def _body(rank, world, out_dir):
         for label, m in (("mismatch", model), ("mismatch_from_sharded", from_sharded),
                          ("mismatch_from_full", from_full), ("mismatch_to_full", to_full)):
             verdicts[label] = _mismatches(m, ref)
+        verdicts["fp32_dtypes"] = _dtype_verdict(ref, ref_opt, {
+            "sharded": (model, opt), "from_sharded": (from_sharded, from_sharded_opt),
+            "from_full": (from_full, from_full_opt), "to_full": (to_full, to_full_opt)})
         verdicts["max_abs_diff"] = max(
             float((sharded.local(p).detach() - q.detach()[_rows(p)]).abs().sum(0).max())
             if sharded.local(p).numel() else 0.0
@@ -255,7 +259,6 @@ def _body(rank, world, out_dir):
             verdicts["bad_placement"] = str(exc)
         verdicts["zero"] = _zero_check(world)
         verdicts["bf16_dtypes"] = _dtype_check(world, mesh, torch.bfloat16)
-        verdicts["fp32_dtypes"] = _dtype_check(world, mesh, torch.float32)
     if world == 2:          # in the same spawn: starting processes costs more than the check
         verdicts["big"] = _big_check(world, mesh)
         verdicts["dcp_mismatch"] = _dcp_check(world, mesh)
@@ -301,10 +304,17 @@ def _dtype_check(world, mesh, dtype):
         _step(to_full, to_full_opt, step)
         for m, o in ((model, opt), (from_full, from_full_opt)):
             _step(m, o, step, mesh)
+    return _dtype_verdict(ref, ref_opt, {"sharded": (model, opt),
+                                         "from_full": (from_full, from_full_opt),
+                                         "to_full": (to_full, to_full_opt)})
+
+
+def _dtype_verdict(ref, ref_opt, runs):
+    """Per run (label -> (model, opt)): parameters not bitwise one process's, and parameter
+    or state dtypes unlike one process's; plus one process's parameter dtypes."""
     theirs = _dtypes(ref, ref_opt)
     verdict = {"param_dtypes": sorted({v[0] for v in theirs.values()})}
-    for label, (m, o) in (("sharded", (model, opt)), ("from_full", (from_full, from_full_opt)),
-                          ("to_full", (to_full, to_full_opt))):
+    for label, (m, o) in runs.items():
         ours = _dtypes(m, o)
         verdict[label] = {"mismatch": _mismatches(m, ref),
                           "dtypes": {name: [ours[name], theirs[name]] for name in ours
@@ -443,7 +453,7 @@ def _check(per_rank, world):
             verdict = v[f"{dtype}_dtypes"]
             expected = "torch.bfloat16" if dtype == "bf16" else "torch.float32"
             assert verdict["param_dtypes"] == [expected], (where, verdict)
-            for label in ("sharded", "from_full", "to_full"):
+            for label in set(verdict) - {"param_dtypes"}:
                 assert verdict[label] == {"mismatch": [], "dtypes": {}}, (where, dtype, label,
                                                                           verdict[label])
     if world == 2:
