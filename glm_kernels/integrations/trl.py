@@ -46,6 +46,7 @@ log-prob is NaN is popped (TRL gives it ratio 1); log-ratios are clamped to [-20
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any, Dict, List, Optional
@@ -78,6 +79,14 @@ def _import_trl():
         raise ImportError(f"glm_kernels.integrations.trl needs TRL ({exc}); install it with: "
                           f"{INSTALL_HINT}") from exc
     return trl, GRPOConfig, GRPOTrainer
+
+
+def _trl_disable_gradient_checkpointing():
+    """TRL's context manager that switches gradient checkpointing off around its generation
+    and scoring forwards (trl.models.utils, TRL 1.16)."""
+    _import_trl()
+    from trl.models.utils import disable_gradient_checkpointing
+    return disable_gradient_checkpointing
 
 
 def __getattr__(name: str):
@@ -113,6 +122,11 @@ def generate_with_logprobs(prompts: List[Any], trainer) -> Dict[str, List[List[A
                          "use_transformers_continuous_batching")
     tokenizer = trainer.processing_class
     model = trainer.accelerator.unwrap_model(trainer.model)
+    # The scores are asked for through a copy of the config: passing output_scores next to
+    # generation_config is deprecated in transformers 5, and the trainer's config stays as is.
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.output_scores = True
+    generation_config.return_dict_in_generate = True
     prompt_ids = tokenizer(text=list(prompts))["input_ids"]
     pad_id = tokenizer.pad_token_id
     width = max(len(ids) for ids in prompt_ids)
@@ -123,10 +137,17 @@ def generate_with_logprobs(prompts: List[Any], trainer) -> Dict[str, List[List[A
         if ids:
             input_ids[row, width - len(ids):] = torch.tensor(ids, device=device)
             attention[row, width - len(ids):] = 1
-    with torch.no_grad():
+    # TRL turns gradient checkpointing on by default (GRPOConfig), and under it transformers
+    # drops the KV cache while generate still feeds one new token a step: the recorded
+    # log-probs were then not the model's (before any update exp(train - rollout) spread over
+    # [0.84, 1.13] on tests/integrations/test_trl.py's model). TRL's own generation turns it
+    # off for the call; TRL's disable_gradient_checkpointing turns it back on with the
+    # trainer's kwargs afterwards, also when generate raises.
+    without_checkpointing = _trl_disable_gradient_checkpointing()
+    with torch.no_grad(), without_checkpointing(
+            model, trainer.args.gradient_checkpointing_kwargs):
         out = model.generate(input_ids=input_ids, attention_mask=attention,
-                             generation_config=generation_config,
-                             output_scores=True, return_dict_in_generate=True)
+                             generation_config=generation_config)
     generated = out.sequences[:, width:]
     if generated.shape[1] == 0:
         return {"prompt_ids": [list(p) for p in prompt_ids],

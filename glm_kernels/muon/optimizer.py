@@ -4,7 +4,7 @@ Muon update of a matrix parameter p with gradient g (per block when the group ha
 ``head_split``; Moonlight's conventions)::
 
     M <- momentum * M + g
-    U  = g + momentum * M            (nesterov)   or   U = M
+    U  = g + momentum * M            (nesterov, in fp32)   or   U = M
     O  = NS(U) * rms_scale * sqrt(max(rows, cols))          for every block of U
     p <- p * (1 - lr * weight_decay) - lr * O
 
@@ -32,6 +32,7 @@ import torch
 
 from .. import _dispatch
 from .coefficients import resolve_coefficients
+from .momentum import momentum_update
 from .ns import METHODS, NSConfig, head_block_views, orthogonalize
 from .sharded import is_dtensor, local, shard_like, sharded_muon_step
 from .split import HeadSplit, PRESETS, head_splits_from_config
@@ -212,9 +213,8 @@ class MuonSplit(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.mul_(momentum).add_(p.grad)
-            update = p.grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+            update = momentum_update(state["momentum_buffer"], p.grad, momentum,
+                                     group["nesterov"])
             by_device[p.device].append((p, update.reshape(p.shape[0], -1)))
         for entries in by_device.values():
             sources, blocks = [], []

@@ -21,14 +21,14 @@ Every rank builds the same plan from shapes alone (no communication), once per g
   at most 2 (W-1)/W M for a W-way even shard, where gathering it on every rank moves (W-1) M.
 
 Bitwise equality with one process (same device, same thread count): the elementwise steps
-(momentum, decay, p - lr * scale * O) are per element, so shards compute them exactly as the
-whole tensor does; NS is per block, and the torch (CPU) path computes every block of a batch
-of two or more with its own single-threaded gemm, whatever the batch -- but a batch of ONE
-goes to a threaded gemm (bitwise different with 2+ threads). So a block is never run in a
-batch of one here where one process runs it in a batch of num_heads >= 2: a lone head is
-paired with a copy of itself. On the Triton path each block is computed by its own programs;
-the row tile of the left products is pinned to the one-process choice (it depends on the
-batch): bitwise under the interpreter (tested), expected on GPU (not measured there).
+(momentum, decay, p - lr * scale * O) round once per element (Nesterov in fp32,
+``momentum.py``), so shards compute them as the whole tensor does, bf16 included; NS is per
+block, and torch's CPU path computes each block of a batch of two or more with its own
+single-threaded gemm -- but a batch of ONE goes to a threaded gemm (other bits with 2+
+threads), so a lone head is paired with a copy of itself where one process batches heads.
+On the Triton path each block is computed by its own programs; the row tile of the left
+products is pinned to the one-process choice (it depends on the batch): bitwise under the
+interpreter (tested), expected on GPU (not measured there).
 """
 import functools
 import math
@@ -41,6 +41,7 @@ import torch
 
 from .. import _dispatch
 from .coefficients import resolve_coefficients
+from .momentum import momentum_update
 from .ns import _LARGE_M, _PAD, NSConfig, head_block_views, orthogonalize
 from .split import HeadSplit
 
@@ -337,9 +338,8 @@ def sharded_muon_step(group: dict, params: List[torch.Tensor], state, stats: dic
         st = state[p]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        buf, grad = local(st["momentum_buffer"]), local(p.grad)
-        buf.mul_(momentum).add_(grad)
-        update = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+        update = momentum_update(local(st["momentum_buffer"]), local(p.grad), momentum,
+                                 group["nesterov"])
         updates.append(update.reshape(update.shape[0], l.cols))
     device = updates[0].device
     backend = _dispatch.select_backend("muon_split", updates[0])

@@ -241,7 +241,14 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
         Experts form n_group contiguous groups; a group's score is the sum of its two
         largest biased scores; only the topk_group best groups' experts are eligible.
     renormalize : bool, default True
-        Divide the k weights by their sum (+ 1e-20), as ``norm_topk_prob`` does.
+        Divide the k weights by their sum (+ 1e-20), as ``norm_topk_prob`` does (HF
+        DeepSeek-V3, SGLang), for every k. With k = 1 the weight is then s / (s + 1e-20):
+        exactly 1.0 (times ``scaling_factor``) whenever s >= ~1.7e-13 (fp32 s + 1e-20 == s;
+        a sigmoid logit above about -29.4), a little below 1 under that, and the router gets
+        no gradient through it. Megatron-Core (``topk_routing_with_score_function``)
+        normalizes sigmoid scores only when topk > 1 and keeps the top-1 score s itself as the
+        weight: pass ``renormalize=False`` to match it at k = 1. (Megatron's softmax without
+        ``use_pre_softmax`` is a softmax over the top-k logits, 1.0 at top-1 as here.)
     scaling_factor : float, default 1.0
         ``routed_scaling_factor``, applied after renormalizing.
     replay_ids : Tensor [..., k], int64 / int32 / int16 / int8 / uint8, optional

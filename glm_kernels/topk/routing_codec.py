@@ -236,32 +236,37 @@ def decode_routing(packet: Packet, *, device: Optional[Union[str, torch.device]]
     routing packet, of another format version, corrupt (checksum) or holding ids >= n_experts.
     """
     _dispatch.check_choice("dtype", dtype, (torch.int64, torch.int32))
-    tensor, data = _as_packet(packet)
+    return _decode(packet, device, dtype, "packet")[1]
+
+
+def _decode(packet: Packet, device, dtype: torch.dtype, name: str):
+    """(header, ids) of a packet checked whole; errors name it ``name``."""
+    tensor, data = _as_packet(packet, name)
     if tensor is not None:
         head = bytes(tensor[:HEADER_BYTES].cpu().numpy().tobytes())
-        header = _parse_header(head, tensor.numel(), "packet")
+        header = _parse_header(head, tensor.numel(), name)
         stored = struct.unpack("<I", tensor[-TRAILER_BYTES:].cpu().numpy().tobytes())[0]
         actual = _checksum(tensor[:-TRAILER_BYTES])
         body = tensor[HEADER_BYTES:-TRAILER_BYTES]
         target = tensor.device if device is None else torch.device(device)
     else:
-        header = _parse_header(data, len(data), "packet")
+        header = _parse_header(data, len(data), name)
         stored = struct.unpack("<I", data[-TRAILER_BYTES:])[0]
         actual = zlib.adler32(data[:-TRAILER_BYTES])
         body = _tensor_of(data[HEADER_BYTES:-TRAILER_BYTES])
         target = torch.device("cpu") if device is None else torch.device(device)
     if stored != actual:
-        raise ValueError(f"packet is corrupt: checksum {actual:#010x} of its contents, "
+        raise ValueError(f"{name} is corrupt: checksum {actual:#010x} of its contents, "
                          f"{stored:#010x} stored")
     if body.numel() and _max_id(body, header.id_bytes) >= header.n_experts:
-        raise ValueError(f"packet is corrupt: an id >= n_experts={header.n_experts}")
+        raise ValueError(f"{name} is corrupt: an id >= n_experts={header.n_experts}")
     body = body.to(target)
     if header.id_bytes == 1:
         ids = body.to(dtype)
     else:
         pairs = body.view(-1, 2).to(dtype)
         ids = pairs[:, 0] | (pairs[:, 1] << 8)
-    return ids.view(header.n_layers, header.n_tokens, header.k)
+    return header, ids.view(header.n_layers, header.n_tokens, header.k)
 
 
 def encode_routing_batch(ids: torch.Tensor, lengths: Sequence[int],
@@ -278,20 +283,35 @@ def encode_routing_batch(ids: torch.Tensor, lengths: Sequence[int],
 
 def decode_routing_batch(packets: Sequence[Packet], *, width: Optional[int] = None,
                          device: Optional[Union[str, torch.device]] = None) -> RoutingBatch:
-    """Decode B packets (same layers, k and n_experts) into one right-padded batch.
+    """Decode B packets of one model (same n_experts, k and layer count) into one
+    right-padded batch.
 
     ``width`` (default: the longest sequence) is the padded token count; positions past a
     sequence's length get the placeholder ids 0..k-1 (distinct and in range, so the batch
-    can be replayed as is; keep them out of metrics with ``lengths``).
+    can be replayed as is; keep them out of metrics with ``lengths``). Every packet is
+    checked whole, and a packet whose ``n_experts``, ``k`` or ``n_layers`` differs from
+    packets[0]'s raises ValueError naming its index and the field: ids of two expert counts
+    (or two models) would replay as if they were one.
     """
-    decoded = [decode_routing(p, device=device) for p in packets]
-    if not decoded:
+    if isinstance(packets, (bytes, bytearray, memoryview, torch.Tensor, str)) or \
+            not hasattr(packets, "__iter__"):
+        raise TypeError(f"packets must be a sequence of packets (one per sequence), got "
+                        f"{type(packets).__name__}")
+    packets = list(packets)
+    if not packets:
         raise ValueError("packets must hold at least one packet")
-    n_layers, _, k = decoded[0].shape
-    for i, d in enumerate(decoded):
-        if (d.shape[0], d.shape[2]) != (n_layers, k):
-            raise ValueError(f"packets[{i}] has {d.shape[0]} layers and k={d.shape[2]}, "
-                             f"packets[0] has {n_layers} layers and k={k}")
+    headers, decoded = [], []
+    for i, packet in enumerate(packets):
+        header, ids = _decode(packet, device, torch.int64, f"packets[{i}]")
+        first = headers[0] if headers else header
+        for field in ("n_experts", "k", "n_layers"):
+            if getattr(header, field) != getattr(first, field):
+                raise ValueError(f"packets[{i}] has {field}={getattr(header, field)}, "
+                                 f"packets[0] has {field}={getattr(first, field)}: one batch "
+                                 f"holds the routing of one model")
+        headers.append(header)
+        decoded.append(ids)
+    n_layers, k = headers[0].n_layers, headers[0].k
     lengths = [d.shape[1] for d in decoded]
     width = max(lengths) if width is None else width
     if width < max(lengths):

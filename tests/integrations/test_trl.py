@@ -323,6 +323,12 @@ def test_real_tiny_run_coupled_skips_old_forward(tmp_path):
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 10
     assert all("icepop/pop_frac" in h for h in logs)
+    # TRL's default gradient checkpointing was on; the first step (before any update) is
+    # on-policy: ratio 1 to fp32 rounding, nothing popped
+    assert args.gradient_checkpointing and trainer.model.is_gradient_checkpointing
+    assert logs[0]["icepop/pop_frac"] == 0.0
+    assert abs(logs[0]["icepop/ratio_min"] - 1) <= 1e-5, logs[0]
+    assert abs(logs[0]["icepop/ratio_max"] - 1) <= 1e-5, logs[0]
     rewards = [h["reward"] for h in logs]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
 
@@ -380,21 +386,98 @@ def test_without_engine_logprobs_is_an_error(tmp_path):
         trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
 
 
-def test_docs_first_example_runs(tmp_path, monkeypatch):
-    """docs/trl.md's CPU example runs as written (in a scratch directory) and prints what it
-    says."""
+def _doc_example_and_output(path):
+    """The first ```python block of a docs page and the ```text block after it (what the
+    block prints, as the page shows it)."""
     import re
+    with open(path) as f:
+        text = f.read()
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    shown = re.compile(r"```text\n(.*?)```", re.S).search(text, code.end())
+    assert shown is not None, f"{path}: no ```text block after the first example"
+    return code.group(1), shown.group(1)
+
+
+def test_docs_first_example_prints_what_the_page_shows(tmp_path, monkeypatch, capsys):
+    """docs/trl.md's CPU example (TRL's defaults: gradient checkpointing on) runs as written
+    in a scratch directory and prints exactly the lines the page shows: 3 loss calls, a first
+    step with nothing popped and ratio 1 (to 5 decimals), and the logged icepop/ keys (after
+    the log lines TRL prints itself)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = open(os.path.join(root, "docs", "trl.md")).read()
-    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code, shown = _doc_example_and_output(os.path.join(root, "docs", "trl.md"))
     monkeypatch.chdir(tmp_path)
     namespace = {}
-    exec(compile(block, "docs/trl.md", "exec"), namespace)
+    exec(compile(code, "docs/trl.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    expected = shown.splitlines()
+    # TRL prints its own log dict each step first; the example's lines end the output
+    assert printed[-len(expected):] == expected, "\n".join(printed[-len(expected) - 2:])
     trainer = namespace["trainer"]
-    assert trainer.icepop_calls == 3 and trainer.state.global_step == 3
-    assert sorted(k for k in trainer.state.log_history[0] if k.startswith("icepop/")) == sorted(
-        ["icepop/clip_frac", "icepop/pop_frac", "icepop/ratio_max", "icepop/ratio_mean",
-         "icepop/ratio_min"] + [f"icepop/{key}" for key in MISMATCH_KEYS])
+    assert trainer.args.gradient_checkpointing and trainer.state.global_step == 3
+    # the keys the page shows are the ones the trainer logs (a metric added to the loss
+    # without the page being updated fails here)
+    logged = sorted(k for k in trainer.state.log_history[0] if k.startswith("icepop/"))
+    assert logged == sorted(f"icepop/{key}" for key in ("pop_frac", "clip_frac", "ratio_mean",
+                                                        "ratio_max", "ratio_min") + MISMATCH_KEYS)
+
+
+def _checkpointed_trainer(tmp_path):
+    """An IcePopGRPOTrainer on TRL's defaults, with gradient checkpointing switched on the way
+    transformers' Trainer.train does before the first step."""
+    args = config(gt.IcePopGRPOConfig, tmp_path)
+    assert args.gradient_checkpointing                     # TRL's default
+    trainer = gt.IcePopGRPOTrainer(model=make_model(), reward_funcs=digit_reward, args=args,
+                                   train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
+                                   processing_class=make_tokenizer(),
+                                   rollout_func=gt.generate_with_logprobs)
+    trainer.model.train()
+    trainer.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+    assert trainer.model.is_gradient_checkpointing
+    return trainer
+
+
+def test_generate_with_logprobs_records_the_models_logprobs_under_checkpointing(tmp_path):
+    """With gradient checkpointing on, the rollout log-probs are the model's own: TRL's scorer
+    on the same batch gives them back (ratio 1 before any update, fp32 tolerance); generate
+    ran with checkpointing off (KV cache on) and checkpointing is on again afterwards."""
+    trainer = _checkpointed_trainer(tmp_path)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    seen = []
+    generate = model.generate
+
+    def recording_generate(*args, **kwargs):
+        seen.append(model.is_gradient_checkpointing)
+        return generate(*args, **kwargs)
+    model.generate = recording_generate
+    inputs = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
+    assert seen == [False] and model.is_gradient_checkpointing
+    mask = inputs["completion_mask"].bool()
+    assert int(mask.sum()) > len(PROMPTS)                  # more than one token a row somewhere
+    rollout = inputs["sampling_per_token_logps"]
+    scored = logprobs_of(trainer, inputs)
+    assert_close(rollout[mask], scored[mask], tol=TOL, name="rollout vs TRL's scorer")
+    ratio = torch.exp(scored - rollout)[mask]
+    assert float((ratio - 1).abs().max()) <= 1e-5, (ratio.min(), ratio.max())
+
+
+def test_generate_with_logprobs_restores_checkpointing_when_generate_raises(tmp_path):
+    trainer = _checkpointed_trainer(tmp_path)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    seen = []
+
+    def failing_generate(*args, **kwargs):
+        seen.append(model.is_gradient_checkpointing)
+        raise RuntimeError("generation failed")
+    model.generate = failing_generate
+    with pytest.raises(RuntimeError, match="generation failed"):
+        gt.generate_with_logprobs(PROMPTS, trainer)
+    assert seen == [False] and model.is_gradient_checkpointing
+    # and a model without checkpointing is left without it
+    model.gradient_checkpointing_disable()
+    with pytest.raises(RuntimeError, match="generation failed"):
+        gt.generate_with_logprobs(PROMPTS, trainer)
+    assert seen == [False, False] and not model.is_gradient_checkpointing
 
 
 def test_missing_trl_names_the_pip_line(monkeypatch):

@@ -2,7 +2,8 @@
 
 One spawn per world size runs everything on one model (aligned heads, straddling heads, lone
 heads, plain and 3-D matrices, uneven and empty shards, AdamW parameters): five steps against
-one-process MuonSplit fed the same full gradients (bitwise), the state round trip (sharded ->
+one-process MuonSplit fed the same full gradients (bitwise, in fp32 and again in bf16, with
+the parameter and state dtypes one process keeps), the state round trip (sharded ->
 sharded, full -> sharded, sharded -> full), the bytes moved by the step, counted by wrapping
 torch.distributed's collectives and DTensor's functional ones, a bad placement, and plain data
 parallelism through torch's ZeroRedundancyOptimizer; world 2 also runs blocks big enough for
@@ -81,9 +82,9 @@ class BigModel(nn.Module):
         return {"q_b_proj": HeadSplit(3, [64, 16])}
 
 
-def _make(world, mesh=None, cls=Model, ns_steps=5):
+def _make(world, mesh=None, cls=Model, ns_steps=5, dtype=torch.float32):
     torch.manual_seed(0)
-    model = cls(world)
+    model = cls(world).to(dtype)
     if mesh is not None:
         API.fully_shard(model, mesh=mesh)
     opt = MuonSplit(muon_param_groups(model, cls.head_splits(world)), lr=0.02, adamw_lr=3e-3,
@@ -99,7 +100,7 @@ def _grads(model, step):
 def _step(model, opt, step, mesh=None):
     grads = _grads(model, step)
     for name, p in model.named_parameters():
-        g = grads[name]
+        g = grads[name].to(p.dtype)
         p.grad = g if mesh is None else API.DTensor.from_local(
             g[_rows(p)], p.device_mesh, p.placements, run_check=False, shape=p.shape,
             stride=p.stride())
@@ -227,6 +228,9 @@ def _body(rank, world, out_dir):
         for label, m in (("mismatch", model), ("mismatch_from_sharded", from_sharded),
                          ("mismatch_from_full", from_full), ("mismatch_to_full", to_full)):
             verdicts[label] = _mismatches(m, ref)
+        verdicts["fp32_dtypes"] = _dtype_verdict(ref, ref_opt, {
+            "sharded": (model, opt), "from_sharded": (from_sharded, from_sharded_opt),
+            "from_full": (from_full, from_full_opt), "to_full": (to_full, to_full_opt)})
         verdicts["max_abs_diff"] = max(
             float((sharded.local(p).detach() - q.detach()[_rows(p)]).abs().sum(0).max())
             if sharded.local(p).numel() else 0.0
@@ -254,6 +258,7 @@ def _body(rank, world, out_dir):
         except ValueError as exc:
             verdicts["bad_placement"] = str(exc)
         verdicts["zero"] = _zero_check(world)
+        verdicts["bf16_dtypes"] = _dtype_check(world, mesh, torch.bfloat16)
     if world == 2:          # in the same spawn: starting processes costs more than the check
         verdicts["big"] = _big_check(world, mesh)
         verdicts["dcp_mismatch"] = _dcp_check(world, mesh)
@@ -261,6 +266,60 @@ def _body(rank, world, out_dir):
         if FSDP2_CPU_FORWARD:
             verdicts["docs_example"] = _docs_example(rank, world)
     return verdicts
+
+
+def _dtypes(model, opt):
+    """{name: [parameter dtype, [(state key, dtype), ...]]} of every parameter, with the
+    local shard's dtype for DTensors (what the rank computes with and stores)."""
+    out = {}
+    for name, p in model.named_parameters():
+        state = opt.state.get(p, {})
+        out[name] = [str(sharded.local(p).dtype),
+                     sorted((key, str(sharded.local(value).dtype)) for key, value in
+                            state.items() if torch.is_tensor(value) and value.dim())]
+    return out
+
+
+def _dtype_check(world, mesh, dtype):
+    """Parameters in ``dtype`` (bf16: the Nesterov combination and every elementwise step
+    must round the same on a shard as on the whole tensor): five steps bitwise equal to one
+    process, also across the state round trips (full -> sharded, sharded -> full) after
+    step 3, with the parameter and state dtypes one process keeps."""
+    ref, ref_opt = _make(world, dtype=dtype)
+    model, opt = _make(world, mesh, dtype=dtype)
+    for step in range(1, SAVE_AFTER + 1):
+        _step(ref, ref_opt, step)
+        _step(model, opt, step, mesh)
+    from_full, from_full_opt = _make(world, mesh, dtype=dtype)
+    to_full, to_full_opt = _make(world, dtype=dtype)
+    with torch.no_grad():
+        for p, source in zip(from_full.parameters(), model.parameters()):
+            sharded.local(p).copy_(sharded.local(source))
+        for p, source in zip(to_full.parameters(), ref.parameters()):
+            p.copy_(source)
+    from_full_opt.load_state_dict(ref_opt.state_dict())
+    to_full_opt.load_state_dict(sharded.full_state_dict(opt.state_dict()))
+    for step in range(SAVE_AFTER + 1, STEPS + 1):
+        _step(ref, ref_opt, step)
+        _step(to_full, to_full_opt, step)
+        for m, o in ((model, opt), (from_full, from_full_opt)):
+            _step(m, o, step, mesh)
+    return _dtype_verdict(ref, ref_opt, {"sharded": (model, opt),
+                                         "from_full": (from_full, from_full_opt),
+                                         "to_full": (to_full, to_full_opt)})
+
+
+def _dtype_verdict(ref, ref_opt, runs):
+    """Per run (label -> (model, opt)): parameters not bitwise one process's, and parameter
+    or state dtypes unlike one process's; plus one process's parameter dtypes."""
+    theirs = _dtypes(ref, ref_opt)
+    verdict = {"param_dtypes": sorted({v[0] for v in theirs.values()})}
+    for label, (m, o) in runs.items():
+        ours = _dtypes(m, o)
+        verdict[label] = {"mismatch": _mismatches(m, ref),
+                          "dtypes": {name: [ours[name], theirs[name]] for name in ours
+                                     if ours[name] != theirs[name]}}
+    return verdict
 
 
 class KernelModel(nn.Module):
@@ -390,6 +449,13 @@ def _check(per_rank, world):
         if world == 2:
             assert v["big"] == {"mismatch": [], "collectives": 4}, (where, v["big"])
         assert v["zero"]["mismatch"] == [], (where, v["zero"])
+        for dtype in ("bf16", "fp32"):
+            verdict = v[f"{dtype}_dtypes"]
+            expected = "torch.bfloat16" if dtype == "bf16" else "torch.float32"
+            assert verdict["param_dtypes"] == [expected], (where, verdict)
+            for label in set(verdict) - {"param_dtypes"}:
+                assert verdict[label] == {"mismatch": [], "dtypes": {}}, (where, dtype, label,
+                                                                          verdict[label])
     if world == 2:
         assert all(v["dcp_mismatch"] == [] for v in per_rank), [v["dcp_mismatch"]
                                                                for v in per_rank]

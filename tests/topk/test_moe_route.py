@@ -157,6 +157,23 @@ def test_empty_and_single_token(any_backend):
                  tol=TOLERANCES[torch.float32])
 
 
+def test_top1_weight_renormalized_is_one_megatron_keeps_the_score(any_backend):
+    """k = 1: renormalize=True gives s / (s + 1e-20), exactly 1.0 down to s ~ 1.7e-13 (the
+    docstring's bound) and just below 1 under it, with no gradient to the router; Megatron's
+    sigmoid top-1 weight (normalized only when topk > 1) is the score: renormalize=False."""
+    logits = torch.tensor([[-29.0, -40.0], [-29.5, -40.0], [0.3, -1.0], [4.0, 6.0]],
+                          device=DEVICE, requires_grad=True)
+    w, ids = moe_route(logits, 1, scaling_factor=2.5)
+    score = logits.detach().sigmoid().gather(1, ids)
+    assert ids.flatten().tolist() == [0, 0, 0, 1]
+    assert w.flatten().tolist()[0] == 2.5 and w.flatten().tolist()[2:] == [2.5, 2.5]
+    assert 0 < 2.5 - w.flatten().tolist()[1] < 1e-6              # s = 1.5e-13: s + 1e-20 > s
+    w.sum().backward()
+    assert float(logits.grad.abs().max()) < 1e-6
+    megatron, _ = moe_route(logits.detach(), 1, renormalize=False, scaling_factor=2.5)
+    assert_close(megatron, score * 2.5, tol=TOLERANCES[torch.float32])   # kernel sigmoid
+
+
 def test_bad_inputs():
     logits = torch.randn(4, 16)
     with pytest.raises(ValueError, match="n_group=3 must divide n_experts=16"):

@@ -84,8 +84,41 @@ def test_batch_with_uneven_lengths():
         assert torch.equal(batch.ids[:, b, n:], torch.arange(4).expand(3, 12 - n, 4))
     with pytest.raises(ValueError, match="width=3 is shorter than the longest sequence"):
         decode_routing_batch(packets, width=3)
-    with pytest.raises(ValueError, match=r"packets\[1\] has 3 layers and k=2"):
-        decode_routing_batch([packets[0], encode_routing(routed(3, 2, 2, 64), 64)])
+    batch = decode_routing_batch(iter(packets))                 # any iterable; width = 11
+    assert batch.ids.shape == (3, 5, 11, 4) and batch.lengths.tolist() == lengths
+
+
+def test_batch_refuses_packets_of_another_model():
+    """Each field that makes ids mean something else (expert count, k, layer count) is
+    checked against packets[0], by index and name; the packet's own errors carry its index."""
+    first = encode_routing(routed(3, 5, 4, 64, seed=1), 64)
+    others = {"n_experts": (encode_routing(routed(3, 5, 4, 32, seed=2), 32), 32, 64),
+              "k": (encode_routing(routed(3, 5, 2, 64, seed=3), 64), 2, 4),
+              "n_layers": (encode_routing(routed(2, 5, 4, 64, seed=4), 64), 2, 3)}
+    for field, (other, theirs, ours) in others.items():
+        with pytest.raises(ValueError, match=rf"packets\[2\] has {field}={theirs}, packets\[0\] "
+                                             rf"has {field}={ours}: one batch"):
+            decode_routing_batch([first, first, other, first])
+    # same ids, 200 experts declared instead of 64: same width (1 byte), n_experts differs
+    wide = encode_routing(routed(3, 5, 4, 64, seed=1), 200)
+    with pytest.raises(ValueError, match=r"packets\[1\] has n_experts=200"):
+        decode_routing_batch([first, wide])
+    wire = bytearray(first.numpy().tobytes())
+    wire[30] ^= 4
+    with pytest.raises(ValueError, match=r"packets\[1\] is corrupt: checksum"):
+        decode_routing_batch([first, bytes(wire)])
+    with pytest.raises(ValueError, match=r"packets\[0\] is truncated"):
+        decode_routing_batch([b"GLMR"])
+    with pytest.raises(TypeError, match="packets must be a sequence of packets"):
+        decode_routing_batch(first)
+    with pytest.raises(TypeError, match=r"packets\[1\] must be a uint8 torch.Tensor or bytes"):
+        decode_routing_batch([first, [1, 2]])
+    with pytest.raises(ValueError, match="at least one packet"):
+        decode_routing_batch([])
+
+
+def test_batch_encode_refuses_bad_lengths():
+    ids = routed(3, 5 * 11, 4, 64, seed=5).reshape(3, 5, 11, 4)
     with pytest.raises(ValueError, match="lengths must give one length"):
         encode_routing_batch(ids, [11, 0, 1, 7], 64)
     with pytest.raises(ValueError, match="lengths must give one length"):
