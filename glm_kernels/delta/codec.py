@@ -105,7 +105,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
         require_zstd()
     if encoding == "int32":
         ref.check_int32_addressable(new.numel())
-    relative = bool(relative) and encoding == "zstd"
+    relative = _dispatch.check_bool("relative", relative) and encoding == "zstd"
     spec = stream_spec(encoding, relative)
     size, n = new.element_size(), new.numel()
     words = _n_words(n, new.dtype)

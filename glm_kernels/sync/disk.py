@@ -330,7 +330,7 @@ class DiskTransport(Transport):
     def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
              bucket_bytes: int, epoch: Optional[str] = None) -> None:
         self._take_lock()
-        self._clear_planted(MANIFEST)
+        self._clear_planted(REQUEST, MANIFEST)
         epoch = check_epoch(epoch)
         manifest = self._manifest_or_none()
         if manifest is None:
