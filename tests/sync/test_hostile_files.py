@@ -49,6 +49,24 @@ def _unblock(fifo):
         pass
 
 
+def _within(call, seconds, fifo, what):
+    """``call()`` in a thread: {"v": its result} or {"exc": what it raised}. Fails unless it
+    returns within ``seconds``; the ``fifo`` path is unblocked first either way."""
+    out = {}
+
+    def run():
+        try:
+            out["v"] = call()
+        except Exception as exc:            # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    _unblock(fifo)
+    assert not t.is_alive(), f"{what} blocked"
+    return out
+
+
 # ------------------------------------------------------------------ sizes a file claims
 def test_overlapping_offsets_refused_before_reading_any_tensor(tmp_path):
     """A 4 MiB file whose header names 64 tensors all at [0, 4 MiB) read as 256 MiB before the
@@ -111,18 +129,9 @@ def test_apply_safetensors_refuses_a_fifo_without_blocking(tmp_path):
     from glm_kernels.delta import apply_safetensors_, encode
     fifo = str(tmp_path / "w.safetensors")
     os.mkfifo(fifo)
-    out = {}
-
-    def run():
-        try:
-            apply_safetensors_(fifo, "a", encode(torch.ones(3), torch.zeros(3)))
-        except Exception as exc:            # noqa: BLE001 - handed to the test
-            out["exc"] = exc
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(10)
-    _unblock(fifo)
-    assert not t.is_alive(), "apply_safetensors_ blocked on a FIFO"
+    packet = encode(torch.ones(3), torch.zeros(3))
+    out = _within(lambda: apply_safetensors_(fifo, "a", packet), 10, fifo,
+                  "apply_safetensors_ on a FIFO")
     assert isinstance(out.get("exc"), ValueError) and "not a regular file" in str(out["exc"])
 
 
@@ -167,18 +176,8 @@ def test_planted_control_names_one_clear_error_then_the_next_publish_recovers(
     else:
         os.mkfifo(where)
     sparse_step(state, 1)
-    out = {}
-
-    def publish():
-        try:
-            out["v"] = sender.publish(state)
-        except Exception as exc:            # noqa: BLE001 - handed to the test
-            out["exc"] = exc
-    t = threading.Thread(target=publish, daemon=True)
-    t.start()
-    t.join(20)
-    _unblock(where)
-    assert not t.is_alive(), f"publish blocked on a planted {kind} at {name}"
+    out = _within(lambda: sender.publish(state), 20, where,
+                  f"publish with a planted {kind} at {name}")
     assert isinstance(out.get("exc"), sync.SyncError), out
     assert name in str(out["exc"]) and "moved aside" in str(out["exc"])
     assert glob.glob(os.path.join(tmp_path, f".planted-*-{name}"))      # kept, not deleted
