@@ -286,7 +286,7 @@ def json_loads_bounded(data, what: str, *, max_bytes: int, max_depth: int = 32,
     """``json.loads(data)`` for untrusted bytes or str: size and nesting are bounded *before* parsing
     and every failure is one ``error`` naming ``what`` (never a RecursionError)."""
     import json
-    data = data.encode() if isinstance(data, str) else bytes(data)
+    data = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if len(data) > max_bytes:
         raise error(f"{what}: {len(data)} bytes of JSON, more than the {max_bytes} allowed")
     depth = json_nesting_depth(data)

@@ -27,10 +27,14 @@ re-reads the manifest.
 Nothing a manifest says is trusted: it is validated as a whole (one :class:`TransportError`
 if anything is off: the receiver's ``poll`` returns at once), file names must have the
 form above (no separators, no ``..``, no absolute paths: everything read or deleted is a
-file of this directory), every file is opened with ``O_NOFOLLOW`` (a symlink planted in the
-directory is refused, never followed), files are written under random ``O_EXCL`` temporary
-names and renamed into place (a pre-planted symlink is replaced, not written through), and
-the safetensors headers are parsed with bounds on every offset.
+file of this directory), every file is opened with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and
+must then be a regular file (a symlink is refused, never followed; a FIFO is refused, never
+waited on), files are written under random ``O_EXCL`` temporary names and renamed into place
+(a pre-planted symlink is replaced, not written through), a directory or FIFO planted at a
+control name is moved aside by the sender (one SyncError, the next publish proceeds), JSON is
+bounded in size and nesting before it is parsed, versions are at most 2**63 - 1, and a
+safetensors header is checked whole (offsets inside the data section, no two tensors
+overlapping) before any tensor is read (``glm_kernels.delta._safetensors``).
 """
 from __future__ import annotations
 
