@@ -206,6 +206,12 @@ void py_apply(py::array target, bool gap16, bool diff, bool planar, const py::ar
   const py::buffer_info vi = contiguous(values, "values");
   const unsigned char* p = bytes_of(pi, gap16 ? 2 * count : 4 * count, "positions");
   const int64_t n_esc = static_cast<int64_t>(ei.size * ei.itemsize) / 8;
+  // Each escaped gap skips at least ESCAPE elements and every change takes one: a stream with
+  // more escapes than the target can hold is refused before anything is decoded.
+  if (n_esc > (numel - count) / ESCAPE)
+    throw std::invalid_argument("corrupt delta packet: " + std::to_string(n_esc) +
+                                " escapes for " + std::to_string(count) + " changes in " +
+                                std::to_string(numel) + " elements");
   const unsigned char* e = bytes_of(ei, 8 * n_esc, "escapes");
   const unsigned char* v = bytes_of(vi, size * count, "values");
   by_size(size, [&](auto tag) {

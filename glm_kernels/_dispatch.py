@@ -22,6 +22,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import threading
 from typing import Iterator, Optional, Sequence
 
@@ -281,3 +282,51 @@ def check_finite_number(name: str, value, *, positive: bool = False,
     if nonnegative and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
+
+
+def check_bool(name: str, value) -> bool:
+    """A real ``bool``: ``'no'`` (truthy), ``1``, ``None`` or ``numpy.bool_`` are refused, since
+    each would silently pick a branch the caller did not write."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r:.40} "
+                        f"({type(value).__name__})")
+    return value
+
+
+# A backslash and the character it escapes, then a whole string (no escapes left inside):
+# both patterns are linear (no alternative can match the same text two ways).
+_JSON_ESCAPE = re.compile(rb"\\.", re.S)
+_JSON_STRING = re.compile(rb'"[^"]*"')
+
+
+def json_nesting_depth(data: bytes) -> int:
+    """The deepest ``[``/``{`` nesting of JSON text, brackets inside strings not counted.
+
+    Linear in ``len(data)`` and not recursive, so it can vet untrusted text before
+    ``json.loads``, whose parser recurses once per level (100,000 ``[`` raise RecursionError)."""
+    import numpy as np
+    skeleton = _JSON_ESCAPE.sub(b"", data) if b"\\" in data else data
+    if b'"' in skeleton:
+        skeleton = _JSON_STRING.sub(b"", skeleton)
+    chars = np.frombuffer(skeleton, dtype=np.uint8)
+    steps = (((chars == ord("[")) | (chars == ord("{"))).astype(np.int32)
+             - ((chars == ord("]")) | (chars == ord("}"))))
+    return int(np.cumsum(steps, dtype=np.int64).max()) if steps.size else 0
+
+
+def json_loads_bounded(data, what: str, *, max_bytes: int, max_depth: int = 32,
+                       error: type = ValueError):
+    """``json.loads(data)`` for untrusted bytes or str: size and nesting are bounded *before* parsing
+    and every failure is one ``error`` naming ``what`` (never a RecursionError)."""
+    import json
+    data = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if len(data) > max_bytes:
+        raise error(f"{what}: {len(data)} bytes of JSON, more than the {max_bytes} allowed")
+    depth = json_nesting_depth(data)
+    if depth > max_depth:
+        raise error(f"{what}: JSON nested {depth} levels deep, more than the {max_depth} "
+                    f"allowed (refused before parsing)")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:   # RecursionError: unreachable after the bound
+        raise error(f"{what}: malformed JSON ({exc})") from None

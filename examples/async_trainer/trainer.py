@@ -94,6 +94,11 @@ class Run:
             stage, model, opt, step = self.current
             state.update(stage=stage, step=step, model=checkpoint.tensors(model.state_dict()),
                          optimizer=opt.state_dict() if opt is not None else None)
+        elif self.resume_point is not None:
+            # Not resumed into yet (a failure on the way there): the stage state it holds is
+            # written back, never dropped -- the demo resumes from the file it writes.
+            stage, step, model_state, opt_state = self.resume_point
+            state.update(stage=stage, step=step, model=model_state, optimizer=opt_state)
         checkpoint.save(self.path, state)
         self.saved = self.where()
         return self.path
@@ -159,11 +164,27 @@ def _resume_state(run, stage):
     return 0, None, None
 
 
+def stage_optimizer(cfg, stage: str, model):
+    """The optimizer a stage trains ``model`` with (also a resume's dry run of its state)."""
+    if stage == "sft":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
+    return kernels.make_optimizer(model, cfg, cfg.opd_lr if stage == "opd" else cfg.rl_lr)
+
+
+def stage_steps(cfg) -> Dict[str, int]:
+    """Stage name -> optimizer steps, every stage of this config in order."""
+    steps = {"sft": cfg.sft_steps}
+    steps.update({f"rl:{n}": cfg.rl_steps for n in cfg.task_list()})
+    if cfg.opd_steps:
+        steps["opd"] = cfg.opd_steps
+    return steps
+
+
 def sft_stage(run, on_step) -> TinyLM:
     cfg = run.cfg
     start, model_state, opt_state = _resume_state(run, "sft")
     model = new_model(cfg, model_state)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
+    opt = stage_optimizer(cfg, "sft", model)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     names = cfg.sft_order()
@@ -327,7 +348,7 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
     cfg, stage = run.cfg, f"rl:{task_name}"
     start, model_state, opt_state = _resume_state(run, stage)
     model = new_model(cfg, model_state if model_state is not None else sft_state)
-    opt = kernels.make_optimizer(model, cfg, cfg.rl_lr)
+    opt = stage_optimizer(cfg, stage, model)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
 
@@ -349,7 +370,7 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
     cfg, stage = run.cfg, "opd"
     start, model_state, opt_state = _resume_state(run, stage)
     model = new_model(cfg, model_state if model_state is not None else sft_state)
-    opt = kernels.make_optimizer(model, cfg, cfg.opd_lr)
+    opt = stage_optimizer(cfg, stage, model)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     for t in teachers.values():
@@ -488,7 +509,14 @@ def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
         if unknown:
             raise checkpoint.CheckpointError(f"config.resume: {cfg.resume!r} has config fields "
                                              f"this trainer does not know: {unknown}")
-        cfg = TrainerConfig(**{**ckpt["config"], **keep})
+        try:
+            cfg = TrainerConfig(**{**ckpt["config"], **keep}).validate()
+        except (TypeError, ValueError) as err:
+            raise checkpoint.CheckpointError(f"config.resume: {cfg.resume!r}: {err}") from None
+        # Every field checked before anything is applied or written (a refused resume leaves
+        # the checkpoint it came from untouched).
+        checkpoint.validate(ckpt, cfg.resume, stage_steps(cfg), new_model(cfg).state_dict(),
+                            lambda stage: stage_optimizer(cfg, stage, new_model(cfg)))
     cfg.validate()
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)

@@ -10,9 +10,8 @@ data, so there is nothing for ``torch.compile`` to trace; call it outside compil
 """
 from __future__ import annotations
 
-import json
 import mmap
-import struct
+import os
 import traceback
 from typing import Optional
 
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import _dispatch
-from . import _device, _host_codec
+from . import _device, _host_codec, _safetensors
 from . import _reference as ref
 from ._device import DeltaKernelConfig, default_config
 from .packet import (ENCODINGS, SUPPORTED_DTYPES, DeltaPacket, build_payload, check_packet,
@@ -106,7 +105,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
         require_zstd()
     if encoding == "int32":
         ref.check_int32_addressable(new.numel())
-    relative = bool(relative) and encoding == "zstd"
+    relative = _dispatch.check_bool("relative", relative) and encoding == "zstd"
     spec = stream_spec(encoding, relative)
     size, n = new.element_size(), new.numel()
     words = _n_words(n, new.dtype)
@@ -275,45 +274,36 @@ def checksum(t: torch.Tensor, *, threads: int = -1,
     return ref.finalize(s, words)
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                       "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-                       "I32": torch.int32, "I64": torch.int64, "F64": torch.float64,
-                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-                       "BOOL": torch.bool}
-
-
 def apply_safetensors_(path: str, name: str, packet: DeltaPacket, *, threads: int = -1) -> None:
     """Apply ``packet`` in place to tensor ``name`` of a safetensors file, memory-mapped.
 
     Same checks and guarantee as :func:`apply_` (nothing is written unless every check
-    passes); only the changed elements' pages are written. Runs the host codec (C++,
-    multithreaded). Not atomic against a crash in the middle of the scatter: a publisher
-    that needs that writes a new file and renames it.
+    passes); only the changed elements' pages are written. The file must be a regular file
+    (no symlink followed, a FIFO never waited on) and its whole header valid -- every tensor
+    inside the data section, none overlapping another (``_safetensors.read_header``) --
+    before the packet is even decoded: a forged header cannot aim the write at the header
+    or past the file. Runs the host codec (C++, multithreaded). Not atomic against a crash
+    in the middle of the scatter: a publisher that needs that writes a new file and renames
+    it.
     """
     check_packet(packet)
     check_threads(threads)
-    with open(path, "r+b") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (header_len,) = struct.unpack("<Q", head)
-        header = json.loads(f.read(header_len))
-        if name not in header or name == "__metadata__":
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    fd, file_size = _safetensors.open_regular(os.fspath(path), writable=True)
+    with os.fdopen(fd, "r+b") as f:
+        _, infos = _safetensors.read_header(f.fileno(), file_size)
+        info = infos.get(name)
+        if info is None:
             raise KeyError(f"{path}: no tensor named {name!r}")
-        info = header[name]
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        numel = int(np.prod(info["shape"], dtype=np.int64))
-        begin, end = info["data_offsets"]
+        dtype, size = info.dtype, torch.empty(0, dtype=info.dtype).element_size()
+        numel = info.nbytes // size
         if dtype != packet.dtype:
-            raise TypeError(f"{path}:{name} has dtype {info['dtype']}, the packet is for "
+            raise TypeError(f"{path}:{name} has dtype {info.st_dtype}, the packet is for "
                             f"{packet.dtype}")
         if numel != packet.numel:
             raise ValueError(f"{path}:{name} has {numel} elements, the packet is for "
                              f"{packet.numel}")
-        size = torch.empty(0, dtype=dtype).element_size()
-        if end - begin != numel * size:
-            raise ValueError(f"{path}:{name}: data_offsets span {end - begin} bytes, "
-                             f"expected {numel * size}")
         if packet.encoding == "zstd":
             require_zstd()
         streams = parse_payload(packet, threads)
@@ -326,7 +316,7 @@ def apply_safetensors_(path: str, name: str, packet: DeltaPacket, *, threads: in
         bits = None
         try:
             bits = np.frombuffer(mapped, dtype=ref.NP_UINT[size], count=numel,
-                                 offset=8 + header_len + begin)
+                                 offset=info.begin)
             _host_codec.apply_streams(bits, streams, spec, packet.result_checksum,
                                       packet.base_checksum, threads)
             mapped.flush()

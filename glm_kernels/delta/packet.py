@@ -138,13 +138,27 @@ class DeltaPacket:
         encoding = ENCODINGS[ecode]
         if coding and encoding != "zstd":
             raise ValueError(f"corrupt delta packet: relative values with encoding {encoding}")
-        if count > numel or n_esc > count or (encoding == "int32" and n_esc):
+        if count > numel or n_esc > max_escapes(encoding, numel, count):
             raise ValueError(f"corrupt delta packet: count {count}, escapes {n_esc}, "
-                             f"numel {numel}")
+                             f"numel {numel} (at most {max_escapes(encoding, numel, count)} "
+                             f"escapes fit)")
         packet = cls(_DTYPES[dcode], numel, encoding, count, n_esc, res_ck,
                      base_ck if coding else b"", memoryview(b)[HEADER_BYTES:])
         check_payload_size(packet)
         return packet
+
+
+def max_escapes(encoding: str, numel: int, count: int) -> int:
+    """The most gap16 escapes a packet of ``count`` changes in ``numel`` elements can need.
+
+    The gaps and their changes add up to at most ``numel`` (sum of gap + 1 = last position
+    + 1); an escaped gap is at least ``ESCAPE`` long, every change takes one element:
+    ``count + ESCAPE * escapes <= numel``. A header claiming more is refused before any
+    stream is allocated or decompressed (the escape list would otherwise be bounded only
+    by ``count``: 8 bytes per claimed change)."""
+    if encoding == "int32" or count > numel:
+        return 0
+    return (numel - count) // ref.ESCAPE
 
 
 def check_packet(packet) -> None:
@@ -160,7 +174,7 @@ def check_packet(packet) -> None:
                          f"{list(ENCODINGS)}")
     numel = check_int("packet.numel", packet.numel, 0)
     count = check_int("packet.count", packet.count, 0, numel)
-    check_int("packet.n_escapes", packet.n_escapes, 0, 0 if packet.encoding == "int32" else count)
+    check_int("packet.n_escapes", packet.n_escapes, 0, max_escapes(packet.encoding, numel, count))
     for name in ("result_checksum", "base_checksum"):
         value = getattr(packet, name)
         if not isinstance(value, (bytes, bytearray)) or len(value) not in (
@@ -322,7 +336,10 @@ def decompress_streams(payload, sizes, threads: int):
         if want == 0:
             return np.zeros(0, np.uint8)
         try:
-            out = zstandard.ZstdDecompressor().decompress(frames[i], max_output_size=want)
+            # allow_extra_data=False: bytes after the frame (a second, trailing frame) are
+            # refused, not silently ignored.
+            out = zstandard.ZstdDecompressor().decompress(frames[i], max_output_size=want,
+                                                          allow_extra_data=False)
         except zstandard.ZstdError as exc:
             raise ValueError(f"corrupt zstd delta payload: {exc}") from None
         if len(out) != want:

@@ -132,7 +132,9 @@ def read_delta(blob, nbytes: int, encoding: str) -> np.ndarray:
                          f"allows {'exactly' if encoding == 'xor' else 'at most'} {bound} "
                          f"(refused before decompressing)")
     try:
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=bound)
+        # allow_extra_data=False: a trailing frame (or any byte after the frame) is refused
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=bound,
+                                                      allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise ValueError(f"corrupt slime delta: {exc}") from None
     if len(out) != declared:

@@ -11,12 +11,7 @@ import torch
 from .. import _dispatch
 
 
-def check_bool(name: str, value) -> bool:
-    """A real ``bool`` (``'yes'``, ``1`` or ``None`` are refused: they hide typos)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} "
-                        f"({type(value).__name__})")
-    return value
+check_bool = _dispatch.check_bool     # one helper for every public flag
 
 
 def check_loss_mask(loss_mask, ref_name: str, ref: torch.Tensor) -> None:

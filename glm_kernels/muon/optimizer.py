@@ -119,7 +119,8 @@ class MuonSplit(torch.optim.Optimizer):
             raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas}")
         self._adamw_lr = None if adamw_lr is None else check("adamw_lr", adamw_lr,
                                                              nonnegative=True)
-        defaults = dict(lr=lr, momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps,
+        defaults = dict(lr=lr, momentum=momentum,
+                        nesterov=_dispatch.check_bool("nesterov", nesterov), ns_steps=ns_steps,
                         rms_scale=check("rms_scale", rms_scale, nonnegative=True),
                         weight_decay=check("weight_decay", weight_decay, nonnegative=True),
                         betas=betas, eps=check("adamw_eps", adamw_eps, positive=True),
@@ -139,8 +140,9 @@ class MuonSplit(torch.optim.Optimizer):
                 raise ValueError(f"{where} mixes matrices and vectors: set use_muon, or build "
                                  "the groups with muon_param_groups(model)")
             param_group["use_muon"] = dims == {True} or not params
-        use_muon = bool(param_group["use_muon"])
-        param_group["use_muon"] = use_muon
+        use_muon = _dispatch.check_bool(f"{where} use_muon", param_group["use_muon"])
+        if "nesterov" in param_group:
+            _dispatch.check_bool(f"{where} nesterov", param_group["nesterov"])
         if not use_muon and "lr" not in param_group and self._adamw_lr is not None:
             param_group["lr"] = self._adamw_lr
         if "ns_steps" in param_group:
@@ -332,6 +334,7 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
     for FSDP2 models: the groups then hold the DTensor parameters.
     """
     _dispatch.check_choice("output_head", output_head, ("adamw", "muon"))
+    _dispatch.check_bool("decay_vectors", decay_vectors)
     adamw = {} if adamw_lr is None else {
         "lr": _dispatch.check_finite_number("adamw_lr", adamw_lr, nonnegative=True)}
     splits = _resolve_head_splits(model, head_splits)

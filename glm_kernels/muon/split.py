@@ -79,6 +79,7 @@ def mla_head_splits(num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int
     q_b_proj / linear_q_up_proj: [nope, rope] per head (``split_rope=False``: one block of
     nope + rope rows); kv_b_proj / linear_kv_up_proj: [k_nope, v] per head.
     """
+    split_rope = _dispatch.check_bool("split_rope", split_rope)
     q_rows = [qk_nope_head_dim, qk_rope_head_dim] if split_rope \
         else [qk_nope_head_dim + qk_rope_head_dim]
     q = HeadSplit(num_heads, q_rows)

@@ -27,10 +27,14 @@ re-reads the manifest.
 Nothing a manifest says is trusted: it is validated as a whole (one :class:`TransportError`
 if anything is off: the receiver's ``poll`` returns at once), file names must have the
 form above (no separators, no ``..``, no absolute paths: everything read or deleted is a
-file of this directory), every file is opened with ``O_NOFOLLOW`` (a symlink planted in the
-directory is refused, never followed), files are written under random ``O_EXCL`` temporary
-names and renamed into place (a pre-planted symlink is replaced, not written through), and
-the safetensors headers are parsed with bounds on every offset.
+file of this directory), every file is opened with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and
+must then be a regular file (a symlink is refused, never followed; a FIFO is refused, never
+waited on), files are written under random ``O_EXCL`` temporary names and renamed into place
+(a pre-planted symlink is replaced, not written through), a directory or FIFO planted at a
+control name is moved aside by the sender (one SyncError, the next publish proceeds), JSON is
+bounded in size and nesting before it is parsed, versions are at most 2**63 - 1, and a
+safetensors header is checked whole (offsets inside the data section, no two tensors
+overlapping) before any tensor is read (``glm_kernels.delta._safetensors``).
 """
 from __future__ import annotations
 
@@ -46,9 +50,10 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .. import _dispatch
+from ..delta import _safetensors as st
 from ..delta.packet import check_int
-from .protocol import (DTYPES, KINDS, Entry, SyncError, Transport, TransportError, Update,
-                       byte_view, check_epoch, check_shape, dtype_name)
+from .protocol import (DTYPES, KINDS, MAX_VERSION, Entry, SyncError, Transport, TransportError,
+                       Update, check_epoch, check_shape, dtype_name)
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +61,11 @@ MANIFEST = "MANIFEST.json"
 REQUEST = "FULL_REQUESTED"
 LOCK = "PUBLISHER.lock"
 FORMAT = 2                      # manifest layout written; 1 (before epochs) is still read
-_ST_DTYPE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-             "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-             "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-assert set(_ST_DTYPE) == set(DTYPES)
-_COPY_CHUNK = 64 << 20
-_NAME = re.compile(r"v[0-9]{8,20}-(?:[0-9a-f]{16}-)?(?:full|delta)-[0-9]{4,6}\.safetensors")
+assert set(st.NAMES) == set(DTYPES.values())
+# 19 digits: every version up to MAX_VERSION (2**63 - 1), nothing longer.
+_NAME = re.compile(r"v[0-9]{8,19}-(?:[0-9a-f]{16}-)?(?:full|delta)-[0-9]{4,6}\.safetensors")
 _MAX_MANIFEST_BYTES = 64 << 20
-_MAX_HEADER_BYTES = 100 << 20
+_MAX_META_BYTES = 64 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -92,91 +94,22 @@ def _fsync_dir(path: str) -> None:
 
 
 def _open_regular(path: str):
-    """Read-only fd of a regular file, never through a symlink; FileNotFoundError passes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:          # ELOOP: a symlink
-        raise SyncError(f"{path}: cannot open without following links ({exc})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise SyncError(f"{path}: not a regular file (refused)")
-    return fd, st.st_size
-
-
-def _write_safetensors_to(f, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]):
-    header, offset = {"__metadata__": metadata}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPE[dtype_name(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    f.write(len(blob).to_bytes(8, "little"))
-    f.write(blob)
-    for t in tensors.values():
-        data = byte_view(t.contiguous())
-        for start in range(0, data.numel(), _COPY_CHUNK):
-            f.write(memoryview(data[start:start + _COPY_CHUNK].cpu().numpy()))
-
-
-def write_safetensors(path: str, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]):
-    """Write a safetensors file streaming each tensor's bytes (any device, shared storage
-    allowed): ``safetensors.torch.save_file`` refuses tensors that share storage (tied or
-    flat-buffer parameters) and would need a host copy of the whole shard."""
-    with open(path, "wb") as f:
-        _write_safetensors_to(f, tensors, metadata)
-
-
-_ST_REV = {v: DTYPES[k] for k, v in _ST_DTYPE.items()}
-
-
-def _read_exact(fd: int, n: int, at: int) -> torch.Tensor:
-    """``n`` bytes of ``fd`` from offset ``at`` into a fresh uint8 tensor (no zero fill)."""
-    buf = torch.empty(n, dtype=torch.uint8)
-    view, got = memoryview(buf.numpy()), 0
-    while got < n:
-        if hasattr(os, "preadv"):
-            chunk = os.preadv(fd, [view[got:got + _COPY_CHUNK]], at + got)
-        else:
-            data = os.pread(fd, min(n - got, _COPY_CHUNK), at + got)
-            view[got:got + len(data)] = data
-            chunk = len(data)
-        if chunk == 0:
-            raise SyncError(f"file shorter than its header says ({got} of {n} bytes at {at})")
-        got += chunk
-    return buf
+    """(fd, size) of a regular file: no symlink followed, a FIFO never waited on; SyncError
+    otherwise, FileNotFoundError passes (a retention race)."""
+    return st.open_regular(path, error=SyncError)
 
 
 def _read_entries(fd: int, size: int):
-    """(glm_sync metadata, {tensor name: uint8 tensor of its bytes, safetensors dtype, shape})
-    of a safetensors file, every offset checked against the file size."""
-    if size < 8:
-        raise SyncError(f"{size} bytes: not a safetensors file")
-    n = int.from_bytes(_read_exact(fd, 8, 0).numpy().tobytes(), "little")
-    if n > min(size - 8, _MAX_HEADER_BYTES):
-        raise SyncError(f"header of {n} bytes in a file of {size}")
-    header = json.loads(_read_exact(fd, n, 8).numpy().tobytes())
-    if not isinstance(header, dict):
-        raise SyncError("header is not a JSON object")
-    meta = json.loads((header.pop("__metadata__", None) or {})["glm_sync"])
-    data_size, tensors = size - 8 - n, {}
-    for tname, info in header.items():
-        dtype = _ST_REV[info["dtype"]]
-        shape = check_shape(info["shape"])
-        begin, end = info["data_offsets"]
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not (_is_int(begin) and _is_int(end) and 0 <= begin <= end <= data_size
-                and end - begin == numel * torch.empty(0, dtype=dtype).element_size()):
-            raise SyncError(f"tensor {tname!r}: data_offsets {info['data_offsets']} do not fit "
-                            f"{info['dtype']} {list(shape)} in {data_size} data bytes")
-        tensors[tname] = (_read_exact(fd, end - begin, 8 + n + begin), info["dtype"],
-                          list(shape))
+    """(glm_sync metadata, {tensor name: (uint8 tensor of its bytes, safetensors dtype, shape)})
+    of a safetensors file. The whole header is checked (offsets inside the data section, no
+    overlaps: see ``delta._safetensors``) before the first tensor byte is read."""
+    metadata, infos = st.read_header(fd, size, error=SyncError)
+    if "glm_sync" not in metadata:
+        raise SyncError("no glm_sync metadata: not a file of this transport")
+    meta = _dispatch.json_loads_bounded(metadata["glm_sync"], "glm_sync metadata",
+                                        max_bytes=_MAX_META_BYTES, error=SyncError)
+    tensors = {name: (st.read_exact(fd, i.nbytes, i.begin, error=SyncError), i.st_dtype,
+                      list(i.shape)) for name, i in infos.items()}
     return meta, tensors
 
 
@@ -188,8 +121,8 @@ def _check_manifest(manifest, where: str) -> dict:
         raise bad(f"unknown layout (format "
                   f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r:.40})")
     latest, versions = manifest.get("latest"), manifest.get("versions")
-    if not _is_int(latest) or latest < 0:
-        raise bad(f"latest {latest!r:.40} is not a version")
+    if not _is_int(latest) or not 0 <= latest <= MAX_VERSION:
+        raise bad(f"latest {latest!r:.40} is not a version (an int in [0, {MAX_VERSION}])")
     if not isinstance(versions, list):
         raise bad(f"versions is {type(versions).__name__}, not a list")
     previous = 0
@@ -197,8 +130,9 @@ def _check_manifest(manifest, where: str) -> dict:
         if not isinstance(r, dict):
             raise bad(f"a version record is {type(r).__name__}")
         v, base, files = r.get("v"), r.get("base", "missing"), r.get("files")
-        if not _is_int(v) or v <= previous:
-            raise bad(f"version {v!r:.40} after v{previous} (versions must increase)")
+        if not _is_int(v) or not previous < v <= MAX_VERSION:
+            raise bad(f"version {v!r:.40} after v{previous} (versions must increase, up to "
+                      f"{MAX_VERSION})")
         if not (base is None or (_is_int(base) and 0 <= base < v)):
             raise bad(f"v{v} has base {base!r:.40}")
         if not isinstance(files, list) or not files:
@@ -285,7 +219,11 @@ class DiskTransport(Transport):
             if size > _MAX_MANIFEST_BYTES:
                 raise TransportError(f"manifest {where} has {size} bytes (more than "
                                      f"{_MAX_MANIFEST_BYTES}): refused")
-            manifest = json.loads(_read_exact(fd, size, 0).numpy().tobytes())
+            manifest = _dispatch.json_loads_bounded(
+                st.read_exact(fd, size, 0, error=TransportError).numpy().tobytes(),
+                f"manifest {where}", max_bytes=_MAX_MANIFEST_BYTES, error=TransportError)
+        except TransportError:
+            raise
         except (OSError, ValueError) as exc:
             raise TransportError(f"unreadable manifest {where}: {exc}") from None
         finally:
@@ -315,6 +253,28 @@ class DiskTransport(Transport):
         _fsync_dir(self.path)
 
     # ------------------------------------------------------------------ sender side
+    def _clear_planted(self, *names: str) -> None:
+        """Sender side: a directory, FIFO, socket or device planted at one of the control
+        ``names`` is renamed aside (``.planted-<random>-<name>``, never deleted: it may hold
+        someone's data) and SyncError names it: this publish fails clearly, the next one
+        finds the name free. (A symlink is fine: it is replaced, never followed.)"""
+        for name in names:
+            path = self._file(name)
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+                continue
+            aside = self._file(f".planted-{secrets.token_hex(8)}-{name}")
+            try:
+                os.rename(path, aside)
+                moved = f"moved aside to {aside}; the next publish proceeds"
+            except OSError as exc:
+                moved = f"could not move it aside ({exc}): remove it"
+            raise SyncError(f"{path} is a {st.file_kind(mode)}, not a file this transport "
+                            f"wrote: refused ({moved})")
+
     def _take_lock(self) -> None:
         if self._lock_fd is not None:
             return
@@ -322,11 +282,16 @@ class DiskTransport(Transport):
             import fcntl
         except ImportError:         # no flock on this platform: detection at publish only
             return
+        self._clear_planted(LOCK)
         path = self._file(LOCK)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC,
+                         0o644)
         except OSError as exc:
             raise SyncError(f"cannot open the publisher lock {path}: {exc}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):    # planted between the check and the open
+            os.close(fd)
+            raise SyncError(f"the publisher lock {path} is not a regular file: refused")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -350,6 +315,7 @@ class DiskTransport(Transport):
 
     def full_requested(self) -> bool:
         self._take_lock()
+        self._clear_planted(REQUEST, MANIFEST)
         try:
             os.remove(self._file(REQUEST))
             return True
@@ -368,6 +334,7 @@ class DiskTransport(Transport):
     def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
              bucket_bytes: int, epoch: Optional[str] = None) -> None:
         self._take_lock()
+        self._clear_planted(REQUEST, MANIFEST)
         epoch = check_epoch(epoch)
         manifest = self._manifest_or_none()
         if manifest is None:
@@ -375,10 +342,18 @@ class DiskTransport(Transport):
                 raise TransportError(f"{self._file(MANIFEST)} is malformed: only a full "
                                      f"snapshot can start a new manifest")
             manifest = {"format": FORMAT, "latest": 0, "versions": []}
-        if version <= manifest["latest"]:
+        # A restarted sender (a new epoch, numbering again) starts a new history with its
+        # first full snapshot, as on every other transport: receivers follow it at once.
+        restart = (version <= manifest["latest"] and base is None and epoch is not None
+                   and all(r.get("e") != epoch for r in manifest["versions"]))
+        if version <= manifest["latest"] and not restart:
             raise ValueError(f"version {version} is not newer than v{manifest['latest']} "
                              f"already in {self.path}; start the Sender with "
                              f"version=DiskTransport.latest_version()")
+        if restart:
+            logger.warning("glm_kernels.sync: sender epoch %s restarts %s at v%d (it held up "
+                           "to v%d): the older versions are dropped", epoch, self.path,
+                           version, manifest["latest"])
         started_from = manifest["latest"]
         kind = "full" if base is None else "delta"
         tag = f"{epoch}-" if epoch else ""
@@ -391,7 +366,7 @@ class DiskTransport(Transport):
             name = f"v{version:08d}-{tag}{kind}-{len(files):04d}.safetensors"
             meta = {"glm_sync": json.dumps({"v": version, "base": base, "e": epoch,
                                             "entries": described})}
-            self._atomic_write(name, lambda f: _write_safetensors_to(f, shard, meta))
+            self._atomic_write(name, lambda f: st.write_to(f, shard, meta))
             files.append(name)
 
         for e in entries:
@@ -413,13 +388,15 @@ class DiskTransport(Transport):
             raise SyncError(f"another publisher wrote v{now['latest']} to {self.path} while "
                             f"v{version} was being written: one publisher per directory")
         self._publish_manifest(manifest, {"v": version, "base": base, "e": epoch,
-                                          "files": files})
+                                          "files": files}, restart)
 
-    def _publish_manifest(self, manifest: dict, record: dict) -> None:
-        versions = manifest["versions"] + [record]
+    def _publish_manifest(self, manifest: dict, record: dict, restart: bool = False) -> None:
+        versions = ([] if restart else manifest["versions"]) + [record]
         fulls = [i for i, r in enumerate(versions) if r["base"] is None]
         keep_from = fulls[-self.keep_full] if len(fulls) >= self.keep_full else 0
         dropped, versions = versions[:keep_from], versions[keep_from:]
+        if restart:
+            dropped = manifest["versions"] + dropped
         body = json.dumps({"format": FORMAT, "latest": record["v"], "versions": versions})
         self._atomic_write(MANIFEST, lambda f: f.write(body.encode()))
         kept = {name for r in versions for name in r["files"]}
@@ -442,9 +419,14 @@ class DiskTransport(Transport):
             if (r["base"] is not None and r["base"] == held
                     and (self._epoch is None or r.get("e") == self._epoch)):
                 return r   # the delta on top of what the receiver holds
-        # manifest behind the held version: the directory was restarted (new epoch)
+        # manifest behind the held version: the directory was restarted (new epoch). A full
+        # snapshot of the current publisher's epoch when that is not the held one: a
+        # restarted sender, taken whatever its number (older epochs' records are not offered).
         restarted = manifest["latest"] < held
-        fulls = [r for r in versions if r["base"] is None and (r["v"] > held or restarted)]
+        current = manifest["versions"][-1].get("e") if manifest["versions"] else None
+        new_epoch = self._epoch is not None and current not in (None, self._epoch)
+        fulls = [r for r in versions if r["base"] is None
+                 and (r["v"] > held or restarted or (new_epoch and r.get("e") == current))]
         return fulls[-1] if fulls else None
 
     def recv(self, held: int, timeout: Optional[float]) -> Optional[Update]:
@@ -486,7 +468,7 @@ class DiskTransport(Transport):
                     t, st_dtype, st_shape = tensors[tname]
                     if d["k"] not in KINDS or d["dt"] not in DTYPES:
                         raise SyncError(f"tensor {tname!r}: kind {d['k']!r}, dtype {d['dt']!r}")
-                    if d["k"] == "full" and (st_dtype != _ST_DTYPE[d["dt"]]
+                    if d["k"] == "full" and (st_dtype != st.NAMES[DTYPES[d["dt"]]]
                                              or st_shape != list(check_shape(d["sh"]))):
                         raise SyncError(f"tensor {tname!r}: stored as {st_dtype} {st_shape}, "
                                         f"described as {d['dt']} {d['sh']}")

@@ -45,6 +45,8 @@ from typing import Iterable, Iterator, List, NamedTuple, Optional
 
 import torch
 
+from .. import _dispatch
+
 MAGIC = b"GLMS"
 FORMAT_VERSION = 2
 _SEAL = struct.Struct("<4sHI8s")
@@ -55,6 +57,12 @@ DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8,
     torch.int16, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 DEFAULT_BUCKET_BYTES = 64 << 20
+# The largest version number (int64): a forged longer one would make every later update look
+# old to a receiver that took it (and, on disk, every later publish look stale to the sender).
+MAX_VERSION = (1 << 63) - 1
+# Frame metadata: bounded in size and nesting before its JSON is parsed.
+MAX_META_BYTES = 64 << 20
+MAX_META_DEPTH = 32
 
 
 class SyncError(ValueError):
@@ -187,10 +195,8 @@ def open_meta(sealed: bytes) -> dict:
                                                "epochs; upgrade it)" if version == 1 else ""))
     if len(body) != length or digest(body) != check:
         raise SyncError("corrupt frame meta: length or checksum mismatch")
-    try:
-        meta = json.loads(body)
-    except ValueError as exc:
-        raise SyncError(f"malformed frame meta: {exc}") from None
+    meta = _dispatch.json_loads_bounded(body, "frame meta", max_bytes=MAX_META_BYTES,
+                                        max_depth=MAX_META_DEPTH, error=SyncError)
     if not isinstance(meta, dict):
         raise SyncError(f"malformed frame meta: {type(meta).__name__}, expected an object")
     return meta
@@ -320,10 +326,12 @@ def _is_int(x) -> bool:
 
 
 def check_versions(version, base) -> None:
-    """A version is an int >= 1; a base is None (full snapshot) or an int in [0, version)."""
-    if not (_is_int(version) and version >= 1 and (base is None or (_is_int(base)
-                                                                    and 0 <= base < version))):
-        raise SyncError(f"update has version {version!r:.40}, base {base!r:.40}")
+    """A version is an int in [1, MAX_VERSION]; a base is None (full snapshot) or an int in
+    [0, version)."""
+    if not (_is_int(version) and 1 <= version <= MAX_VERSION
+            and (base is None or (_is_int(base) and 0 <= base < version))):
+        raise SyncError(f"update has version {version!r:.40}, base {base!r:.40} (versions are "
+                        f"ints in [1, {MAX_VERSION}])")
 
 
 def check_shape(shape) -> tuple:

@@ -8,8 +8,8 @@ import torch
 
 from .. import _dispatch
 from ..delta import DeltaPacket, apply_, verify
-from .protocol import (SyncError, Transport, TransportError, Update, VersionError, byte_view,
-                       check_epoch, check_versions, digest, dtype_name)
+from .protocol import (MAX_VERSION, SyncError, Transport, TransportError, Update, VersionError,
+                       byte_view, check_epoch, check_versions, digest, dtype_name)
 
 _KEPT_REFUSALS = 8        # poll() names at most this many refusals (and counts the rest)
 _RETIRED_EPOCHS = 16      # sender epochs this receiver has moved away from
@@ -77,8 +77,10 @@ class Receiver:
                 dtype_name(t.dtype)
             except TypeError as exc:
                 raise TypeError(f"params[{name!r}]: {exc}") from None
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        if (isinstance(version, bool) or not isinstance(version, int)
+                or not 0 <= version <= MAX_VERSION):
+            raise ValueError(f"version must be an int in [0, {MAX_VERSION}], got "
+                             f"{version!r:.40}")
         self.transport = transport
         self.params: Dict[str, torch.Tensor] = dict(params)
         self.version = version

@@ -9,8 +9,8 @@ import torch
 from .. import _dispatch
 from ..delta import ENCODINGS, encode
 from ..delta.packet import check_zstd_level, require_zstd
-from .protocol import (DEFAULT_BUCKET_BYTES, Entry, Transport, delta_entry, dtype_name, full_entry,
-                       new_epoch)
+from .protocol import (DEFAULT_BUCKET_BYTES, MAX_VERSION, Entry, Transport, delta_entry,
+                       dtype_name, full_entry, new_epoch)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class Sender:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a glm_kernels.sync transport, got "
                             f"{type(transport).__name__}")
+        delta = _dispatch.check_bool("delta", delta)
         if encoding is None:
             encoding = _default_encoding() if delta else "zstd"
         _dispatch.check_choice("encoding", encoding, ENCODINGS)
@@ -96,12 +97,13 @@ class Sender:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         self.transport = transport
-        self.delta = bool(delta)
+        self.delta = delta
         self.encoding = encoding
         self.bucket_bytes = bucket_bytes
         self.zstd_level = zstd_level
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        if (isinstance(version, bool) or not isinstance(version, int)
+                or not 0 <= version < MAX_VERSION):
+            raise ValueError(f"version must be an int in [0, {MAX_VERSION}), got {version!r:.40}")
         self.version = version
         self.epoch = new_epoch()
         self.last_stats: Optional[PublishStats] = None
@@ -116,6 +118,7 @@ class Sender:
         receiver that resyncs from it holds the complete state. If the transport raises, the
         version number is spent and the next publish is a full snapshot.
         """
+        _dispatch.check_bool("full", full)
         tensors = self._validate(named_tensors)
         full = (full or not self.delta or self._force_full or not self._base
                 or self.transport.full_requested())

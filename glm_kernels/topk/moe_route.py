@@ -290,6 +290,8 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
     True
     """
     _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group)
+    renormalize = _dispatch.check_bool("renormalize", renormalize)
+    return_mismatch = _dispatch.check_bool("return_mismatch", return_mismatch)
     _check_replay_ids(replay_ids, router_logits, k, return_mismatch)
     scaling_factor = _dispatch.check_finite_number("scaling_factor", scaling_factor)
     n_experts = router_logits.shape[-1]
@@ -302,9 +304,9 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
         raise ValueError(f"config.rows_per_program must be a power of two, got "
                          f"{config.rows_per_program}")
     replay2d = None if replay_ids is None else replay_ids.reshape(-1, k).contiguous()
-    args = (logits2d, k, scoring, bias, n_group, topk_group, bool(renormalize),
+    args = (logits2d, k, scoring, bias, n_group, topk_group, renormalize,
             scaling_factor, config.rows_per_program, config.num_warps, replay2d,
-            bool(return_mismatch))
+            return_mismatch)
     needs_graph = torch.compiler.is_compiling() or (
         router_logits.requires_grad and torch.is_grad_enabled())
     weights, ids, mismatch = _moe_route_op(*args) if needs_graph else _route_rows(*args)

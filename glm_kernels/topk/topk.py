@@ -85,6 +85,7 @@ def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
     ``device`` (CUDA) sizes the persistent radix grid by its SM count; ``interpret`` picks
     small tiles and buffers so the interpreter exercises every path on small rows.
     """
+    _dispatch.check_bool("interpret", interpret)
     if KEY_BITS[dtype] <= 32 and n_cols <= SHORT_MAX:
         block = _next_pow2(n_cols)
         rows = max(1, min(_next_pow2(n_rows), 2048 // block))
@@ -273,7 +274,8 @@ def topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: b
     [[1, 0, -1]]
     """
     _check_topk_inputs(x, k, dim, lengths)
-    largest, sorted = bool(largest), bool(sorted)
+    largest = _dispatch.check_bool("largest", largest)
+    sorted = _dispatch.check_bool("sorted", sorted)
     rows_view = x.movedim(dim, -1)
     batch_shape, n_cols = rows_view.shape[:-1], rows_view.shape[-1]
     if rows_view.stride(-1) != 1:

@@ -13,7 +13,7 @@ import glm_kernels
 from glm_kernels.delta import DeltaPacket, apply_, encode, verify
 from glm_kernels.delta import _host_codec
 from glm_kernels.delta import _reference as ref
-from glm_kernels.delta.packet import HEADER_BYTES
+from glm_kernels.delta.packet import _DTYPES, HEADER_BYTES, element_size
 from tests.delta._cases import random_pair
 from tests.delta.conftest import path_kwargs
 
@@ -187,13 +187,39 @@ def _reseal(wire: bytes) -> bytes:
     return bytes(b)
 
 
+def _with_trailing_frame(b: bytearray, rng: random.Random) -> bytearray:
+    """A zstd frame appended inside one stream's slot of a zstd payload (its length in the
+    table grown to match), or after the payload of the raw encodings (issue 25: a valid
+    frame followed by a trailing one used to be accepted)."""
+    extra = zstandard.ZstdCompressor().compress(bytes(rng.randrange(0, 9)))
+    if b[7] != 2:                                # encoding code 2: zstd
+        return b + extra
+    n_streams = 3 + element_size(_DTYPES[b[6]])
+    table = list(struct.unpack_from(f"<{n_streams}Q", b, HEADER_BYTES))
+    used = [i for i, n in enumerate(table) if n]
+    i = rng.choice(used)
+    at = HEADER_BYTES + 8 * n_streams + sum(table[:i + 1])
+    table[i] += len(extra)
+    b[at:at] = extra
+    struct.pack_into(f"<{n_streams}Q", b, HEADER_BYTES, *table)
+    return b
+
+
 def _mutants(wire: bytes, rng: random.Random, n: int):
     """Seeded mutants: header field rewrites (with the payload length kept consistent),
-    payload bit flips, byte rewrites, truncations and extensions -- all resealed."""
+    escape counts past what the tensor can hold, payload bit flips, byte rewrites,
+    truncations and extensions, trailing zstd frames -- all resealed."""
+    numel, count = struct.unpack_from("<QQ", wire, 16)
     for _ in range(n):
         b = bytearray(wire)
-        kind = rng.randrange(5)
-        if kind == 0:                           # a header field (numel/count/escapes/coding)
+        kind = rng.randrange(7)
+        if kind == 5:                           # escape count: the most that fit, and past it
+            bound = (numel - count) // 65535
+            struct.pack_into("<Q", b, 32, rng.choice([bound + 1, count, max(1, count // 2),
+                                                      (1 << 64) - 1]))
+        elif kind == 6 and zstandard is not None:
+            b = _with_trailing_frame(b, rng)
+        elif kind == 0:                           # a header field (numel/count/escapes/coding)
             off = rng.choice([6, 7, 8, 9, 16, 24, 32])
             width = 1 if off < 16 else 8
             value = rng.choice([0, 1, 2, 255, 1 << 16, 1 << 31, (1 << 63) - 1, (1 << 64) - 1,
@@ -211,7 +237,7 @@ def _mutants(wire: bytes, rng: random.Random, n: int):
         else:
             b += bytes(rng.randrange(1, 17))
         struct.pack_into("<Q", b, 40, len(b) - HEADER_BYTES)     # payload length field
-        yield _reseal(bytes(b))
+        yield kind, _reseal(bytes(b))
 
 
 @pytest.mark.parametrize("encoding", ["int32", "gap16",
@@ -225,13 +251,15 @@ def test_fuzz_mutants_never_accepted_wrong_never_half_applied(path, encoding):
     wire = encode(new, old, encoding=encoding).to_bytes()
     new_d, old_d = new.to(path[1]), old.to(path[1])
     accepted = 0
-    for mutant in _mutants(wire, rng, n_mutants):
+    refused_kinds = set()
+    for kind, mutant in _mutants(wire, rng, n_mutants):
         target = old_d.clone()
         try:
             pkt = DeltaPacket.from_bytes(mutant)
             apply_(target, pkt, **path_kwargs(path))
         except (ValueError, TypeError):
             assert torch.equal(target.view(torch.int16), old_d.view(torch.int16))
+            refused_kinds.add(kind)
             continue
         except ImportError:         # a mutant turned into a zstd packet, zstandard missing
             assert zstandard is None and pkt.encoding == "zstd"
@@ -239,7 +267,14 @@ def test_fuzz_mutants_never_accepted_wrong_never_half_applied(path, encoding):
             continue
         accepted += 1
         assert torch.equal(target.view(torch.int16), new_d.view(torch.int16))
+        # escape counts past the bound and trailing frames are refused even when the
+        # decoded result would be right (issue 25)
+        assert kind != 5 and not (kind == 6 and zstandard is not None), \
+            f"a mutant of kind {kind} was accepted"
     assert accepted < n_mutants          # the harness does produce refusals
+    assert 5 in refused_kinds           # the new mutation kinds were exercised
+    if zstandard is not None:
+        assert 6 in refused_kinds
 
 
 @pytest.mark.parametrize("count", [-1, -(1 << 62), 1 << 62])

@@ -154,17 +154,41 @@ def test_restarted_sender_continues_versions(tmp_path):
     state, sender, receiver, params = _pair(tmp_path)
     sender.publish(state)
     sender.publish(state)
+    assert receiver.poll() == 2
     sender.transport.close()                        # the old trainer process is gone
-    fresh = sync.Sender(sync.DiskTransport(tmp_path))
-    with pytest.raises(ValueError, match="not newer"):
-        fresh.publish(state)
-    fresh.transport.close()
     link = sync.DiskTransport(tmp_path)
     again = sync.Sender(link, version=link.latest_version())
     sparse_step(state, 5)
     assert again.publish(state) == 3 and again.last_stats.full
     assert receiver.poll() == 3
     assert plain_bytes(params) == plain_bytes(state)
+
+
+def test_restarted_sender_numbering_again_followed_at_once(tmp_path):
+    """Issue 25: a restarted sender (new epoch, version 0) used to be refused ("not newer")
+    until its numbers passed the directory's: now its first full snapshot starts a new history
+    and the receiver takes it at once, then its deltas."""
+    state, sender, receiver, params = _pair(tmp_path)
+    for step in range(5):
+        sparse_step(state, step + 1)
+        sender.publish(state)
+    assert receiver.poll() == 5
+    sender.transport.close()
+    fresh = sync.Sender(sync.DiskTransport(tmp_path))
+    sparse_step(state, 9)
+    assert fresh.publish(state) == 1 and fresh.last_stats.full
+    assert receiver.poll() == 1 and plain_bytes(params) == plain_bytes(state)
+    sparse_step(state, 10)
+    assert fresh.publish(state) == 2 and not fresh.last_stats.full
+    assert receiver.poll() == 2 and plain_bytes(params) == plain_bytes(state)
+    manifest = fresh.transport.read_manifest()
+    assert [r["v"] for r in manifest["versions"]] == [1, 2]
+    assert {r["e"] for r in manifest["versions"]} == {fresh.epoch}
+    on_disk = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert on_disk == sorted(n for r in manifest["versions"] for n in r["files"])
+    # the same epoch cannot rewind its own history
+    with pytest.raises(ValueError, match="not newer"):
+        fresh.transport.send(1, None, [], 1 << 20, epoch=fresh.epoch)
 
 
 def test_timeout_returns_none(tmp_path):
