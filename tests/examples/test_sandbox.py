@@ -330,9 +330,9 @@ def test_infinite_loop_is_killed_at_the_wall_timeout(run):
 
 
 def test_cpu_limit_kills_a_busy_snippet_before_the_wall_timeout(run):
-    r, _ = run("while True:\n    pass", timeout_s=6.0, cpu_s=1)
+    r, _ = run("while True:\n    pass", timeout_s=15.0, cpu_s=1)   # 1 CPU-s: 1-6 s wall here
     assert not r.timed_out and r.killed_by in ("SIGXCPU", "SIGKILL"), r
-    assert r.duration_s < 4.5 and "Killed" in r.observation()
+    assert "Killed" in r.observation()
 
 
 def test_spawned_children_die_with_the_snippet(run):
