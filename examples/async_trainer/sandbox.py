@@ -84,7 +84,7 @@ class SandboxUnavailable(RuntimeError):
 # It imports the standard library only; every step that fails before the snippet runs is
 # reported on a pipe and the next method is tried, so a snippet never runs half-isolated.
 _RUNNER = r'''
-import ctypes, json, os, platform, resource, signal, sys
+import ctypes, json, os, resource, select, signal, sys
 a = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 NS = 0x00020000 | 0x20000000 | 0x40000000 | 0x08000000 | 0x04000000  # mount pid net ipc uts
@@ -234,9 +234,9 @@ def wait_exit(pid):
 def isolated(method, report):
     """The setup process: namespaces and new root, then pid 1 of the new PID namespace, then
     the snippet as its child. Never returns."""
-    arch = ARCH.get(platform.machine())
+    arch = ARCH.get(os.uname().machine)
     if arch is None:
-        raise OSError(f"no seccomp filter for architecture {platform.machine()}")
+        raise OSError(f"no seccomp filter for architecture {os.uname().machine}")
     uid, gid = os.getuid(), os.getgid()
     if method == "rootns":
         if os.geteuid() != 0:
@@ -250,11 +250,14 @@ def isolated(method, report):
                 f.write(text)
     new_root(arch)
     check(libc.prctl(1, signal.SIGKILL), "pdeathsig")               # dies with the runner
+    alive_r, alive_w = os.pipe()       # EOF on alive_r: this setup process is gone
     pid = os.fork()
     if pid:
         os.close(report)
+        os.close(alive_r)
         wait_exit(pid)
     try:
+        os.close(alive_w)
         os.setsid()                    # kill(0, ...) reaches this namespace's processes only
         if method == "rootns":
             os.setgroups([])
@@ -265,6 +268,9 @@ def isolated(method, report):
         drop_caps(arch)
         seccomp(arch)
         check(libc.prctl(1, signal.SIGKILL), "pdeathsig")           # dies with the setup
+        if select.select([alive_r], [], [], 0)[0]:  # it died before the line above: no one
+            raise OSError("setup process gone")     # would kill this process at the timeout
+        os.close(alive_r)
         uid_layer = "uid-nobody" if method == "rootns" else "no-capabilities"
         os.write(report, ("ok " + ",".join((method, "mountns", "pidns", "netns", "ipcns",
                                             uid_layer, "seccomp", "rlimits"))).encode())
@@ -401,6 +407,8 @@ def kill_all(runner_pid: int) -> None:
 
 def _rmtree(path: str) -> None:
     def unlock(func, p, _):
+        if os.path.islink(p):           # chmod follows links: never onto a file outside
+            return
         try:
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
@@ -517,7 +525,7 @@ def run_python(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mb: 
             isolation = ""
     finally:
         _rmtree(base)
-    if not isolation:               # the runner died before choosing: nothing ran
+    if not isolation and not timed_out:     # the runner died before choosing: nothing ran
         isolation = "refused: runner failed: " + raw.decode("utf-8", "replace")[-500:]
     if isolation.startswith("refused: "):
         raise SandboxUnavailable(

@@ -78,7 +78,8 @@ def _as_caller(code, **kwargs):
     return r, len(got)
 
 
-def _as_unprivileged(code, **kwargs):
+def _as_unprivileged(code, refused=False, **kwargs):
+    """The result and the signal count; with ``refused``, the SandboxUnavailable message."""
     exe, why = _unprivileged_python()
     if exe is None:
         pytest.skip(why)
@@ -87,6 +88,8 @@ def _as_unprivileged(code, **kwargs):
                        env={"PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
+    if refused:
+        return out.get("unavailable")
     if "unavailable" in out:
         pytest.skip(out["unavailable"])
     assert out["uid"] == sandbox.NOBODY
@@ -146,6 +149,31 @@ def _named(marker):
         except (OSError, ValueError):
             continue
     return out
+
+
+def _none_named(marker, timeout=3.0):
+    """No process named ``marker`` is left (within ``timeout``: the kernel tears a PID
+    namespace down asynchronously); any found are killed so the test leaves none."""
+    deadline = time.monotonic() + timeout
+    while _named(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _named(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left == []
+
+
+def _marker():
+    return "esc" + uuid.uuid4().hex[:10]
+
+
+# Put before a snippet: name_me() names its process MARKER (PR_SET_NAME; the test replaces
+# MARKER) so that the test can look for it in /proc afterwards.
+NAME_ME = """
+def name_me():
+    import ctypes
+    ctypes.CDLL(None).prctl(15, b'MARKER')
+"""
 
 
 def test_plain_snippets_run_and_their_errors_become_observations(run):
@@ -260,14 +288,14 @@ print('end')
 
 
 def test_a_setsid_child_does_not_outlive_the_call(run):
-    marker = "esc" + uuid.uuid4().hex[:10]
-    code = f"""
-import ctypes, os, time
+    marker = _marker()
+    code = NAME_ME.replace("MARKER", marker) + """
+import os, time
 for i in range(2):
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:                                    # double fork: an orphan
-            ctypes.CDLL(None).prctl(15, b{marker!r})           # PR_SET_NAME
+            name_me()
             time.sleep(20)
         os._exit(0)
 time.sleep(0.3)
@@ -277,13 +305,8 @@ print('left them')
         r, _ = run(code, timeout_s=3.0)
         _isolated(r)
         assert r.ok and r.observation() == "left them", r
-        deadline = time.monotonic() + 3.0
-        while _named(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _named(marker) == []
     finally:
-        for pid in _named(marker):                            # only if the sandbox failed
-            os.kill(pid, signal.SIGKILL)
+        assert _none_named(marker)
 
 
 def test_clearing_the_interpreter_changes_nothing(run, open_dir):
@@ -314,12 +337,17 @@ attempt('net', lambda: socket.create_connection(('127.0.0.1', {srv.getsockname()
 
 
 def test_infinite_loop_is_killed_at_the_wall_timeout(run):
+    marker = _marker()
     t0 = time.monotonic()
-    r, _ = run("while True:\n    pass", timeout_s=1.0, cpu_s=5)
-    assert r.timed_out and r.exit_code is None
-    assert 1.0 <= time.monotonic() - t0 < 6.0
-    assert "TimeoutError" in r.observation()
-    assert _gone(r.runner_pid)
+    try:
+        r, _ = run(NAME_ME.replace("MARKER", marker) + "name_me()\nwhile True:\n    pass",
+                   timeout_s=1.0, cpu_s=5)
+        assert r.timed_out and r.exit_code is None
+        assert 1.0 <= time.monotonic() - t0 < 6.0
+        assert "TimeoutError" in r.observation()
+        assert _gone(r.runner_pid)
+    finally:
+        assert _none_named(marker)                            # the snippet itself is gone
 
 
 def test_cpu_limit_kills_a_busy_snippet_before_the_wall_timeout(run):
@@ -390,11 +418,17 @@ def test_no_isolation_is_refused_unless_unsafe(monkeypatch):
     assert run_python("print(2)", methods=()).isolation == ("none",)
 
 
-def test_a_failing_method_falls_through_to_the_next_or_is_refused():
+def test_rootns_is_refused_to_a_non_root_uid_and_userns_takes_over():
+    """From an unprivileged uid: the stand-in trainer, or this process when it is not root."""
     if os.geteuid() == 0:
-        pytest.skip("root can use rootns")
-    with pytest.raises(SandboxUnavailable, match="rootns needs root"):
-        run_python("print(1)", methods=("rootns",))
+        assert "rootns needs root" in _as_unprivileged("print(1)", refused=True,
+                                                       methods=("rootns",))
+        r, _ = _as_unprivileged("print(1)", methods=("rootns", "userns"))
+    else:
+        with pytest.raises(SandboxUnavailable, match="rootns needs root"):
+            run_python("print(1)", methods=("rootns",))
+        r = run_python("print(1)", methods=("rootns", "userns"))
+    assert r.ok and r.isolation[0] == "userns", r
 
 
 def test_bad_arguments():
