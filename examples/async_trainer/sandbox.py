@@ -280,7 +280,8 @@ def isolated(method, report):
         os._exit(126)
     # The namespace's init ignores signals it has no handler for (RLIMIT_CPU's SIGXCPU too):
     # the snippet runs as its child, and when it ends init exits and the kernel kills the rest.
-    child = os.fork()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)    # no KeyboardInterrupt for the snippet to
+    child = os.fork()                               # raise in init (it would end the run)
     if child:
         wait_exit(child)
     run_snippet()

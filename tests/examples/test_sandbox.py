@@ -6,10 +6,13 @@ unprivileged uid (``nobody``: the ``userns`` method, snippet and trainer the sam
 check looks at the host afterwards (the target directory, a listener's accept queue, the
 trainer's signal count, the process table), not only at what the snippet printed.
 
-Every snippet is bounded by itself so the machine is never at risk even if the sandbox failed:
-loops end by the wall timeout (1-3 s), at most 32 children are spawned and each sleeps 20 s
-at most, the allocation is 4 GiB (refused by RLIMIT_AS long before), writes go to a directory
-of this test, and the only socket target is a listener of this test on 127.0.0.1."""
+Every snippet is bounded by itself so the machine is never at risk even if the sandbox failed
+(checked by running them with isolation off): loops end by the wall timeout (1-3 s), children
+sleep 20 s at most (200 at most, for 5 s, in the fork bomb), the allocation is 4 GiB (refused by
+RLIMIT_AS long before), writes go to a directory of this test or to uniquely named files that
+it removes, the only socket target is a listener of this test on 127.0.0.1, and signals go to
+the trainer (which counts them), the snippet's parent and its own group only: never
+``kill(-1)``, which without isolation, as root, reaches every process of the machine."""
 import functools
 import json
 import os
@@ -110,7 +113,6 @@ def run(request):
             return _as_caller(code, **kwargs)
         except SandboxUnavailable as e:
             pytest.skip(str(e))
-    go.mode = request.param
     return go
 
 
