@@ -1,48 +1,66 @@
-"""Run an untrusted Python snippet (a ToRA tool call) in a bounded subprocess.
+"""Run an untrusted Python snippet (a ToRA tool call) in an isolated, bounded process.
 
 ``run_python(code)`` returns a :class:`SandboxResult` whose :meth:`~SandboxResult.observation`
 is what the policy sees next: the snippet's stdout/stderr (or its exception as
 ``Type: message``, or what stopped it), truncated. Nothing the snippet does raises in the
 caller: the trainer keeps going.
 
-What is enforced, and by whom (Linux; POSIX elsewhere gets the rows marked "POSIX"):
+Isolation is set up by the kernel before the snippet's first line runs, by processes the
+snippet never controls, so nothing the snippet does to its interpreter (``sys.modules``,
+``ctypes``, ``_posixsubprocess``) undoes it. Four processes per call (the first three are
+``sandbox_runner.py``)::
 
-=========================  =================================================================
-kernel, always (POSIX)     own session and process group (``start_new_session``); on the
-                           wall-clock timeout, and after every run, SIGKILL to that group and
-                           to every process of its session (found in ``/proc``), so background
-                           children die with it; RLIMIT_CPU (soft, then SIGKILL 1 s later),
-                           RLIMIT_AS (an allocation over it fails: ``MemoryError``),
-                           RLIMIT_FSIZE (stdout/stderr and any file: ``EFBIG`` past it),
-                           RLIMIT_NOFILE, RLIMIT_CORE 0, RLIMIT_NPROC (binds for a non-root
-                           uid only), soft = hard so they cannot be raised back; working
-                           directory a fresh private temporary directory (0700), removed
-                           after the run; stdin ``/dev/null``; an empty environment
-kernel, when permitted     ``unshare(CLONE_NEWNET | CLONE_NEWPID)`` (needs CAP_SYS_ADMIN: root,
-(root on Linux)            as in CI): a network namespace with no usable interface (even
-                           127.0.0.1 is unreachable) and a PID namespace whose init is the
-                           snippet (when it ends or is killed, the kernel kills every process
-                           it left, also one that left the process group; PDEATHSIG ties it
-                           to the runner); then the snippet drops to uid/gid ``nobody``
-                           (65534, no supplementary groups): it cannot write anything but its
-                           directory and world-writable places, cannot signal other users'
-                           processes, cannot raise its limits, and RLIMIT_NPROC binds
-in-process guard           a Python audit hook installed before the snippet runs refuses:
-(always)                   socket creation and use, ``subprocess``/``exec``/``spawn``/
-                           ``system``, ``os.kill``/``killpg``, ``resource.setrlimit``/
-                           ``prlimit``, ``ctypes``, and opening for write, creating, removing,
-                           renaming or changing the mode of any path outside the working
-                           directory; ``os.setsid``/``setpgid``/``setpgrp`` are removed
-=========================  =================================================================
+    trainer -- runner (own session) -- setup (unshares) -- init (pid 1 of the new PID ns) -- snippet
 
-Not enforced: the in-process guard is a tripwire, not a boundary (Python code that digs into
-the interpreter can get past an audit hook); where the namespaces are not available (a
-non-root user, another OS) it is the only network and write barrier, and a snippet that gets
-past it could open sockets and write wherever the user can, though it still dies with its
-process group and its limits. Reading files is allowed. With the namespaces, ``/tmp`` and
-``/dev/shm`` stay writable for ``nobody`` at the kernel level (the guard refuses them);
-RLIMIT_FSIZE bounds any such file. Threads count against RLIMIT_NPROC. ``result.isolation``
-names the layers that were in effect for the run.
+The *setup* process enters fresh mount, PID, network, IPC and UTS namespaces: as root directly
+(``rootns``), otherwise together with a fresh user namespace mapping the caller's uid to 0
+(``userns``: unprivileged user namespaces, no helper binary). It builds a new root — a
+read-only tmpfs holding read-only bind mounts of ``/usr``, ``/lib*``, the interpreter's prefix,
+``/dev/{null,zero,random,urandom}``, and the snippet's private directory at ``/sandbox`` (the
+only writable place) — ``pivot_root``\\ s into it and detaches the old root. The *init*
+process starts a new session, drops to uid/gid ``nobody`` (``rootns``) or drops every capability
+(``userns``), sets the rlimits (soft = hard), sets ``no_new_privs``, installs a seccomp filter,
+and only then forks the *snippet* process, which compiles and runs the snippet.
+
+=====================  =====================================================================
+layer                  what it stops
+=====================  =====================================================================
+mount ns + pivot_root  every path outside ``/sandbox`` is absent or read-only: no writes into
+                       ``/tmp``, ``/dev/shm`` or any other world-writable place, whatever
+                       path or ``dir_fd`` is used (there is no fd to the old root either)
+network ns             no interface but a down loopback: nothing is reachable, not even
+                       127.0.0.1 (the trainer's and Ray's ports); abstract unix sockets are
+                       per namespace too
+PID ns                 the trainer and every other process are invisible (no pid to signal
+                       or trace); when the snippet ends or is killed, the namespace's init
+                       exits and the kernel kills everything left, ``setsid()`` children too
+seccomp (x86_64,       ``execve``/``execveat`` (no shell, no program: ``os.system``,
+aarch64)               ``subprocess``, ``_posixsubprocess.fork_exec`` all fail with EPERM),
+                       ``ptrace``, ``mount``/``umount``/``pivot_root``/``chroot``, namespace
+                       changes (``unshare``, ``setns``, ``clone`` with namespace flags;
+                       ``clone3``: ENOSYS, libc falls back to ``clone``), ``bpf``, keyrings,
+                       ``perf_event_open``, ``userfaultfd``, ``process_vm_*``, module loading,
+                       ``io_uring``, the new mount API, and sockets other than ``AF_UNIX``;
+                       any other architecture's syscall ABI (x32, i386) kills the process
+creds + rlimits        uid ``nobody`` or no capabilities, ``no_new_privs``; RLIMIT_CPU (soft,
+                       then SIGKILL 1 s later), AS (``MemoryError``), FSIZE (``EFBIG``),
+                       NOFILE, NPROC (counted in the sandbox's own user/uid), CORE 0
+outside the sandbox    wall-clock timeout; SIGKILL to the runner's process group and session
+                       after every run (the chain dies with it: parent-death signals); the
+                       private directory is removed afterwards
+=====================  =====================================================================
+
+Where neither method works (not Linux, an unsupported architecture, a container whose seccomp
+profile forbids ``unshare``, unprivileged user namespaces switched off), ``run_python`` refuses
+with :class:`SandboxUnavailable` naming why, unless the caller passes ``unsafe=True`` (or the
+environment has ``TORA_SANDBOX_UNSAFE=1``): then the snippet runs with the rlimits, the private
+directory and the process-group kill only, with full access to the network and every file the
+user can write, and ``result.isolation == ("none",)`` says so.
+
+Not enforced: reading files under the bound system directories (they hold no secrets of the
+trainer; the trainer's own files, ``/home``, ``/root`` and ``/tmp`` are not mounted); CPU
+time beyond RLIMIT_CPU per process (a fork bomb is bounded by RLIMIT_NPROC and the wall
+timeout).
 """
 import json
 import os
@@ -56,127 +74,15 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 NOBODY = 65534
+UNSAFE_ENV = "TORA_SANDBOX_UNSAFE"
 
-# Runs as ``python -I -S -u -c _RUNNER <json>`` in the sandbox's working directory.
-_RUNNER = r'''
-import json, os, resource, signal, sys
-a = json.loads(sys.argv[1])
-work = a["work"]
-iso = ["pgroup-kill", "rlimits", "private-cwd"] + (["audit-guard"] if a["guard"] else [])
-libc = None
-try:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    if a["namespaces"] and libc.unshare(0x40000000 | 0x20000000) == 0:  # NEWNET | NEWPID
-        iso += ["netns", "pidns"]
-except Exception:
-    pass
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # past RLIMIT_FSIZE a write fails
-for what, soft, hard in ((resource.RLIMIT_AS, a["mem"], a["mem"]),
-                         (resource.RLIMIT_CPU, a["cpu"], a["cpu"] + 1),
-                         (resource.RLIMIT_FSIZE, a["fsize"], a["fsize"]),
-                         (resource.RLIMIT_NOFILE, 64, 64), (resource.RLIMIT_CORE, 0, 0),
-                         (resource.RLIMIT_NPROC, a["nproc"], a["nproc"])):
-    resource.setrlimit(what, (soft, hard))
-with open(os.path.join(work, "snippet.py"), encoding="utf-8") as f:
-    src = f.read()
-# What a math snippet imports, loaded before the uid drop (the stdlib may be unreadable then).
-for m in ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
-          "statistics", "random", "re", "string", "heapq", "bisect", "operator", "time",
-          "socket", "encodings.idna"):
-    try:
-        __import__(m)
-    except Exception:
-        pass
-if "pidns" in iso and os.geteuid() == 0:
-    iso.append("uid-nobody")
-with open(os.path.join(os.path.dirname(work), "isolation"), "w") as f:
-    f.write(",".join(iso))
-pid = os.fork()
-if pid:
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    os._exit(code if code >= 0 else 128 - code)
-try:
-    if libc is not None:
-        libc.prctl(1, signal.SIGKILL)                   # PR_SET_PDEATHSIG: dies with the runner
-    if "uid-nobody" in iso:
-        os.setgroups([])
-        os.setgid(a["uid"])
-        os.setuid(a["uid"])
-    del libc
-    for m in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-        del sys.modules[m]
-    for name in ("setsid", "setpgid", "setpgrp"):
-        for mod in (os, sys.modules.get("posix")):
-            if mod is not None and hasattr(mod, name):
-                delattr(mod, name)
-    W = os.path.realpath(work)
-    WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    BANNED = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
-              "socket.gethostbyname", "socket.sendto", "socket.sendmsg", "subprocess.Popen",
-              "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.startfile", "os.kill",
-              "os.killpg", "signal.pthread_kill", "resource.setrlimit", "resource.prlimit",
-              "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "os.chroot", "os.setuid",
-              "os.setgid", "os.mknod", "os.mkfifo"}
-    PATHS = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.chmod": (0,),
-             "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,), "os.rename": (0, 1),
-             "os.link": (0, 1), "os.symlink": (1,), "os.chflags": (0,), "os.lchflags": (0,),
-             "shutil.rmtree": (0,), "shutil.move": (0, 1), "shutil.copyfile": (1,)}
-    realpath, fsdecode, getcwd, join, sep = (os.path.realpath, os.fsdecode, os.getcwd,
-                                             os.path.join, os.sep)
 
-    def inside(p):
-        if isinstance(p, int):
-            return False
-        full = realpath(join(getcwd(), fsdecode(p)))
-        return full == W or full.startswith(W + sep)
+class SandboxUnavailable(RuntimeError):
+    """No isolation method works on this machine and ``unsafe`` was not given."""
 
-    def guard(event, args):
-        if event in BANNED:
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0].split(".")[0] in ("ctypes", "_ctypes"):
-            raise PermissionError("sandbox: ctypes is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            if isinstance(path, int):
-                return
-            if ((mode is not None and any(c in mode for c in "wax+"))
-                    or (isinstance(flags, int) and flags & WRITE)) and not inside(path):
-                raise PermissionError(f"sandbox: no writes outside the working directory "
-                                      f"({fsdecode(path)!r})")
-        elif event in PATHS:
-            if event != "shutil.rmtree" and len(args) > 2 and args[-1] not in (None, -1) \
-                    and event not in ("os.rename", "os.link", "os.symlink"):
-                raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
-            for i in PATHS[event]:
-                if i < len(args) and not inside(args[i]):
-                    raise PermissionError(f"sandbox: {event} outside the working directory "
-                                          f"({fsdecode(args[i])!r})")
 
-    if a["guard"]:
-        sys.addaudithook(guard)
-    g = {"__name__": "__main__", "__builtins__": __builtins__}
-    code = 0
-    try:
-        exec(compile(src, "<snippet>", "exec"), g)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException as e:
-        code = 1
-        msg = str(e)
-        try:
-            print(f"{type(e).__name__}: {msg}" if msg else type(e).__name__)
-        except BaseException:           # e.g. stdout past RLIMIT_FSIZE
-            pass
-    try:
-        sys.stdout.flush()
-    except Exception:
-        pass
-    os._exit(code & 0xFF)
-except BaseException:
-    os._exit(125)
-'''
+# The runner: a stdlib-only script (see its docstring), started as ``python -I -S -u RUNNER``.
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
 
 
 @dataclass
@@ -187,7 +93,7 @@ class SandboxResult:
     killed_by: Optional[str]    # signal name when the snippet was killed (SIGXCPU: CPU limit)
     truncated: bool             # output cut at ``output_limit``
     duration_s: float
-    isolation: Tuple[str, ...]  # layers in effect (see the module docstring)
+    isolation: Tuple[str, ...]  # layers in effect (see the module docstring); ("none",): unsafe
     runner_pid: int             # the runner's pid = its process group and session id
 
     @property
@@ -244,6 +150,8 @@ def kill_all(runner_pid: int) -> None:
 
 def _rmtree(path: str) -> None:
     def unlock(func, p, _):
+        if os.path.islink(p):           # chmod follows links: never onto a file outside
+            return
         try:
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
@@ -253,10 +161,34 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, onerror=unlock)
 
 
+_BINDS: Optional[list] = None
+
+
+def _binds() -> list:
+    """Host paths the new root gets (read-only): the system's libraries and the interpreter's
+    prefix (its own bind when it is not inside one of the others' filesystems)."""
+    global _BINDS
+    if _BINDS is None:
+        system = [p for p in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+                  if os.path.lexists(p)]
+        out = list(system)
+        for p in {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}:
+            holder = next((s for s in system if not os.path.islink(s)
+                           and (p + "/").startswith(s + "/")), None)
+            if holder is None or os.stat(holder).st_dev != os.stat(p).st_dev:
+                out.append(p)
+        out += [d for d in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+                if os.path.exists(d)]
+        _BINDS = out
+    return _BINDS
+
+
 def run_python(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mb: int = 256,
                output_limit: int = 2048, file_limit_bytes: int = 1 << 20, max_procs: int = 64,
-               namespaces: bool = True, _guard: bool = True) -> SandboxResult:
-    """Run ``code`` with the limits above; never raises for anything the snippet does.
+               unsafe: bool = False, methods: Optional[Tuple[str, ...]] = None
+               ) -> SandboxResult:
+    """Run ``code`` isolated and with the limits above; never raises for anything the snippet
+    does.
 
     Parameters
     ----------
@@ -268,34 +200,54 @@ def run_python(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mb: 
         RLIMIT_CPU (s), RLIMIT_AS (MiB), RLIMIT_FSIZE (bytes), RLIMIT_NPROC.
     output_limit : int
         Bytes of output kept.
-    namespaces : bool
-        Try the network/PID namespaces and the uid drop (root on Linux).
-    _guard : bool
-        Tests only: False leaves the in-process guard out, to test the kernel layers alone.
+    unsafe : bool
+        Where no isolation method works, run anyway with the rlimits alone (the snippet can
+        then reach the network and write wherever the user can). Also ``TORA_SANDBOX_UNSAFE=1``.
+    methods : tuple of str, optional
+        Isolation methods tried in order: ``"rootns"`` (root only) and ``"userns"``; default
+        both for root, ``("userns",)`` otherwise. ``()`` tries none (with ``unsafe``: no
+        isolation, the baseline the tests and measurements compare against).
+
+    Raises
+    ------
+    SandboxUnavailable
+        No method worked and ``unsafe`` is false; the message says why for each.
     """
+    if unsafe is not False:      # the project's flag check imports torch; False needs none
+        from glm_kernels.loss._checks import check_bool
+        check_bool("unsafe", unsafe)
+    if not isinstance(code, str):
+        raise TypeError(f"run_python: code must be str, got {type(code).__name__}")
     if timeout_s <= 0 or cpu_s < 1 or memory_mb < 64 or output_limit < 1:
         raise ValueError(f"run_python: timeout_s > 0, cpu_s >= 1, memory_mb >= 64 and "
                          f"output_limit >= 1 expected, got {timeout_s}, {cpu_s}, {memory_mb}, "
                          f"{output_limit}")
+    root_user = hasattr(os, "geteuid") and os.geteuid() == 0
+    if methods is None:
+        methods = ("rootns", "userns") if root_user else ("userns",)
+    methods = tuple(methods)
+    if any(m not in ("rootns", "userns") for m in methods):
+        raise ValueError(f"run_python: methods must be drawn from ('rootns', 'userns'), "
+                         f"got {methods!r}")
+    unsafe = unsafe or os.environ.get(UNSAFE_ENV) == "1"
+    if not sys.platform.startswith("linux"):
+        methods = ()
     base = tempfile.mkdtemp(prefix="tora-sandbox-")
     work = os.path.join(base, "work")
     os.mkdir(work, 0o700)
+    os.mkdir(os.path.join(base, "root"), 0o700)
     with open(os.path.join(work, "snippet.py"), "w", encoding="utf-8") as f:
         f.write(code)
-    drop = namespaces and hasattr(os, "geteuid") and os.geteuid() == 0
-    if drop:                        # the snippet may drop to nobody: its directory, its files
-        os.chmod(base, 0o711)
-        for p in (work, os.path.join(work, "snippet.py")):
-            os.chown(p, NOBODY, NOBODY)
-    args = json.dumps({"work": work, "mem": memory_mb << 20, "cpu": int(cpu_s),
-                       "fsize": int(file_limit_bytes), "nproc": int(max_procs),
-                       "namespaces": bool(namespaces), "uid": NOBODY, "guard": bool(_guard)})
+    args = json.dumps({"mem": memory_mb << 20, "cpu": int(cpu_s), "fsize": int(file_limit_bytes),
+                       "nproc": int(max_procs), "methods": list(methods), "unsafe": unsafe,
+                       "nobody": NOBODY, "root": os.path.join(base, "root"),
+                       "binds": _binds() if methods else []})
     out_path = os.path.join(base, "output")
     t0 = time.monotonic()
     timed_out = False
     try:
         with open(out_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-u", "-c", _RUNNER, args],
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-u", RUNNER, args],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     cwd=work, env={"LANG": "C.UTF-8", "PATH": "/usr/bin:/bin"},
                                     start_new_session=True, close_fds=True)
@@ -304,18 +256,25 @@ def run_python(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mb: 
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            kill_all(proc.pid)      # the runner's group and session: leftovers die too
+            kill_all(proc.pid)      # the runner's group and session: the chain dies with it
             proc.wait()
         duration = time.monotonic() - t0
         with open(out_path, "rb") as f:
             raw = f.read(output_limit + 1)
         try:
             with open(os.path.join(base, "isolation")) as f:
-                isolation = tuple(f.read().split(","))
+                isolation = f.read()
         except OSError:
-            isolation = ()
+            isolation = ""
     finally:
         _rmtree(base)
+    if not isolation and not timed_out:     # the runner died before choosing: nothing ran
+        isolation = "refused: runner failed: " + raw.decode("utf-8", "replace")[-500:]
+    if isolation.startswith("refused: "):
+        raise SandboxUnavailable(
+            f"run_python: no isolation available on this machine ({isolation[9:]}); refusing "
+            f"to run untrusted code. Pass unsafe=True (or set {UNSAFE_ENV}=1) to run it with "
+            f"rlimits alone: no network or filesystem isolation")
     rc = proc.returncode
     killed = None
     if timed_out:
@@ -327,4 +286,5 @@ def run_python(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mb: 
     return SandboxResult(output=raw[:output_limit].decode("utf-8", "replace"),
                          exit_code=exit_code, timed_out=timed_out, killed_by=killed,
                          truncated=len(raw) > output_limit, duration_s=duration,
-                         isolation=isolation, runner_pid=proc.pid)
+                         isolation=tuple(isolation.split(",")) if isolation else (),
+                         runner_pid=proc.pid)

@@ -2,6 +2,7 @@
 observation turn, the reward is on the final answer; every turn goes through the trajectory
 manager, and a re-tokenization drift forks a branch that is trained on the engine's ids; a
 bad program or a hostile one becomes an observation and generation goes on."""
+import os
 import sys
 
 import pytest
@@ -169,7 +170,9 @@ def test_hostile_code_becomes_an_observation():
     assert "TimeoutError" in text and env.timeouts == 1
     assert tora_task.observation_content(text).startswith("?")
     text = env.run("import os\nfor i in range(32):\n    if os.fork() == 0:\n        os._exit(0)\n"
-                   "print(len(open('/etc/hostname').read()) >= 0)")
+                   "print(len(open(os.__file__).read()) > 0)")
     assert text == "True"                                       # forks are fine, reads too
-    assert env.run("open('/tmp/tora-escape', 'w')").startswith("PermissionError")
+    # the sandbox's root has no /tmp (test_sandbox.py tries every way out)
+    assert env.run("open('/tmp/tora-escape', 'w')").startswith("FileNotFoundError")
+    assert not os.path.exists("/tmp/tora-escape")
     assert env.run_many(["print(6*7)", "print(6*7)"]) == ["42", "42"] and env.runs == 4
