@@ -169,9 +169,7 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
     turns it off inside a block where ``GLM_KERNELS_BATCH_INVARIANT=1`` turned it on.
     docs/batch_invariance.md lists the ops it covers and what it costs.
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False, got {enabled!r} "
-                        f"({type(enabled).__name__})")
+    check_bool("enabled", enabled)
     previous = getattr(_local, "batch_invariant", None)
     _local.batch_invariant = enabled
     try:
