@@ -206,7 +206,7 @@ class MuonSplit(torch.optim.Optimizer):
         if any(is_dtensor(p) for p in params):
             sharded_muon_step(group, params, self.state, self.comm_stats)
             return
-        momentum, split = group["momentum"], group["head_split"]
+        momentum = group["momentum"]
         schedule = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         by_device: Dict[torch.device, list] = defaultdict(list)
         for p in params:
@@ -221,14 +221,15 @@ class MuonSplit(torch.optim.Optimizer):
             by_device[p.device].append((p, update.reshape(p.shape[0], -1)))
         for entries in by_device.values():
             results = self._orthogonalize(entries, group, schedule)
-            self._apply(entries, results, group, split)
+            self._apply(entries, results, group)
 
     def _orthogonalize(self, entries, group: dict, schedule) -> List[torch.Tensor]:
         """NS of every block of every (param, update) entry, in ONE batched call; one result
         per block, in order. Subclasses that gather tensor-parallel shards first override it
         (integrations/megatron.py)."""
-        split, sources = group["head_split"], []
-        for _, update in entries:
+        sources = []
+        for p, update in entries:
+            split = self._head_split(group, p)
             local = None if split is None else split.for_rows(update.shape[0])
             sources += ([update[None]] if local is None else
                         head_block_views(update, local.num_heads, local.block_rows))
@@ -236,15 +237,20 @@ class MuonSplit(torch.optim.Optimizer):
         return orthogonalize(sources, schedule, method=group["ns_method"], eps=1e-7,
                              config=self.ns_config, backend=backend)
 
+    def _head_split(self, group: dict, p: torch.Tensor) -> Optional[HeadSplit]:
+        """The HeadSplit of ``p``: its group's (a subclass may give one per parameter)."""
+        return group["head_split"]
+
     def _update_scale(self, group: dict, p: torch.Tensor, block_shape) -> float:
         """The factor of O for one block: rms_scale * sqrt(max(rows, cols)) (overridable)."""
         return group["rms_scale"] * math.sqrt(max(block_shape))
 
-    def _apply(self, entries, results, group, split) -> None:
+    def _apply(self, entries, results, group) -> None:
         """p <- p (1 - lr wd) - lr * scale * O, block by block (scale: ``_update_scale``)."""
         lr, decay = group["lr"], 1.0 - group["lr"] * group["weight_decay"]
         position = 0
         for p, update in entries:
+            split = self._head_split(group, p)
             local = None if split is None else split.for_rows(update.shape[0])
             matrix = p.view(p.shape[0], -1) if p.is_contiguous() else None
             work = matrix if matrix is not None else p.reshape(p.shape[0], -1).clone()
