@@ -379,7 +379,9 @@ def test_matmul_precision_medium_is_bf16_operands(single_process):
     (dict(muon_num_ns_steps=0), ValueError, "muon_num_ns_steps"),
     (dict(muon_split_qkv=1), TypeError, "muon_split_qkv"),
     (dict(muon_nesterov="yes"), TypeError, "muon_nesterov"),
-    (dict(muon_momentum=1.0), ValueError, "momentum"),
+    (dict(muon_momentum=1.0), ValueError, "muon_momentum"),
+    (dict(muon_extra_scale_factor=float("nan")), ValueError, "muon_extra_scale_factor"),
+    (dict(muon_extra_scale_factor="1"), TypeError, "muon_extra_scale_factor"),
     (dict(muon_scalar_optimizer="lion"), ValueError, "muon_scalar_optimizer"),
 ])
 def test_bad_config_is_refused_naming_the_option(single_process, options, error, match):
