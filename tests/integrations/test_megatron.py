@@ -279,13 +279,18 @@ def test_megatron_wrappers_and_scheduler_reach_every_group(single_process):
         assert group["weight_decay"] == pytest.approx(WD * 0.55)
 
 
-def test_gqa_linear_qkv_is_orthogonalized_per_head(single_process):
-    model = gqa_model()
+def one_step(make_model, **options):
+    """(weights before, weights after, gradients) of one step from the seeded weights."""
+    model = make_model()
     set_weights(model)
-    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    after = run_steps(model, build(model), 1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    after = run_steps(model, build(model, **options), 1)
     set_grads(model, 0)
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    return before, after, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_gqa_linear_qkv_is_orthogonalized_per_head(single_process):
+    w0, after, grads = one_step(gqa_model)
     # query group = 2 heads' Q (8 rows each), then K (8), then V (8); 2 groups
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
     want = expected_muon_update(w0[qkv], grads[qkv], [8] * 8)
@@ -293,34 +298,19 @@ def test_gqa_linear_qkv_is_orthogonalized_per_head(single_process):
     fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
     assert rel_err(after[fc1], expected_muon_update(w0[fc1], grads[fc1], [48])) < TOL
     # ... which is not Megatron's per-Q/K/V split: Q of both groups as one matrix, etc.
-    megatron_split = build_and_step_megatron_muon(muon_split_qkv=True)[qkv]
-    assert rel_err(after[qkv] - w0[qkv], megatron_split - w0[qkv]) > 0.05
-
-
-def build_and_step_megatron_muon(**options) -> dict:
-    model = gqa_model()
-    set_weights(model)
-    return run_steps(model, build(model, optimizer="muon", **options), 1)
+    _, megatron_split, _ = one_step(gqa_model, optimizer="muon", muon_split_qkv=True)
+    assert rel_err(after[qkv] - w0[qkv], megatron_split[qkv] - w0[qkv]) > 0.05
 
 
 def test_gqa_attention_output_gate_splits_each_heads_gate(single_process):
-    model = gqa_model(attention_output_gate=True)
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
-    assert dict(model.named_parameters())[qkv].shape[0] == 2 * (2 * 8 * 2 + 8 + 8)
-    w0 = dict(model.named_parameters())[qkv].detach().clone()
-    after = run_steps(model, build(model), 1)
-    set_grads(model, 0)
-    grad = dict(model.named_parameters())[qkv].grad
-    assert rel_err(after[qkv], expected_muon_update(w0, grad, [8] * 12)) < TOL
+    w0, after, grads = one_step(lambda: gqa_model(attention_output_gate=True))
+    assert w0[qkv].shape[0] == 2 * (2 * 8 * 2 + 8 + 8)
+    assert rel_err(after[qkv], expected_muon_update(w0[qkv], grads[qkv], [8] * 12)) < TOL
 
 
 def test_mla_up_projections_are_orthogonalized_per_head(single_process):
-    model = mla_model()
-    set_weights(model)
-    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    after = run_steps(model, build(model), 1)
-    set_grads(model, 0)
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    w0, after, grads = one_step(mla_model)
     prefix = "decoder.layers.0.self_attention."
     q_up, kv_up = prefix + "linear_q_up_proj.weight", prefix + "linear_kv_up_proj.weight"
     assert rel_err(after[q_up], expected_muon_update(w0[q_up], grads[q_up], [8, 4] * 4)) < TOL
@@ -329,9 +319,7 @@ def test_mla_up_projections_are_orthogonalized_per_head(single_process):
     down = prefix + "linear_kv_down_proj.weight"            # [kv_lora + rope, hidden]: whole
     assert rel_err(after[down], expected_muon_update(w0[down], grads[down], [16])) < TOL
     # Megatron's own Muon leaves MLA's up-projections whole
-    model = mla_model()
-    set_weights(model)
-    theirs = run_steps(model, build(model, optimizer="muon"), 1)
+    _, theirs, _ = one_step(mla_model, optimizer="muon")
     assert rel_err(theirs[q_up], expected_muon_update(w0[q_up], grads[q_up], [48])) < TOL
 
 
