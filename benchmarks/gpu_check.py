@@ -160,7 +160,8 @@ def megatron_section(steps: int = 6) -> dict:
             for _ in range(steps):
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
-                loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float()
+                loss = model(tokens[:, :-1].contiguous(), position_ids, None,
+                             labels=tokens[:, 1:].contiguous()).float()
                 loss = loss.mean()
                 loss.backward()
                 model.finish_grad_sync()
