@@ -111,3 +111,20 @@ bench: $(STAMP)
 
 clean:
 	rm -rf .venv .venv-min .venv-compat build *.egg-info
+
+# MuonSplit inside Megatron-core (tests/integrations/test_megatron*.py): megatron-core 0.19
+# needs Python >= 3.12, so its own venv with the torch .venv-compat pins (the same wheel) and
+# Megatron's Muon dependency, emerging-optimizers. The tests import glm_kernels from the checkout.
+MEGATRON_PYTHON ?= $(call find_python,3.12)
+MEGATRON_SPEC   ?= torch==2.11.0 megatron-core==0.19.2 emerging-optimizers==0.3.0 pytest
+
+.venv-megatron/.installed: $(SOURCES)
+	test -x .venv-megatron/bin/python || $(MEGATRON_PYTHON) -m venv .venv-megatron
+	.venv-megatron/bin/pip install -q --upgrade pip
+	.venv-megatron/bin/pip install -q $(MEGATRON_SPEC)
+	touch $@
+
+.PHONY: test-megatron
+test-megatron: .venv-megatron/.installed
+	.venv-megatron/bin/python -m pytest -q tests/integrations/test_megatron.py \
+	  tests/integrations/test_megatron_parallel.py

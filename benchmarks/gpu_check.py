@@ -19,7 +19,9 @@ non-zero on the first thing that would spend a GPU lease on set-up.
 
 Builds csrc/ in place, runs the whole test suite (on a GPU ``kernel_backend`` is compiled
 Triton on CUDA tensors and the ``gpu``-marked tests run; 240 s cap, mostly JIT compiles), then
-``run()`` of every ``benchmarks/bench_*.py``; writes ``gpu_check_<gpu>_<date>.json`` under
+the Megatron section (``megatron_section``: MuonSplit inside megatron-core with bf16
+parameters, the layer-wise optimizer and a real forward / backward; recorded as skipped where
+megatron-core is not installed), then ``run()`` of every ``benchmarks/bench_*.py``; writes ``gpu_check_<gpu>_<date>.json`` under
 --out after every section (commit it under benchmarks/results/). The ahead-of-time report
 needs no GPU and is not repeated here.
 """
@@ -29,6 +31,7 @@ import argparse
 import glob
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -83,6 +86,109 @@ def _dry_run_checks(root: str, benches: list) -> dict:
     return checks
 
 
+# --------------------------------------------------------------------------- Megatron (GPU only)
+# What tests/integrations/test_megatron*.py cannot run on CPU / gloo (docs/megatron.md):
+# bf16 parameters under the layer-wise distributed optimizer (Float16OptimizerWithFloat16Params,
+# fp32 main params), DDP with Megatron's shard-aligned layer-wise buffers beside the byte-range
+# DistributedOptimizer that takes the Adam groups, and a real forward / backward. Needs
+# megatron-core 0.19.2 and emerging-optimizers 0.3.0 on the machine (not on the lent image:
+# carry their wheels, Python 3.12); otherwise the section records why it was skipped.
+MEGATRON_WHEELS = "megatron-core==0.19.2 emerging-optimizers==0.3.0 absl-py"
+
+
+def megatron_section(steps: int = 6) -> dict:
+    """A 2-layer GQA GPTModel (bf16, DDP, layer-wise optimizer, one NCCL rank) trained
+    ``steps`` steps from the same weights and tokens with Megatron's ``muon``
+    (muon_split_qkv=False), ``muon_split`` (muon_split_qkv=False: the same update, so the
+    same losses within bf16 rounding) and ``muon_split`` per head; records the losses, the
+    optimizer classes Megatron built and the step time."""
+    import torch
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    try:
+        import emerging_optimizers  # noqa: F401
+        from megatron.core import parallel_state, tensor_parallel
+    except ImportError as exc:
+        return {"skipped": f"{exc}; install {MEGATRON_WHEELS}"}
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.layer_wise_optimizer import (LayerWiseDistributedOptimizer,
+                                                              tag_params_for_buffer_routing)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from glm_kernels.integrations import megatron as glm_megatron
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    parallel_state.initialize_model_parallel(1)
+    glm_megatron.register()
+    vocab, seq, batch = 1024, 128, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=gen)
+    position_ids = torch.arange(seq, device="cuda")[None].expand(batch, seq)
+    runs = {}
+    try:
+        for label, name, split in (("megatron_muon", "muon", False),
+                                   ("muon_split_whole", "muon_split", False),
+                                   ("muon_split_per_head", "muon_split", True)):
+            torch.manual_seed(1234)
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+            config = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=8,
+                                       num_query_groups=2, kv_channels=32, ffn_hidden_size=512,
+                                       bf16=True, params_dtype=torch.bfloat16)
+            model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                             vocab_size=vocab, max_sequence_length=seq,
+                             position_embedding_type="rope").cuda()
+            # Megatron's layer-wise wiring (megatron/training: wrap_model_chunks_with_ddp)
+            ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                       grad_reduce_in_fp32=True)
+            tag_params_for_buffer_routing([model])
+            layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+                [p for p in model.parameters() if p.requires_grad], ddp_config.bucket_size,
+                1, ddp_config)
+            model = DistributedDataParallel(config, ddp_config, model, full_param_layout=layout)
+            optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer=name, lr=3e-3, weight_decay=0.01, bf16=True, clip_grad=1.0,
+                use_layer_wise_distributed_optimizer=True, muon_split_qkv=split,
+                muon_tp_mode="duplicated"), [model])
+            losses, times = [], []
+            for _ in range(steps):
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                loss = model(tokens[:, :-1].contiguous(), position_ids, None,
+                             labels=tokens[:, 1:].contiguous()).float()
+                loss = loss.mean()
+                loss.backward()
+                model.finish_grad_sync()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                ok, _, _ = optimizer.step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                losses.append(float(loss))
+                if not ok:
+                    raise RuntimeError(f"{label}: Megatron reported a failed step")
+            runs[label] = {"losses": losses, "optimizer": type(optimizer).__name__,
+                           "chained": [type(o).__name__ for o in
+                                       getattr(optimizer, "chained_optimizers", [])],
+                           "median_step_ms": round(1e3 * sorted(times)[len(times) // 2], 3)}
+            del model, optimizer
+    finally:
+        parallel_state.destroy_model_parallel()
+    ours, theirs = runs["muon_split_whole"]["losses"], runs["megatron_muon"]["losses"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    per_head = runs["muon_split_per_head"]["losses"]
+    runs["whole_vs_megatron_max_rel_loss_diff"] = worst
+    runs["ok"] = bool(worst < 1e-2 and all(math.isfinite(x) for x in per_head)
+                      and per_head[-1] < per_head[0])
+    return runs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -126,6 +232,15 @@ def main() -> int:
         result["sections"]["tests"] = {"returncode": proc.returncode,
                                        "tail": proc.stdout[-3000:] + proc.stderr[-1000:]}
         print(proc.stdout[-2000:])
+        save()
+    if not args.only or "megatron" in args.only.split(","):
+        t0 = time.time()
+        try:
+            result["sections"]["megatron"] = megatron_section()
+        except Exception:
+            result["sections"]["megatron"] = {"error": traceback.format_exc()[-3000:]}
+            print(result["sections"]["megatron"]["error"])
+        result["sections"]["megatron_seconds"] = round(time.time() - t0, 1)
         save()
     if args.only:
         wanted = set(args.only.split(","))

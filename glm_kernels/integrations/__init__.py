@@ -8,6 +8,9 @@
   packets in place on the engine's parameters.
 * ``glm_kernels.integrations.verl`` -- registers the ``"icepop"`` policy loss in verl's
   registry (also through the ``verl.plugins`` entry point).
+* ``glm_kernels.integrations.megatron`` -- ``register()`` adds ``"muon_split"`` (MuonSplit,
+  per head for ``linear_qkv`` and the MLA up-projections) to Megatron-core's emerging-optimizer
+  registry, built by ``get_megatron_optimizer``.
 * ``glm_kernels.integrations.trl`` -- ``IcePopGRPOTrainer`` / ``IcePopGRPOConfig``, a TRL
   ``GRPOTrainer`` whose loss is ``fused_linear_icepop_loss`` (coupled / TITO or decoupled).
 

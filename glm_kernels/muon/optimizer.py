@@ -126,6 +126,9 @@ class MuonSplit(torch.optim.Optimizer):
                         betas=betas, eps=check("adamw_eps", adamw_eps, positive=True),
                         head_split=None, ns_coefficients="jordan", ns_method="standard")
         super().__init__(params, defaults)
+        # Tuning of the Triton Newton-Schulz path (operand dtype, tiles); the default is the
+        # contract's bf16 operands with fp32 accumulation. The torch path always runs fp32.
+        self.ns_config = NSConfig()
         self.comm_stats = {"bytes_sent": 0, "bytes_received": 0, "collectives": 0}
 
     # ------------------------------------------------------------------ param groups
@@ -206,7 +209,7 @@ class MuonSplit(torch.optim.Optimizer):
         if any(is_dtensor(p) for p in params):
             sharded_muon_step(group, params, self.state, self.comm_stats)
             return
-        momentum, split = group["momentum"], group["head_split"]
+        momentum = group["momentum"]
         schedule = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         by_device: Dict[torch.device, list] = defaultdict(list)
         for p in params:
@@ -219,24 +222,37 @@ class MuonSplit(torch.optim.Optimizer):
                                      group["nesterov"])
             by_device[p.device].append((p, update.reshape(p.shape[0], -1)))
         for entries in by_device.values():
-            sources, blocks = [], []
-            for p, update in entries:
-                local = None if split is None else split.for_rows(update.shape[0])
-                for view in ([update[None]] if local is None else
-                             head_block_views(update, local.num_heads, local.block_rows)):
-                    sources.append(view)
-                    blocks.append((p, local, len(sources) - 1))
-            backend = _dispatch.select_backend("muon_split", sources[0])
-            results = orthogonalize(sources, schedule, method=group["ns_method"], eps=1e-7,
-                                    config=NSConfig(), backend=backend)
-            self._apply(entries, results, group, split)
+            results = self._orthogonalize(entries, group, schedule)
+            self._apply(entries, results, group)
 
-    @staticmethod
-    def _apply(entries, results, group, split) -> None:
-        """p <- p (1 - lr wd) - lr * rms_scale * sqrt(max(r, c)) * O, block by block."""
+    def _orthogonalize(self, entries, group: dict, schedule) -> List[torch.Tensor]:
+        """NS of every block of every (param, update) entry, in ONE batched call; one result
+        per block, in order. Subclasses that gather tensor-parallel shards first override it
+        (integrations/megatron.py)."""
+        sources = []
+        for p, update in entries:
+            split = self._head_split(group, p)
+            local = None if split is None else split.for_rows(update.shape[0])
+            sources += ([update[None]] if local is None else
+                        head_block_views(update, local.num_heads, local.block_rows))
+        backend = _dispatch.select_backend("muon_split", sources[0])
+        return orthogonalize(sources, schedule, method=group["ns_method"], eps=1e-7,
+                             config=self.ns_config, backend=backend)
+
+    def _head_split(self, group: dict, p: torch.Tensor) -> Optional[HeadSplit]:
+        """The HeadSplit of ``p``: its group's (a subclass may give one per parameter)."""
+        return group["head_split"]
+
+    def _update_scale(self, group: dict, p: torch.Tensor, block_shape) -> float:
+        """The factor of O for one block: rms_scale * sqrt(max(rows, cols)) (overridable)."""
+        return group["rms_scale"] * math.sqrt(max(block_shape))
+
+    def _apply(self, entries, results, group) -> None:
+        """p <- p (1 - lr wd) - lr * scale * O, block by block (scale: ``_update_scale``)."""
         lr, decay = group["lr"], 1.0 - group["lr"] * group["weight_decay"]
         position = 0
         for p, update in entries:
+            split = self._head_split(group, p)
             local = None if split is None else split.for_rows(update.shape[0])
             matrix = p.view(p.shape[0], -1) if p.is_contiguous() else None
             work = matrix if matrix is not None else p.reshape(p.shape[0], -1).clone()
@@ -244,7 +260,7 @@ class MuonSplit(torch.optim.Optimizer):
             targets = ([work[None]] if local is None else
                        head_block_views(work, local.num_heads, local.block_rows))
             for target in targets:
-                scale = group["rms_scale"] * math.sqrt(max(target.shape[-2:]))
+                scale = self._update_scale(group, p, tuple(target.shape[-2:]))
                 target.add_(results[position], alpha=-lr * scale)
                 position += 1
             if matrix is None:
