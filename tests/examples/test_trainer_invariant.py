@@ -3,6 +3,8 @@ decode bitwise equal to the full forward (any batch, order, thread count), the r
 recorded log-probs bitwise equal to the trainer's, and short runs (process and Ray rollout
 backends) whose every step logs logprob_max_abs_diff == 0.0 and pop_frac == 0."""
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ from examples.async_trainer.behaviour import BehaviourPolicy
 from examples.async_trainer.config import TrainerConfig
 from examples.async_trainer.model import TinyLM, routing_tap
 from examples.async_trainer.rollout import generate
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model(cfg, seed=0):
@@ -219,3 +223,14 @@ def test_short_run_is_bitwise_on_policy_ray_backend(tmp_path):
     steps = _train_steps(tmp_path, batch_invariant=True, rollout_backend="ray", engines=2)
     assert all(r["logprob_max_abs_diff"] == 0.0 for r in steps)
     assert all(r["pop_frac"] == 0.0 for r in steps)
+
+
+def test_docs_example_prints_what_the_page_says(capsys):
+    with open(ROOT / "docs" / "trainer.md") as f:
+        page = f.read()
+    section = page[page.index("## Batch-invariant mode"):]
+    section = section[:section.index("\n## ", 1)]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    expected = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/trainer.md", "exec"), {})
+    assert capsys.readouterr().out == expected
