@@ -12,7 +12,7 @@ disturbed run):
 ``--root DIR`` imports ``examples.async_trainer`` from another checkout (default mode only
 when it has no ``batch_invariant``): how "default mode as fast as before" was checked.
 
-    python benchmarks/trainer_invariant.py [--repeats 5] [--root DIR]
+    python benchmarks/trainer_invariant.py [--repeats 5] [--root DIR] [--default-only]
 """
 import argparse
 import copy
@@ -92,10 +92,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--root", default=ROOT, help="checkout to import examples.async_trainer from")
+    ap.add_argument("--default-only", action="store_true", help="time the default mode only")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.root))
     from examples.async_trainer.config import TrainerConfig
-    has_mode = hasattr(TrainerConfig(), "batch_invariant")
+    has_mode = hasattr(TrainerConfig(), "batch_invariant") and not args.default_only
     rows = {"default": measure(False, args.repeats)}
     if has_mode:
         rows["batch-invariant"] = measure(True, args.repeats)
