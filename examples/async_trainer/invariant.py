@@ -16,7 +16,8 @@ may be split across threads depending on the row count, and some vectorized elem
   padding to any power of two gives the same bits, so a decode step's keys 0..t and the
   full forward's masked row t agree;
 * max is exact; ``exp``, ``rsqrt``, ``relu``, products and quotients are elementwise and
-  IEEE (or position-independent in ATen: checked by tests/test_trainer_invariant.py);
+  IEEE (or position-independent in ATen: checked by
+  tests/examples/test_trainer_invariant.py);
 * the whole forward runs on one intra-op thread (``one_thread``): BLAS blocking can depend
   on the thread count, and the trainer and the rollout engines run with different counts.
 

@@ -234,3 +234,15 @@ def test_docs_example_prints_what_the_page_says(capsys):
     expected = re.search(r"```text\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "docs/trainer.md", "exec"), {})
     assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize("op", [torch.exp, torch.rsqrt, torch.relu])
+def test_elementwise_ops_of_the_forward_do_not_depend_on_position(op):
+    """The invariant forward applies these to tensors of any size: an element's bits must not
+    depend on whether it falls in a vectorized chunk or the scalar tail (sigmoid's do:
+    invariant.moe_route tiles it)."""
+    torch.manual_seed(0)
+    x = torch.randn(1001).abs() + 0.01 if op is torch.rsqrt else torch.randn(1001) * 5
+    whole = op(x)
+    assert all(torch.equal(op(x[i:i + 1]), whole[i:i + 1]) for i in range(x.numel()))
+    assert torch.equal(op(x[3:40]), whole[3:40])
