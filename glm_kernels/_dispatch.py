@@ -148,20 +148,24 @@ def _forced() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def force_backend(name: str) -> Iterator[None]:
-    """Force ``name`` for every op called in this thread inside the block."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")
-    previous = getattr(_local, "backend", None)
-    _local.backend = name
+def _thread_setting(attr: str, value) -> Iterator[None]:
+    """This thread's ``attr`` is ``value`` inside the block, its previous value after."""
+    previous = getattr(_local, attr, None)
+    setattr(_local, attr, value)
     try:
         yield
     finally:
-        _local.backend = previous
+        setattr(_local, attr, previous)
 
 
-@contextlib.contextmanager
-def batch_invariant(enabled: bool = True) -> Iterator[None]:
+def force_backend(name: str):
+    """Force ``name`` for every op called in this thread inside the block."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")
+    return _thread_setting("backend", name)
+
+
+def batch_invariant(enabled: bool = True):
     """Inside the block (this thread), the log-prob, loss and metric ops give every row of a
     batch a result bitwise independent of the other rows, their order and the chunking.
 
@@ -170,12 +174,7 @@ def batch_invariant(enabled: bool = True) -> Iterator[None]:
     docs/batch_invariance.md lists the ops it covers and what it costs.
     """
     check_bool("enabled", enabled)
-    previous = getattr(_local, "batch_invariant", None)
-    _local.batch_invariant = enabled
-    try:
-        yield
-    finally:
-        _local.batch_invariant = previous
+    return _thread_setting("batch_invariant", enabled)
 
 
 def batch_invariant_enabled() -> bool:
