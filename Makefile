@@ -42,9 +42,10 @@ COMPAT_PATH   := $(CURDIR)/.venv-compat/gpu-site:$(CURDIR)
 # The newest torch on the registry, with the Triton it pins (a multi-GB CUDA build).
 NEWEST_PYTHON ?= $(call find_python,3.11)
 NEWEST_SPEC   ?= torch==2.15.0
-# This project's machines cap torch at 2.14.1 with a pip constraint in /etc/xdg/pip; that
-# stage's install reads no pip configuration file there (elsewhere the user's config stands).
-NEWEST_PIP_ENV := $(if $(wildcard /etc/xdg/pip/constraints.txt),PIP_CONFIG_FILE=/dev/null)
+# This project's machines cap torch at 2.14.1 with a constraint file named in /etc/xdg/pip's
+# config; that stage's torch install replaces it with an empty one (the rest of the config
+# stands; elsewhere nothing changes).
+NEWEST_PIP_ENV := $(if $(wildcard /etc/xdg/pip/constraints.txt),PIP_CONSTRAINT=/dev/null)
 # The kernel tests each Triton stage runs in the interpreter.
 KERNEL_TESTS := tests/loss tests/muon tests/topk tests/delta tests/test_dispatch.py
 
