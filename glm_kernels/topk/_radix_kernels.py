@@ -32,6 +32,7 @@ from .._aot import AotSpec
 from .._triton_compat import constexpr_function
 from .._dispatch import triton_version
 from ._kernels import PAD, _fill_like, _order_key, _pack, _topk_desc, _unpack_index
+from .topk import RADIX_TRITON_MIN
 
 
 @triton.jit
@@ -335,7 +336,7 @@ def _radix_aot_specs():
         warps, maxnreg = radix_launch(warps, direct)
         specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},{mode}]",
                              _topk_radix_kernel, signature, constexprs, num_warps=warps,
-                             maxnreg=maxnreg))
+                             maxnreg=maxnreg, min_triton=RADIX_TRITON_MIN))
     return specs
 
 
