@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels import HeadSplit, optim  # noqa: F401  (optim: the public namespace is whole)
+from glm_kernels import HeadSplit, _dispatch
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import KERNEL_BACKEND, skip_without_kernels
 
@@ -22,6 +22,9 @@ HAS_CXX = any(shutil.which(name) for name in ("g++", "c++", "clang++"))
 COMPILER = "inductor" if (HAS_CXX or torch.cuda.is_available()) else "aot_eager"
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# torch 2.4: reverse_kl_from_logits refuses to enter a graph (its dynamo gets the gradient
+# wrong; tests/loss/test_logits_reverse_kl.py checks the refusal and the graph break).
+REVERSE_KL_IN_GRAPH = _dispatch.torch_version() >= (2, 5)
 
 
 @pytest.fixture(params=["torch", KERNEL_BACKEND], ids=lambda b: f"{b}-{COMPILER}")
@@ -137,8 +140,10 @@ def test_selective_logprobs_and_reverse_kl(backend):
         for x in xs:
             lp, ent = glm_kernels.selective_logprobs(x, ids, temperature=0.9,
                                                      return_entropy=True)
-            kl = glm_kernels.reverse_kl_from_logits(x, teacher.to(x.dtype), temperature=1.5)
-            outs += [lp, ent, kl]
+            outs += [lp, ent]
+            if REVERSE_KL_IN_GRAPH:
+                outs.append(glm_kernels.reverse_kl_from_logits(x, teacher.to(x.dtype),
+                                                               temperature=1.5))
         return (sum(o.sum() for o in outs),) + tuple(outs)
     check_compiled_matches_eager(step, leaves)
 
