@@ -2,22 +2,35 @@
 
 The extension (``glm_kernels._host``) is optional: the delta codec's CPU paths fall back to
 numpy without it (logged once at run time). A build without a C++17 compiler or without
-pybind11 prints one line saying what is lost and installs the pure-Python package.
+pybind11 prints one line saying what is lost and installs the pure-Python package, in a
+``py3-none-any`` wheel (nothing in it is tied to one CPython or platform).
 CUDA sources (csrc/*.cu) are not compiled by this build.
 """
 import glob
 import sys
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel as _setuptools_bdist_wheel
 from setuptools.command.build_ext import build_ext as _setuptools_build_ext
 
+# Measured by benchmarks/bench_delta.py's cpu_goal (bf16, 1 % one-ulp steps, 2 threads).
 _LOST = ("the C++ host codec (glm_kernels._host) was not built{why}; the delta codec's CPU "
-         "paths use numpy instead (several times slower). Install a C++17 compiler and "
+         "paths use numpy instead (20-60x slower). Install a C++17 compiler and "
          "pybind11, then reinstall: pip install --no-build-isolation .")
+_skipped = []     # why the extension was not built, if it was not
 
 
 def _skip(why: str) -> None:
-    print("glm_kernels: " + _LOST.format(why=f" ({why})"), file=sys.stderr)
+    _skipped.append(why)
+    notice = "glm_kernels: " + _LOST.format(why=f" ({why})")
+    print(notice, file=sys.stderr)
+    # pip shows a successful build's output only with -v; the terminal it runs in is the one
+    # place a plain `pip install` user still sees the notice (no terminal, e.g. CI: stderr only).
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(notice + "\n")
+    except OSError:
+        pass
 
 
 class OptionalBuildExt(_setuptools_build_ext):
@@ -58,4 +71,19 @@ def _extensions():
                               extra_compile_args=extra, libraries=libraries)]
 
 
-setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})
+class WheelTaggedByContent(_setuptools_bdist_wheel):
+    """A wheel whose extension was not built is pure Python: tag it py3-none-any, not with
+    the building CPython's ABI and platform (setuptools decides that before building)."""
+
+    def run(self):
+        if not self.skip_build:
+            self.run_command("build")    # runs once; the base class's run does not repeat it
+        if _skipped:
+            self.root_is_pure = True
+            # else install_lib still targets platlib (the wheel's .data/platlib/)
+            self.distribution.ext_modules = []
+        super().run()
+
+
+setup(ext_modules=_extensions(),
+      cmdclass={"build_ext": OptionalBuildExt, "bdist_wheel": WheelTaggedByContent})

@@ -40,6 +40,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import glm_kernels  # noqa: E402
+from glm_kernels._dispatch import triton_version  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", help="compile only specs whose name contains this")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
                         help="compile in this many processes (default: CPUs, at most 4)")
+    parser.add_argument("--known-spill", action="append", default=[], metavar="NAME",
+                        help="a configuration (exact name) known to spill on this Triton: "
+                             "reported, not failed; any other problem still fails")
     args = parser.parse_args(argv)
 
     specs = _load_specs(args.only)
@@ -183,9 +187,15 @@ def main(argv=None) -> int:
           f"(+ the ints%16 variant of those with integer arguments)")
     print(header)
     print("-" * len(header))
-    variants = [(i, False) for i in range(len(specs))] + [
-        (i, True) for i, spec in enumerate(specs)
-        if any(t in _INT_TYPES for t in spec.signature.values())]
+    installed = triton_version()
+    too_new = [s for s in specs if s.min_triton > installed]
+    buildable = [i for i, s in enumerate(specs) if s.min_triton <= installed]
+    variants = [(i, False) for i in buildable] + [
+        (i, True) for i in buildable
+        if any(t in _INT_TYPES for t in specs[i].signature.values())]
+    for spec in too_new:     # the launcher runs the torch reference on this Triton (logged)
+        print(f"{spec.name:72s} not built: needs triton >= "
+              f"{'.'.join(map(str, spec.min_triton))}")
     for row in _compile_all(variants, args.jobs, args.only):
         if row.get("compile_failed"):
             print(f"{row['name']:72s} COMPILE FAILED: {row['problems'][0]}")
@@ -198,8 +208,14 @@ def main(argv=None) -> int:
                   f"{ldg:>8s} {stg:>8s}"
                   + (f"   <- {'; '.join(row['problems'])}" if row["problems"] else ""))
         rows.append(row)
-        if row["problems"]:
+        known = row["name"] in args.known_spill and all(
+            p.startswith("spills") for p in row["problems"])
+        if row["problems"] and not known:
             failures.append(row)
+    unseen = set(args.known_spill) - {row["name"] for row in rows if row["problems"]}
+    if unseen:     # a listed spill that went away (or a misspelt name) must be unlisted
+        print(f"--known-spill names no spilling configuration: {sorted(unseen)}")
+        failures.extend({"name": n} for n in unseen)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target": "sm_90", "triton": triton.__version__, "rows": rows}, f, indent=1)

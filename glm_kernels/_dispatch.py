@@ -51,9 +51,12 @@ _local = threading.local()
 _warned: set = set()
 
 
-# The oldest Triton whose compiler and interpreter run every kernel here (torch 2.10/2.11 pin
-# 3.6). Older ones lack `triton.constexpr_function` (3.3, 3.4) or interpreter builder ops (3.3).
-TRITON_MIN = (3, 6)
+# The oldest Triton whose compiler and interpreter run every kernel here: 3.4, what torch 2.8
+# pins (what 3.4 lacks, `triton.constexpr_function`, comes from _triton_compat). 3.3 (torch
+# 2.7) lacks interpreter builder ops the kernels use.
+TRITON_MIN = (3, 4)
+# The oldest torch whose pinned Triton (CUDA builds on Linux) is at least TRITON_MIN.
+TORCH_WITH_TRITON_MIN = (2, 8)
 # Triton < 3.7's interpreter turns a loaded scalar (a 1-element array) into a Python int with
 # int(array), which numpy >= 2.3 refuses: every kernel that loops to a loaded bound fails.
 _INTERPRETER_NUMPY_FIXED = (3, 7)
@@ -74,12 +77,33 @@ def triton_unavailable_reason() -> Optional[str]:
         import triton
         import triton.language  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install raising at import
-        return f"Triton is not importable ({type(exc).__name__}: {exc})"
+        return (f"Triton is not importable ({type(exc).__name__}: {exc}; "
+                f"{_triton_install_advice()})")
     if _version(triton.__version__) < TRITON_MIN:
         floor = ".".join(map(str, TRITON_MIN))
         return (f"Triton {triton.__version__} is older than {floor}, the oldest the kernels "
-                f"support (pip install 'triton>={floor}')")
+                f"support ({_triton_install_advice()})")
     return None
+
+
+def _triton_install_advice() -> str:
+    """What installs beside the user's torch: a torch that pins Triton (CUDA builds on Linux)
+    refuses any other Triton, so the advice is then a newer torch, never a bare triton."""
+    import importlib.metadata
+    floor, torch_floor = (".".join(map(str, v)) for v in (TRITON_MIN, TORCH_WITH_TRITON_MIN))
+    try:
+        requires = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    pins = [r.split(";")[0].replace(" ", "") for r in requires
+            if r.replace(" ", "").startswith("triton==")]
+    if not pins:
+        return f"pip install 'triton>={floor}'"
+    pinned = pins[0][len("triton=="):]
+    if _version(pinned) >= TRITON_MIN:
+        return f"pip install 'triton=={pinned}', the Triton torch {torch.__version__} pins"
+    return (f"torch {torch.__version__} pins triton {pinned}: pip install 'torch>={torch_floor}', "
+            f"which brings a Triton >= {floor}")
 
 
 def triton_available() -> bool:

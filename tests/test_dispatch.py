@@ -68,12 +68,27 @@ def fake_versions(monkeypatch):
 
 
 def test_triton_older_than_floor_is_unavailable_with_reason(fake_versions):
-    fake_versions("3.4.0", "2.2.6")
+    fake_versions("3.3.1", "2.2.6")
     assert not _dispatch.triton_available()
-    assert "3.4.0 is older than 3.6" in _dispatch.triton_unavailable_reason()
-    fake_versions("3.6.0+git1234", "2.2.6")
+    assert "3.3.1 is older than 3.4" in _dispatch.triton_unavailable_reason()
+    fake_versions("3.4.0+git1234", "2.2.6")
     assert _dispatch.triton_available()
     assert _dispatch.interpreter_unavailable_reason() is None
+
+
+@pytest.mark.parametrize("requires, advice", [
+    # a CUDA torch on Linux pins its Triton: only a newer torch brings a newer one
+    (["filelock", "triton==3.3.1; platform_system == 'Linux'"],
+     "pins triton 3.3.1: pip install 'torch>=2.8', which brings a Triton >= 3.4"),
+    (["triton==3.4.0 ; platform_system == 'Linux'"], "pip install 'triton==3.4.0', the Triton"),
+    (["filelock", "sympy"], "pip install 'triton>=3.4'"),     # a CPU torch pins none
+])
+def test_install_advice_fits_the_installed_torch(monkeypatch, requires, advice):
+    import importlib.metadata
+    real = importlib.metadata.requires
+    monkeypatch.setattr(importlib.metadata, "requires",
+                        lambda name: requires if name == "torch" else real(name))
+    assert advice in _dispatch._triton_install_advice()
 
 
 def test_interpreter_numpy_clash_is_named(fake_versions, monkeypatch):

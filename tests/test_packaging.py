@@ -1,11 +1,15 @@
-"""What a newcomer's install meets: the sdist builds and installs (headers included), a machine
-without a C++ compiler still installs (numpy host codec, one clear line), and glm_kernels
-imports and runs every public op where Triton is missing."""
+"""What a newcomer's install meets: the sdist carries the license, docs and C++ sources; pip
+builds a platform wheel with the host extension, or without a C++ compiler a pure-Python
+py3-none-any wheel and a notice that a plain (not -v) pip install shows; both carry the
+license; and glm_kernels imports and runs every public op where Triton is missing."""
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
+import zipfile
 
 import pytest
 
@@ -22,7 +26,7 @@ def _run(args, **kwargs):
 def sdist(tmp_path_factory):
     """An sdist built from the files git would ship (tracked or not ignored), not from build
     outputs lying in the checkout."""
-    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+    if shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")):
         pytest.skip("needs a git checkout to list the tracked files")
     pytest.importorskip("pybind11")
     tree = tmp_path_factory.mktemp("tree")
@@ -39,10 +43,9 @@ def sdist(tmp_path_factory):
     return os.path.join(out, name)
 
 
-def _install(sdist_path, target, env=None):
-    return _run([sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation",
-                 "--no-deps", "--no-index", "--no-cache-dir", "--target", str(target), sdist_path],
-                env=env, cwd=str(target.parent))
+def _pip(*args, env=None, cwd=None):
+    return _run([sys.executable, "-m", "pip", *args, "--no-build-isolation", "--no-deps",
+                 "--no-index", "--no-cache-dir"], env=env, cwd=cwd)
 
 
 _PROBE = textwrap.dedent("""
@@ -59,22 +62,93 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def test_sdist_installs_with_the_host_extension(sdist, tmp_path):
-    target = tmp_path / "site"
-    _install(sdist, target)
-    out = _run([sys.executable, "-c", _PROBE, str(target)], cwd=str(tmp_path),
-               env={**os.environ, "PYTHONPATH": str(target)}).stdout
-    assert out.strip() == "ext"
+NO_COMPILER = {**os.environ, "CC": "/bin/false", "CXX": "/bin/false"}
+NOTICE = "the C++ host codec (glm_kernels._host) was not built"
 
 
-def test_install_without_a_compiler_keeps_the_package(sdist, tmp_path):
+@pytest.fixture(scope="module")
+def wheels(sdist, tmp_path_factory):
+    """The wheels pip builds from the sdist with a compiler ("ext") and without one ("pure"),
+    with pip's verbose build log of the second."""
+    built = {}
+    for kind, env in (("ext", None), ("pure", NO_COMPILER)):
+        out = tmp_path_factory.mktemp(f"wheel-{kind}")
+        log = _pip("wheel", "-v", "-w", str(out), sdist, env=env, cwd=str(out))
+        (name,) = [n for n in os.listdir(out) if n.endswith(".whl")]
+        built[kind] = os.path.join(out, name)
+        built[kind + "_log"] = log.stdout + log.stderr
+    return built
+
+
+def _wheel_files(path):
+    with zipfile.ZipFile(path) as zf:
+        return {name: zf.read(name) for name in zf.namelist()}
+
+
+def _tracked(prefix):
+    out = _run(["git", "-C", ROOT, "ls-files", prefix]).stdout.split()
+    assert out, f"git lists no files under {prefix}"
+    return out
+
+
+def test_sdist_ships_license_docs_and_sources(sdist):
+    with tarfile.open(sdist) as tf:
+        root = tf.getnames()[0].split("/")[0]
+        names = {n[len(root) + 1:] for n in tf.getnames()}
+        license_text = tf.extractfile(f"{root}/LICENSE").read()
+    expected = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in"}
+    expected |= set(_tracked("docs/")) | set(_tracked("csrc/"))
+    assert expected <= names, sorted(expected - names)
+    with open(os.path.join(ROOT, "LICENSE"), "rb") as f:
+        assert license_text == f.read()
+    assert b"Apache License" in license_text and b"Version 2.0, January 2004" in license_text
+
+
+def _probe_installed(wheel, tmp_path):
     target = tmp_path / "site"
-    env = {**os.environ, "CC": "/bin/false", "CXX": "/bin/false"}
-    log = _install(sdist, target, env=env)
-    assert "the C++ host codec (glm_kernels._host) was not built" in log.stdout + log.stderr
-    out = _run([sys.executable, "-c", _PROBE, str(target)], cwd=str(tmp_path),
-               env={**os.environ, "PYTHONPATH": str(target)}).stdout
-    assert out.strip() == "no-ext:the C++ host codec was not built"
+    _pip("install", "--target", str(target), wheel, cwd=str(tmp_path))
+    return _run([sys.executable, "-c", _PROBE, str(target)], cwd=str(tmp_path),
+                env={**os.environ, "PYTHONPATH": str(target)}).stdout.strip()
+
+
+def test_wheel_with_the_extension(wheels, tmp_path):
+    name = os.path.basename(wheels["ext"])
+    py = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert f"-{py}-{py}-" in name and not name.endswith("-any.whl"), name
+    files = _wheel_files(wheels["ext"])
+    assert any(n.startswith("glm_kernels/_host") and n.endswith(".so") for n in files), \
+        sorted(files)
+    assert "Root-Is-Purelib: false" in files["glm_kernels-0.1.0.dist-info/WHEEL"].decode()
+    assert b"Apache License" in files["glm_kernels-0.1.0.dist-info/licenses/LICENSE"]
+    assert _probe_installed(wheels["ext"], tmp_path) == "ext"
+
+
+def test_wheel_without_a_compiler_is_pure_python(wheels, tmp_path):
+    assert os.path.basename(wheels["pure"]) == "glm_kernels-0.1.0-py3-none-any.whl"
+    assert NOTICE in wheels["pure_log"]
+    files = _wheel_files(wheels["pure"])
+    assert not [n for n in files if n.endswith((".so", ".pyd"))]
+    assert "Root-Is-Purelib: true" in files["glm_kernels-0.1.0.dist-info/WHEEL"].decode()
+    assert b"Apache License" in files["glm_kernels-0.1.0.dist-info/licenses/LICENSE"]
+    # the package is whole: every module the extension build would ship beside _host
+    ext_modules = {n for n in _wheel_files(wheels["ext"]) if n.endswith(".py")}
+    assert ext_modules == {n for n in files if n.endswith(".py")}
+    assert _probe_installed(wheels["pure"], tmp_path) == "no-ext:the C++ host codec was not built"
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux script (a pty)")
+def test_plain_pip_install_shows_the_no_compiler_notice(sdist, tmp_path):
+    """No -v: pip hides a successful build's output, the notice reaches the user's terminal."""
+    target = tmp_path / "site"
+    command = " ".join(shlex.quote(a) for a in [
+        sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+        "--no-index", "--no-cache-dir", "--target", str(target), sdist])
+    proc = subprocess.run(["script", "-qec", command, "/dev/null"], capture_output=True,
+                          text=True, timeout=300, env=NO_COMPILER, cwd=str(tmp_path),
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert NOTICE in proc.stdout, proc.stdout[-3000:]
+    assert "Successfully installed glm_kernels" in proc.stdout
 
 
 _NO_TRITON = textwrap.dedent("""

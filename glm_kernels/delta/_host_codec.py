@@ -37,7 +37,7 @@ def extension():
         _dispatch.warn_once(
             "delta:host_extension",
             f"glm_kernels._host: {_EXT_ERROR}; the delta codec's CPU path uses numpy "
-            "instead (several times slower). Build it with a C++17 compiler and pybind11: "
+            "instead (20-60x slower). Build it with a C++17 compiler and pybind11: "
             "pip install --no-build-isolation . (or -e . in a checkout)")
     return _ext
 

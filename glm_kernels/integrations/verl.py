@@ -56,8 +56,11 @@ from ..loss.icepop import MISMATCH_KEYS
 __all__ = ["icepop_policy_loss", "register", "gate_bounds", "LOSS_NAME", "INSTALL_HINT"]
 
 LOSS_NAME = "icepop"
+# What a clean venv with torch needs for the loss path and verl's actor-side loss module
+# (docs/verl.md; checked in one by .ci/check_verl_install.py).
 INSTALL_HINT = ("pip install --no-deps 'verl==0.9.1' && pip install 'ray==2.60.0' "
-                "'tensordict==0.10.0' omegaconf codetiming")
+                "'tensordict==0.10.0' 'transformers==5.10.4' datasets pillow omegaconf "
+                "codetiming")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
              "seq-mean-token-sum-norm")
 DEFAULT_GATE = (0.5, 2.0)          # IcePop beta = 2

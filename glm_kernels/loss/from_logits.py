@@ -248,7 +248,9 @@ def flat_token_inputs(shape, rollout, advantages, loss_mask, old_logprobs):
         advantages = advantages.unsqueeze(-1).expand(shape)
     mask = flat(loss_mask)
     if mask is not None and mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
+        # torch 2.8's Inductor cannot lower a bool -> uint8 view (torch.iinfo(bool)); in a
+        # graph the conversion is fused anyway, eagerly the view saves a copy.
+        mask = mask.to(torch.uint8) if torch.compiler.is_compiling() else mask.view(torch.uint8)
     return flat(rollout), flat(advantages), mask, flat(old_logprobs)
 
 

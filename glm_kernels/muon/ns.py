@@ -402,7 +402,8 @@ def _orthogonalize_op(G: torch.Tensor, num_heads: int, block_rows: List[int],
 @_orthogonalize_op.register_fake
 def _orthogonalize_fake(G, num_heads, block_rows, coefficients, method, eps, restart_every,
                         operand_dtype, tiles):
-    return torch.empty_like(G)
+    # contiguous like the real op's output (empty_like would keep a transposed G's strides)
+    return G.new_empty(G.shape)
 
 
 def run_orthogonalize(G: torch.Tensor, num_heads: int, block_rows: Sequence[int], steps: int,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._aot import AotSpec
+from .._triton_compat import constexpr_function
 
 PAD = tl.constexpr(-(2 ** 63))     # packed key of an empty slot
 
@@ -75,7 +76,7 @@ def _unpack_index(packed):
 # shuffle each on the GPU, vectorised numpy in the interpreter) and is otherwise the same
 # algorithm (Shanbhag et al., "Efficient Top-K Query Processing on Massively Parallel
 # Hardware"): sort blocks of K, then repeatedly keep the larger half of each pair of blocks.
-@triton.constexpr_function
+@constexpr_function
 def _log2(n):
     return n.bit_length() - 1
 

@@ -29,8 +29,10 @@ import triton
 import triton.language as tl
 
 from .._aot import AotSpec
+from .._triton_compat import constexpr_function
 from .._dispatch import triton_version
 from ._kernels import PAD, _fill_like, _order_key, _pack, _topk_desc, _unpack_index
+from .topk import RADIX_TRITON_MIN
 
 
 @triton.jit
@@ -54,19 +56,19 @@ def _radix_key_of_ukey(ukey, KEY_BITS: tl.constexpr):
         return ukey ^ -9223372036854775808
 
 
-@triton.constexpr_function
+@constexpr_function
 def _digit_shift(key_bits, radix_bits, pass_id):
     """Lowest bit of the digit examined by pass ``pass_id`` (digits go from the top)."""
     return max(key_bits - (pass_id + 1) * radix_bits, 0)
 
 
-@triton.constexpr_function
+@constexpr_function
 def _digit_mask(key_bits, radix_bits, pass_id):
     top = key_bits - pass_id * radix_bits
     return (1 << (top - max(top - radix_bits, 0))) - 1
 
 
-@triton.constexpr_function
+@constexpr_function
 def _num_passes(key_bits, radix_bits):
     return -(-key_bits // radix_bits)
 
@@ -334,7 +336,7 @@ def _radix_aot_specs():
         warps, maxnreg = radix_launch(warps, direct)
         specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},{mode}]",
                              _topk_radix_kernel, signature, constexprs, num_warps=warps,
-                             maxnreg=maxnreg))
+                             maxnreg=maxnreg, min_triton=RADIX_TRITON_MIN))
     return specs
 
 

@@ -114,10 +114,12 @@ def _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize, sc
             if return_mismatch:
                 own = _reference.moe_route_reference(logits2d, k, **kwargs)[1]
                 mismatch = _reference.routing_mismatch_reference(own, ids)
-        # A custom op's outputs may not alias its inputs (int64 replay ids come back as is).
+        # A custom op's outputs may not alias its inputs (int64 replay ids come back as is),
+        # and must have the fake's contiguous [T, k] strides: the reference's are views of
+        # [T, n_experts] buffers, which Inductor's stride asserts reject.
         ids = ids.clone() if replay2d is not None and ids.data_ptr() == replay2d.data_ptr() \
-            else ids
-        return weights, ids, mismatch
+            else ids.contiguous()
+        return weights.contiguous(), ids, mismatch
     from . import _kernels
     weights = torch.empty((n_tokens, k), dtype=torch.float32, device=logits2d.device)
     ids = torch.empty((n_tokens, k), dtype=torch.int64, device=logits2d.device)

@@ -317,3 +317,21 @@ def test_docstring_and_doc_examples():
     doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "topk.md")
     failed, attempted = doctest.testfile(doc, module_relative=False, verbose=False)
     assert attempted > 0 and failed == 0, f"docs/topk.md: {failed} of {attempted}"
+
+
+def test_radix_path_on_a_triton_that_cannot_compile_it_runs_the_reference(monkeypatch, caplog):
+    """Triton < RADIX_TRITON_MIN (3.4's compiler aborts on the radix kernel): a compiled
+    launch is never attempted; the reference answers and the fallback is logged once."""
+    import importlib
+    from glm_kernels import _dispatch
+    topk_module = importlib.import_module("glm_kernels.topk.topk")   # the module, not the op
+    monkeypatch.setattr(_dispatch, "triton_version", lambda: (3, 4, 0))
+    monkeypatch.setattr(_dispatch, "select_backend", lambda op, *tensors: "triton")
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    x = torch.randn(3, 300)
+    with caplog.at_level("WARNING", logger="glm_kernels"):
+        values, indices = topk_module._topk_rows(x, 5, True, True, None, "radix", 1, 256, 8,
+                                                 256, 0, 8)
+    ref_values, ref_indices = _reference.topk_reference(x, 5)
+    assert torch.equal(values, ref_values) and torch.equal(indices, ref_indices)
+    assert "needs triton >= 3.6 to compile (installed: 3.4.0)" in caplog.text

@@ -1,0 +1,69 @@
+"""docs/verl.md's install lines are what a clean venv needs: a new venv gets torch (TORCH_SPEC,
+the first argument), numpy and pytest, then exactly the docs' pip commands, then runs
+tests/integrations/test_verl.py (torch backend) against this checkout with nothing skipped. The docs'
+commands must equal glm_kernels.integrations.verl.INSTALL_HINT (the ImportError's advice).
+Usage: python .ci/check_verl_install.py TORCH_SPEC [VENV_DIR]
+"""
+import ast
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def docs_commands():
+    with open(os.path.join(ROOT, "docs", "verl.md")) as f:
+        text = f.read()
+    block = re.search(r"^Install\b.*?```\n(.*?)```", text, re.S | re.M)
+    if block is None:
+        sys.exit("check_verl_install: docs/verl.md has no Install code block")
+    return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
+
+
+def install_hint():
+    """INSTALL_HINT read from the source (importing the module needs verl)."""
+    with open(os.path.join(ROOT, "glm_kernels", "integrations", "verl.py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALL_HINT":
+            return [shlex.split(part) for part in ast.literal_eval(node.value).split(" && ")]
+    sys.exit("check_verl_install: INSTALL_HINT not found")
+
+
+def run(args, **kwargs):
+    print("+", " ".join(args), flush=True)
+    subprocess.run(args, check=True, **kwargs)
+
+
+def main(torch_spec, venv):
+    commands = docs_commands()
+    if commands != install_hint():
+        sys.exit(f"check_verl_install: docs/verl.md {commands} != INSTALL_HINT {install_hint()}")
+    if not all(c[:2] == ["pip", "install"] for c in commands):
+        sys.exit(f"check_verl_install: only pip install lines expected, got {commands}")
+    run([sys.executable, "-m", "venv", "--clear", venv])
+    pip = [os.path.join(venv, "bin", "python"), "-m", "pip"]
+    run(pip + ["install", "-q", torch_spec, "numpy", "pytest"])
+    for command in commands:
+        run(pip + command[1:] + ["-q"])
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("GLM_KERNELS_BACKEND", None)
+    # the torch backend: a CPU torch brings no triton, and the docs' lines add none
+    proc = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pytest", "-q", "-rs",
+                           "-k", "not interpret", "tests/integrations/test_verl.py"],
+                          cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    if proc.returncode != 0 or "skipped" in proc.stdout:
+        sys.exit("check_verl_install: tests/integrations/test_verl.py failed or skipped in a "
+                 "venv set up with docs/verl.md's install lines")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3):
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else os.path.join(ROOT, "build",
+                                                                          "verl-venv"))
