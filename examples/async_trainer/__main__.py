@@ -31,11 +31,10 @@ def parse(argv=None) -> TrainerConfig:
                                  description="SFT -> async GRPO + IcePop per task -> OPD, on CPU "
                                              "by default (see docs/trainer.md)")
     for f in fields(TrainerConfig):
-        flag = isinstance(f.default, bool)       # ``--batch-invariant`` alone means true
-        ap.add_argument("--" + f.name.replace("_", "-"), type=_bool if flag else type(f.default),
+        kind = _bool if isinstance(f.default, bool) else type(f.default)
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind,
                         default=CLI_DEFAULTS.get(f.name, f.default),
-                        metavar=type(f.default).__name__.upper(),
-                        **({"nargs": "?", "const": True} if flag else {}))
+                        metavar=type(f.default).__name__.upper())
     return TrainerConfig(**vars(ap.parse_args(argv)))
 
 

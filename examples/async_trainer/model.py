@@ -5,11 +5,6 @@ Rollout routing replay (R3): ``RoutingRecorder`` records which experts every MoE
 each position to during generation (one wire packet per trajectory); in training a
 ``RoutingTap`` installed with ``routing_tap`` replays those experts (or, with replay off, only
 compares against them) and counts the routing mismatch.
-
-Under ``glm_kernels.batch_invariant()`` the model takes the batch-invariant path of
-``invariant.py`` (fixed-shape tiles, fixed-order reductions, one thread), which also decodes
-with a KV cache (``TinyLM.forward(tokens, cache=invariant.KVCache())``) bitwise equal to the
-full forward.
 """
 import contextlib
 from typing import List, Optional
@@ -18,9 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from glm_kernels import batch_invariant_enabled
-
-from . import invariant, kernels, task
+from . import kernels, task
 
 
 class MLA(nn.Module):
@@ -103,12 +96,11 @@ class RoutingRecorder:
     def n_experts(self) -> int:
         return self.layers[0].n_experts
 
-    def step(self, start: int = 0) -> None:
-        """After a forward over positions ``start`` .. (``start`` > 0: a KV-cache decode)."""
+    def step(self) -> None:
         if self.layers:
-            ids = torch.stack(self.tap.ids)                 # [layers, rows, new positions, k]
-            self.chunks.append(ids[:, :, self.seen - start:])
-            self.seen = start + ids.shape[2]
+            ids = torch.stack(self.tap.ids)                             # [layers, rows, T, k]
+            self.chunks.append(ids[:, :, self.seen:])
+            self.seen = ids.shape[2]
 
     def recorded(self) -> Optional[torch.Tensor]:
         for moe in self.layers:
@@ -141,18 +133,16 @@ class MoE(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         flat = x.reshape(-1, d)
-        fixed = batch_invariant_enabled()
-        ops = invariant if fixed else kernels
-        logits = invariant.linear(flat, self.router.weight) if fixed else self.router(flat)
+        logits = self.router(flat)
         tap, layer = self.tap if self.tap is not None else (None, 0)
         recorded = None if tap is None or tap.recorded is None else \
             tap.recorded[layer].reshape(-1, self.k)
         if recorded is not None and tap.replay:    # R3: the rollout's experts, fresh weights
-            ids, w, mismatch = ops.moe_route_replay(logits, self.k, self.route_bias,
-                                                    self.n_group, self.topk_group, recorded)
+            ids, w, mismatch = kernels.moe_route_replay(logits, self.k, self.route_bias,
+                                                        self.n_group, self.topk_group, recorded)
         else:
-            ids, w = ops.moe_route(logits, self.k, self.route_bias, self.n_group,
-                                   self.topk_group)                       # [N, k] each
+            ids, w = kernels.moe_route(logits, self.k, self.route_bias, self.n_group,
+                                       self.topk_group)                   # [N, k] each
             mismatch = None if recorded is None else kernels.routing_mismatch(ids, recorded)
         if tap is not None:
             tap.observe(layer, ids.view(b, t, self.k), mismatch)
@@ -160,8 +150,6 @@ class MoE(nn.Module):
             self.load += torch.bincount(ids.flatten(), minlength=self.load.numel()).float()
         up = self.up.view(self.n_experts, d, 2 * d)
         down = self.down.view(self.n_experts, 2 * d, d)
-        if fixed:
-            return invariant.experts(flat, up, down, ids, w).view(b, t, d)
         h = torch.einsum("nd,edf->nef", flat, up).relu()
         y = torch.einsum("nef,efd->ned", h, down)                          # all experts (tiny)
         picked = y.gather(1, ids[..., None].expand(*ids.shape, d))        # [N, k, d]
@@ -186,29 +174,16 @@ class TinyLM(nn.Module):
             for _ in range(cfg.n_layers))
         self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
-    def hidden(self, tokens, cache: Optional[invariant.KVCache] = None):
-        """Last hidden states after the final norm, [B, T, d] (the lm_head's input).
-
-        Under ``glm_kernels.batch_invariant()``: the batch-invariant path, and ``cache``
-        (optional) makes ``tokens`` the positions after the cached ones (decode)."""
-        if batch_invariant_enabled():
-            with invariant.one_thread():
-                return invariant.hidden(self, tokens, cache)
-        if cache is not None:
-            raise ValueError("TinyLM: a KV cache needs glm_kernels.batch_invariant() (the "
-                             "default path recomputes the whole prefix)")
+    def hidden(self, tokens):
+        """Last hidden states after the final norm, [B, T, d] (the lm_head's input)."""
         x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for n1, attn, n2, moe in self.blocks:
             x = x + attn(n1(x))
             x = x + moe(n2(x))
         return self.norm(x)
 
-    def forward(self, tokens, cache: Optional[invariant.KVCache] = None):
-        h = self.hidden(tokens, cache)
-        if batch_invariant_enabled():
-            with invariant.one_thread():
-                return invariant.linear(h, self.lm_head.weight)
-        return self.lm_head(h)
+    def forward(self, tokens):
+        return self.lm_head(self.hidden(tokens))
 
     def update_balance_bias(self, rate: float) -> None:
         for *_, moe in self.blocks:

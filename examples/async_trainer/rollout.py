@@ -12,9 +12,7 @@ from typing import Dict, List
 
 import torch
 
-from glm_kernels import batch_invariant_enabled
-
-from . import invariant, kernels, task
+from . import kernels, task
 from .log import setup_logging
 from .model import RoutingRecorder, TinyLM
 
@@ -24,33 +22,20 @@ def sample_turn(model, toks, live, steps: int, stops, recorder, *, gen=None,
     """One assistant turn for a batch of rows: ``steps`` tokens sampled with one forward each
     (no early exit: rows stay aligned), rows in ``live`` until they sample a token in
     ``stops``; the others get ``PAD``. Returns the grown ``toks`` [n, T + steps], the turn's
-    ids, fp32 log-probs (0 where not sampled) and mask (1 where sampled), each [n, steps].
-
-    Under ``glm_kernels.batch_invariant()`` (``cfg.batch_invariant``) the turn prefills a KV
-    cache and decodes one position per step, and the recorded log-probs are
-    ``invariant.token_logprobs``: bitwise what the trainer's full forward gives the same
-    tokens with the same weights."""
+    ids, fp32 log-probs (0 where not sampled) and mask (1 where sampled), each [n, steps]."""
     stops = torch.tensor(sorted(stops), dtype=toks.dtype, device=toks.device)
     ids, lps, masks = [], [], []
     live = live.clone()
-    cache = invariant.KVCache() if batch_invariant_enabled() else None
     for _ in range(steps):
-        if cache is None:
-            logits = model(toks)[:, -1].float()
-            recorder.step()
-        else:
-            start = cache.length
-            logits = model(toks[:, start:], cache=cache)[:, -1]
-            recorder.step(start)
-        logp = torch.log_softmax(logits, -1)
+        logp = torch.log_softmax(model(toks)[:, -1].float(), -1)
+        recorder.step()
         if greedy:
             nxt = kernels.topk(logp, 1).indices                      # ties -> smaller id
         else:
             # Sampled on the CPU with the caller's generator: one seeded stream per process,
             # whatever device the model is on (a [rows, vocab] copy; the vocab is tiny).
             nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)
-        lp = logp.gather(-1, nxt).squeeze(-1) if cache is None else \
-            invariant.token_logprobs(logits, nxt.squeeze(-1))
+        lp = logp.gather(-1, nxt).squeeze(-1)
         nxt = torch.where(live, nxt.squeeze(-1), torch.full_like(nxt.squeeze(-1), task.PAD))
         ids.append(nxt)
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))
@@ -80,15 +65,9 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
         raise ValueError(f"generate: prompts must share one task, got {sorted(kinds)}")
     kind = kinds.pop()
     rows = [p for p in prompts for _ in range(group_size)]
-    with invariant.mode(cfg.batch_invariant):
-        if kind == "tora":
-            from .tora_task import generate_sessions
-            return generate_sessions(cfg, model, rows, gen=gen, greedy=greedy, session=session)
-        return _generate_rows(cfg, model, rows, kind, gen, greedy)
-
-
-def _generate_rows(cfg, model, rows: List[List[int]], kind: str, gen, greedy: bool):
-    """``generate`` for the single-call tasks (reverse, tool): one batched pass."""
+    if kind == "tora":
+        from .tora_task import generate_sessions
+        return generate_sessions(cfg, model, rows, gen=gen, greedy=greedy, session=session)
     device = next(model.parameters()).device
     toks = torch.tensor(rows, device=device)
     n = toks.shape[0]

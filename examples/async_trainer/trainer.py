@@ -27,10 +27,9 @@ from tqdm.auto import tqdm
 from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantages,
                          selective_logprobs)
 
-from . import checkpoint, invariant, kernels, task
-from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, invariant_icepop_loss,
-                    logprob_gap, policy_step, routing_metrics, sft_sample)
-from .behaviour import BehaviourPolicy
+from . import checkpoint, kernels, task
+from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, policy_step,
+                    routing_metrics, sft_sample)
 from .buffer import DataBuffer
 from .config import TrainerConfig
 from .log import logger
@@ -213,10 +212,8 @@ def sft_stage(run, on_step) -> TinyLM:
 
 
 def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: int,
-                prompts_per_step: int, steps: int, start: int, step_fn, on_step,
-                behaviour: Optional[BehaviourPolicy] = None) -> None:
+                prompts_per_step: int, steps: int, start: int, step_fn, on_step) -> None:
     """Consume ready groups from a rollout process, step, push weights; ``steps`` in all.
-    ``behaviour`` (batch-invariant mode) keeps every version published.
 
     A rollout process that dies is replaced by a new one that starts from a full weight
     snapshot; ``cfg.rollout_restarts`` deaths in a row (no optimizer step between) are
@@ -270,8 +267,6 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
     try:
         with guard.atomic():
             launch(0)
-            if behaviour is not None:
-                behaviour.remember(rollout.sender.version, model)
         bar = tqdm(range(start, steps), desc=stage, disable=not cfg.progress, initial=start,
                    total=steps)
         for step in bar:
@@ -301,8 +296,6 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
                                  "step": step, "global_step": run.global_step,
                                  "exit_code": code})
                         launch(version)
-                        if behaviour is not None:
-                            behaviour.remember(rollout.sender.version, model)
                     continue
                 with guard.atomic():        # taken off the queue and buffered: one unit
                     sample = rollout.get(timeout=0.25)
@@ -316,8 +309,6 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
                 held = []
                 trained_on = rollout.sender.version  # the weights this gradient was taken on
                 version, stats = rollout.sender.send(model)
-                if behaviour is not None:
-                    behaviour.remember(version, model)
                 run.global_step += 1
                 run.current = (stage, model, opt, step + 1)
                 rec.update(kind="train", stage=stage, step=step + 1, global_step=run.global_step,
@@ -361,21 +352,16 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
     if opt_state is not None:
         opt.load_state_dict(opt_state)
 
-    behaviour = BehaviourPolicy(cfg) if cfg.batch_invariant else None
-
     def grpo_step(samples):
         rewards = torch.tensor([s["reward"] for s in samples], device=model.emb.weight.device)
         adv = group_advantages(rewards, cfg.group_size)                     # [n * G]
         row_of = {id(s): i for i, s in enumerate(samples)}
-        if behaviour is not None:
-            behaviour.annotate(samples)
         sums = policy_step(cfg, model, opt, samples, fused_linear_grpo_loss(cfg, adv, row_of))
         return {"reward": float(rewards.mean()), "pop_frac": sums["pop"] / sums["tokens"],
-                "clip_frac": sums["clip"] / sums["tokens"],
-                "logprob_max_abs_diff": sums["logprob_max_abs_diff"], **routing_metrics(sums)}
+                "clip_frac": sums["clip"] / sums["tokens"], **routing_metrics(sums)}
 
     async_stage(run, stage, model, opt, {task_name: 1.0}, cfg.group_size, cfg.prompts_per_step,
-                cfg.rl_steps, start, grpo_step, on_step, behaviour)
+                cfg.rl_steps, start, grpo_step, on_step)
     return model
 
 
@@ -390,11 +376,8 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
     for t in teachers.values():
         t.eval().requires_grad_(False)
 
-    behaviour = BehaviourPolicy(cfg) if cfg.batch_invariant else None
-
     def distill_loss(model, mb, batch):
-        with invariant.mode(cfg.batch_invariant):
-            logits = model(batch.inputs)
+        logits = model(batch.inputs)
         teacher_lp = torch.zeros_like(batch.rollout_logprobs)
         exact_kl = torch.zeros_like(batch.rollout_logprobs)
         for name in {s["task"] for s in mb}:
@@ -405,25 +388,16 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
                 teacher_lp[rows] = selective_logprobs(t_logits, batch.targets[rows])
                 exact_kl[rows] = kernels.reverse_kl(logits[rows].detach(), t_logits)
         adv = opd_advantages(batch.rollout_logprobs, teacher_lp, form="log_ratio")  # [B, T]
-        if cfg.batch_invariant:
-            loss, metrics, gap = invariant_icepop_loss(cfg, logits, mb, batch, adv)
-        else:
-            loss, metrics = icepop_loss_from_logits(logits, batch.targets,
-                                                    batch.rollout_logprobs, adv,
-                                                    batch.loss_mask, **icepop_kwargs(cfg))
-            with torch.no_grad():
-                gap = logprob_gap(selective_logprobs(logits, batch.targets), batch)
+        loss, metrics = icepop_loss_from_logits(logits, batch.targets, batch.rollout_logprobs,
+                                                adv, batch.loss_mask, **icepop_kwargs(cfg))
         m = batch.loss_mask
         return loss, metrics, {
             "kl_sampled": float(((batch.rollout_logprobs - teacher_lp) * m).sum()),
-            "kl_exact": float((exact_kl * m).sum()), **gap}
+            "kl_exact": float((exact_kl * m).sum())}
 
     def distill_step(samples):
-        if behaviour is not None:
-            behaviour.annotate(samples)
         sums = policy_step(cfg, model, opt, samples, distill_loss)
         rec = {"pop_frac": sums["pop"] / sums["tokens"], "clip_frac": sums["clip"] / sums["tokens"],
-               "logprob_max_abs_diff": sums["logprob_max_abs_diff"],
                "reverse_kl": sums["kl_exact"] / sums["tokens"],
                "reverse_kl_sampled": sums["kl_sampled"] / sums["tokens"],
                "reward": sum(s["reward"] for s in samples) / len(samples),
@@ -435,7 +409,7 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
         return rec
 
     async_stage(run, stage, model, opt, cfg.opd_mix(), 1, cfg.opd_prompts_per_step,
-                cfg.opd_steps, start, distill_step, on_step, behaviour)
+                cfg.opd_steps, start, distill_step, on_step)
     return model
 
 
