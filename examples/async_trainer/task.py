@@ -14,8 +14,10 @@ Every trajectory is one token stream with role tokens::
   ``<observation>`` turn, and the assistant answers.
 
 A ``reverse`` / ``tool`` trajectory that leaves the expected path (a wrong token, a tool call
-where none is offered, no tool call where one is required) ends at once with reward 0; the
-rest of its row is padded with ``<eos>`` and masked.
+where none is offered, no tool call where one is required) has reward 0. A tool session whose
+first turn is not the call ends there (no second turn); a turn's positions after its stop
+token are padded with ``<eos>`` and masked. The turns and the environment between them are
+driven by ``sessions.py``.
 
 Vocabulary: ``vocab.py`` (one for all tasks, so one model learns them all).
 """
