@@ -139,19 +139,21 @@ class RayRollout:
         ``affinity_hit_rate`` is the fraction of later turns (not moved off a dead engine)
         whose engine still held the session's prefix (None before any)."""
         now = time.monotonic()
+        with self.group.lock:
+            load = self.group.router.snapshot()
         with self._mu:
             for eid, t in self._idle_from.items():
                 if t is not None:
                     self._idle_s[eid] = self._idle_s.get(eid, 0.0) + now - t
                     self._idle_from[eid] = now
-            idle, self._idle_s = self._idle_s, {}
+            idle = {e: round(self._idle_s.get(e, 0.0), 3) for e in self._idle_from}
+            self._idle_s = {}
             wait = self._wait_s / self._waits if self._waits else 0.0
             self._wait_s, self._waits = 0.0, 0
-            load = self.group.router.snapshot()
             rate = self.found / self.continued if self.continued else None
         return {"engine_load": load, "affinity_hit_rate": rate,
                 "turns_moved": self.turns_moved, "prefix_reused_tokens": self.reused_tokens,
-                "queue_wait_s": wait, "engine_idle_s": {e: round(s, 3) for e, s in idle.items()},
+                "queue_wait_s": wait, "engine_idle_s": idle,
                 "engine_restarts": self.group.restarts, "samples_requeued": self.requeued}
 
     def step_done(self) -> None:

@@ -16,6 +16,7 @@ was generated with (what its staleness is measured from).
   and the output as an observation message; the trajectory manager re-tokenizes the
   conversation (forking a branch on drift); turn 2 is the answer on those ids.
 """
+from abc import ABC, abstractmethod
 from typing import Dict, List, Optional
 
 import torch
@@ -30,8 +31,9 @@ def _sampled(res: dict):
     return [res["ids"][j] for j in keep], [res["logprobs"][j] for j in keep]
 
 
-class Session:
-    """The common part: rows, turns, the routing each row's last turn recorded."""
+class Session(ABC):
+    """The common part: rows, turns, the weight versions; a task says its turns
+    (``_first_turn``, ``_after``: the environment and the next turn) and its samples."""
 
     def __init__(self, cfg, session_id: str, prompts: List[List[int]], group_size: int):
         kinds = {task.task_of(p) for p in prompts}
@@ -71,14 +73,17 @@ class Session:
                 else rew, "routing": self._packet(routing, tokens),
                 "version": self.version if self.version is not None else 0}
 
+    @abstractmethod
     def _first_turn(self) -> dict:
-        raise NotImplementedError
+        """The first request (and the task's per-session state)."""
 
+    @abstractmethod
     def _after(self, rows: Dict[int, dict]) -> Optional[dict]:
-        raise NotImplementedError
+        """Record a turn's rows, run the environment; the next request or None."""
 
+    @abstractmethod
     def samples(self) -> List[dict]:
-        raise NotImplementedError
+        """One sample per row, prompt-major, once the session is done."""
 
 
 class ReverseSession(Session):
