@@ -108,8 +108,10 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
     restarts = group.restarts
     # Two-turn (tool) sessions: a turn of a session whose engine failed moves to another
     # engine without counting as an affinity miss; every other later turn finds its prefix.
+    # A turn takes well under a second on an idle machine, seconds at load 30: 10 s tells a
+    # hung engine from a slow one.
     rollout = RayRollout(group, cfg, f"t-{failure}", 2, {"tool": 1.0}, 4, 10_000,
-                         health_interval=0.3, request_timeout=2.0)
+                         health_interval=0.3, request_timeout=10.0)
     rollout.start(None, _tool_caller(cfg))
     taken = take(rollout, 16)
     before = group.alive()
@@ -122,7 +124,8 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
         os.kill(group.pids[victim], signal.SIGSTOP)            # the whole process hangs
     (new,) = _replaced(group, rollout, taken, before)
     assert victim not in group.alive() and group.restarts == restarts + 1
-    deadline = time.monotonic() + 30
+    # A fresh actor imports torch first: seconds on an idle machine, a minute at load 30.
+    deadline = time.monotonic() + 120
     while not any(s["engine"] == new for s in taken):         # the replacement serves
         assert time.monotonic() < deadline, "the replacement never served"
         taken += take(rollout, 32)
