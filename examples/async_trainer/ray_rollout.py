@@ -35,9 +35,10 @@ class RayRollout:
     """One stage's rollout over an :class:`EngineGroup`; the interface of
     ``supervisor.RolloutProcess`` (``start``, ``get``, ``alive``, ``shutdown``, ``sender``).
 
-    Sessions hold ``max(1, rollout_batch_samples // group_size // n_engines)`` prompts (of
-    one task) each, fewer when the staleness bound (``rollout.prompts_allowed`` with
-    ``prompts_per_step`` and ``cfg.max_ahead_steps``) admits fewer.
+    Prompts start ``max(1, rollout_batch_samples // group_size // n_engines)`` at a time
+    (fewer when the staleness bound, ``rollout.prompts_allowed`` with ``prompts_per_step``
+    and ``cfg.max_ahead_steps``, admits fewer), each of a task drawn from the mix; the
+    prompts of one task make one session.
     """
 
     def __init__(self, group: EngineGroup, cfg, tag: str, seed: int, mix: Dict[str, float],
@@ -203,22 +204,32 @@ class RayRollout:
                 self.prompts_per_step, self.cfg.max_ahead_steps))
             if n <= 0:
                 return                              # the staleness bound: newer weights first
-            sid = self._new_session(n)
-            with self.group.lock:
-                eid = self.group.router.start(sid, free=idle)
-            idle.discard(eid)
-            self.ready_at[sid] = time.monotonic()
-            self._submit(sid, eid)
+            for sid in self._new_sessions(n):
+                with self.group.lock:
+                    eid = self.group.router.start(sid, free=idle)
+                self.ready_at[sid] = time.monotonic()
+                if eid in idle:
+                    idle.discard(eid)
+                    self._submit(sid, eid)
+                else:                               # no free engine left: its engine's queue
+                    self.queues.setdefault(eid, deque()).append(sid)
 
-    def _new_session(self, n: int) -> str:
-        (name,) = sample_tasks(self.mix, 1, self.gen)     # a session is one task
-        prompts = [task.make_prompt(self.cfg, name, self.gen) for _ in range(n)]
-        sid = f"{self.tag}/s{self._next_prompt}"
-        self.prompt_ids[sid] = [f"{self.tag}/{self._next_prompt + i}" for i in range(n)]
-        self._next_prompt += n
-        self.started_prompts += n
-        self.sessions[sid] = new_session(self.cfg, sid, prompts, self.group_size)
-        return sid
+    def _new_sessions(self, n: int) -> List[str]:
+        """``n`` prompts, each of a task drawn from the mix (so a training step mixes tasks
+        as the rollout process's batches do), as one session per task."""
+        by_task: Dict[str, list] = {}
+        for name in sample_tasks(self.mix, n, self.gen):
+            by_task.setdefault(name, []).append(task.make_prompt(self.cfg, name, self.gen))
+        out = []
+        for prompts in by_task.values():
+            k = len(prompts)
+            sid = f"{self.tag}/s{self._next_prompt}"
+            self.prompt_ids[sid] = [f"{self.tag}/{self._next_prompt + i}" for i in range(k)]
+            self._next_prompt += k
+            self.started_prompts += k
+            self.sessions[sid] = new_session(self.cfg, sid, prompts, self.group_size)
+            out.append(sid)
+        return out
 
     def _submit(self, sid: str, eid: str) -> None:
         sess = self.sessions[sid]

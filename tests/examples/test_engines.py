@@ -169,6 +169,12 @@ def test_a_stalled_engine_does_not_stall_the_other(cfg, group):
     stalled, other = group.alive()
     group.actors[stalled].hang.remote(4.5)
     time.sleep(0.5)                             # the hang has the stalled engine's lane
+    t0 = time.monotonic()                       # what was made before it: not "during"
+    while time.monotonic() - t0 < 1.0:
+        s = rollout.get(0.05)
+        if s is None:
+            break
+        taken.append(s)
     before = {e: sum(1 for s in taken if s["engine"] == e) for e in (stalled, other)}
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3.5:
