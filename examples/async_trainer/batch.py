@@ -124,6 +124,8 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
     opt.zero_grad(set_to_none=True)
     for micro_batches in ranks:
         for mb in micro_batches:
+            if not mb:          # a padding-only micro-batch (equal counts per rank): no loss
+                continue
             mb_samples = [samples[i] for i in mb]
             batch = collate(mb_samples, device)
             with routing_tap(model, replay_tap(cfg, mb_samples, batch)) as tap:

@@ -53,8 +53,10 @@ class TrainerConfig:
     dp_ranks: int = 2                # simulated data-parallel ranks
     packing: str = "kk"              # "first_fit" or "kk" (Karmarkar-Karp balanced)
     max_tokens_per_microbatch: int = 256
-    rollout_batch_samples: int = 64  # trajectories the rollout process generates per batch
-    max_ahead_steps: int = 1         # rollout runs at most this many steps ahead (staleness)
+    rollout_batch_samples: int = 64  # trajectories generated per batch (process) / per session
+                                     # round over the engines (ray), at most
+    max_ahead_steps: int = 1         # staleness bound: a group is trained at most this many
+                                     # weight versions after the one it was generated with
     rollout_dtype: str = "bfloat16"  # weights the rollout engine runs in ("float32" too)
     routing_replay: bool = True      # R3: train with the experts the rollout routed to
     beta: float = 2.0                # IcePop gate [1/beta, beta]
@@ -189,6 +191,17 @@ class TrainerConfig:
             raise ValueError(f"config.kill_engine_at ({self.kill_engine_at}) kills a Ray engine "
                              f"actor: it needs rollout_backend 'ray' (or 'auto' with ray "
                              f"installed)")
+        if self.kill_engine_at:
+            # Global steps of the engine stages (RL per task, then OPD) but the run's last:
+            # the replacement must have a step left to happen in.
+            first = self.sft_steps + 1
+            last = self.sft_steps + len(names) * self.rl_steps + self.opd_steps - 1
+            if not first <= self.kill_engine_at <= last:
+                raise ValueError(
+                    f"config.kill_engine_at ({self.kill_engine_at}) is a global step no engine "
+                    f"stage reaches before the run ends: it must lie in {first}..{last} (after "
+                    f"the {self.sft_steps} SFT steps, before the last of the "
+                    f"{len(names) * self.rl_steps + self.opd_steps} RL/OPD steps)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"config.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -2,28 +2,25 @@
 
 * :class:`Engine` (a Ray actor): holds the policy in the rollout dtype (bf16 by default, like
   an inference engine fed by fp32 master weights), applies ``glm_kernels.sync`` updates
-  (a full snapshot first, then zstd deltas), and generates trajectories with the fp32
-  log-probs recorded at sampling time. ``ping`` runs in its own concurrency group, so a busy
+  (a full snapshot first, then zstd deltas), and serves turns of sessions token in ->
+  token out (``sampler.EngineCore``: fp32 log-probs recorded at sampling time, each live
+  session's prefix kept between its turns). ``ping`` runs in its own concurrency group, so a busy
   engine still answers and only a dead or hung one does not.
 * :class:`EngineGroup` (the driver's side, one per training run): starts the actors
   (``ray.init()``: a local instance, or ``address=`` an existing cluster), each in its own
   bundle of a placement group (``placement.py``; a replacement reuses its bundle), keeps one
-  ``glm_kernels.sync.Sender`` per engine, routes every request by its session id with a
-  :class:`~.router.ConsistentHashRouter`, and replaces an engine that died or hung: the new
-  actor gets a full weight snapshot of the current version, and every request that was in
-  flight on the old one is submitted again (its samples are *re-queued*, never lost and
-  never trained twice: they are counted only when a result arrives).
-* ``ray_rollout.RayRollout`` (one per stage): the trainer's handle on a group: request pump,
-  health monitor, samples out.
+  ``glm_kernels.sync.Sender`` per engine and the :class:`~.router.ConsistentHashRouter`
+  that places sessions, and replaces an engine that died or hung: the new actor gets a full
+  weight snapshot of the current version (the sessions it held move, their turns re-queued
+  by ``ray_rollout.RayRollout``).
+* ``ray_rollout.RayRollout`` (one per stage): the trainer's handle on a group: the pump that
+  keeps every engine busy, the environment between turns, the health monitor, samples out.
 
-Nothing here imports ray at module import time: ``ray`` is optional for the rest of the
-example (``RayUnavailable`` says what to install).
+Nothing here imports ray at module import time (``ray_local.py``): ``ray`` is optional for
+the rest of the example (``RayUnavailable`` says what to install).
 """
 import itertools
-import math
 import os
-import subprocess
-import sys
 import threading
 import time
 from typing import Dict, List, Optional
@@ -32,117 +29,31 @@ import torch
 
 from glm_kernels import sync
 
-from . import task
+from . import vocab
 from .log import logger
+from .model import TinyLM
 from .placement import EnginePlacement
+from .ray_local import import_ray, init_ray
 from .router import ConsistentHashRouter
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class RayUnavailable(ImportError):
-    """``ray`` is not installed (``pip install ray``)."""
+from .sampler import EngineCore
 
 
 class EngineError(RuntimeError):
     """Engines kept failing: more replacements in a row than allowed."""
 
 
-def import_ray():
-    try:
-        import ray
-    except ImportError as err:
-        raise RayUnavailable(f"rollout engines run as Ray actors: pip install ray ({err})") \
-            from None
-    return ray
-
-
-def init_ray(address: str = "", num_cpus: Optional[float] = None):
-    """``ray.init`` once: a local instance (``address=""``, cheap: no dashboard, worker logs
-    not forwarded, this repository on the workers' ``PYTHONPATH``; never a cluster that
-    ``ray start`` left on this machine) with ``num_cpus`` logical CPUs (at least the cores),
-    or an existing cluster (this checkout's path put on its workers' ``PYTHONPATH``: a
-    cluster whose nodes have the repository at the same path needs nothing else)."""
-    ray = import_ray()
-    if ray.is_initialized():
-        return ray
-    path = os.environ.get("PYTHONPATH", "")
-    if REPO_ROOT not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + path if path else "")
-    kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-                  configure_logging=True)
-    if address:
-        ray.init(address=address, runtime_env={"env_vars": {
-            "PYTHONPATH": REPO_ROOT + os.pathsep + "${PYTHONPATH}"}}, **kwargs)
-    else:
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2,
-                                               math.ceil(num_cpus or 0)), **kwargs)
-        _watch_local_instance(ray)
-    return ray
-
-
-# Run by _watch_local_instance: waits for EOF on stdin (the driver is gone, however it went),
-# gives Ray's own shutdown 2 s, then SIGKILLs every process with a file open in the session
-# directory (argv[1]).
-_WATCHDOG = r"""
-import os, signal, sys, time
-sys.stdin.buffer.read()
-time.sleep(2.0)
-for pid in os.listdir("/proc"):
-    if not pid.isdigit() or int(pid) == os.getpid():
-        continue
-    try:
-        fds = "/proc/%s/fd" % pid
-        if any(os.readlink(os.path.join(fds, fd)).startswith(sys.argv[1])
-               for fd in os.listdir(fds)):
-            os.kill(int(pid), signal.SIGKILL)
-    except OSError:
-        pass
-"""
-_WATCHDOGS: List[tuple] = []
-
-
-def _watch_local_instance(ray) -> None:
-    """Linux: a watchdog process for the local instance just started. When the driver dies
-    without shutting Ray down (SIGKILL), its gcs and raylet go with it, but Ray's per-node
-    agents (DashboardAgent, RuntimeEnvAgent) block for 60 s publishing the raylet's death to
-    the dead GCS before they exit; the watchdog ends them 2 s after the driver. It holds the
-    read end of a pipe whose write end only the driver has (not inherited), started in its
-    own session (a Ctrl-C to the terminal's process group does not reach it)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        session = ray._private.worker._global_node.get_session_dir_path()   # not public API
-    except Exception:
-        return
-    read, write = os.pipe()
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, session.rstrip(os.sep) + os.sep],
-                                stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                cwd="/", start_new_session=True, close_fds=True)
-    except OSError:
-        os.close(write)
-        return
-    finally:
-        os.close(read)
-    _WATCHDOGS.append((proc, write))            # the write end stays open while we live
-
-
 class _EngineImpl:
-    """The actor's body (plain class: also usable in-process in tests)."""
+    """The actor's body (plain class: also usable in-process in tests): the policy in the
+    rollout dtype, its weight receiver, and an :class:`~.sampler.EngineCore` serving turns."""
 
     def __init__(self, cfg, engine_id: str, seed: int):
         torch.set_num_threads(1)
         torch.manual_seed(seed)
-        from .model import TinyLM
         self.cfg, self.engine_id = cfg, engine_id
-        self.model = TinyLM(cfg, task.vocab_size(cfg)).to(
+        self.model = TinyLM(cfg, vocab.vocab_size(cfg)).to(
             cfg.resolved_device(), cfg.rollout_torch_dtype()).eval()
-        self._seed = seed
+        self.core = EngineCore(self.model)
         self._new_receiver()
-        self.requests = 0
-        self.sessions: Dict[str, int] = {}        # session -> turns served (its "KV cache")
-        self.cache_hits = 0
         self._lock = threading.Lock()
 
     def _new_receiver(self):
@@ -163,44 +74,20 @@ class _EngineImpl:
             return {"version": self.receiver.version, "refused": refused,
                     "full_requested": self.inbox.full_requested()}
 
-    def generate(self, req: dict) -> dict:
-        """``req``: ``session``, ``prompts`` (one task each; batched per task), ``group_size``,
-        ``ids`` (one prompt id per prompt), ``seed``. Returns ``samples`` (prompt-major,
-        ``group_size`` each, in ``ids`` order) with ``version`` and ``engine``."""
-        from .rollout import generate
-        with self._lock:
+    def turn(self, req: dict) -> dict:
+        """One turn of a session (``EngineCore.turn``; ``req`` also has ``seed``), with the
+        weight version it ran on and this engine's id."""
+        with self._lock, torch.no_grad():
             version = self.receiver.version
             if version == 0:
                 raise RuntimeError(f"engine {self.engine_id}: no weights yet")
-            self.requests += 1
-            turns = self.sessions.get(req["session"], 0)
-            self.cache_hits += turns > 0
-            self.sessions[req["session"]] = turns + 1
-            gen = torch.Generator().manual_seed(req["seed"])
-            by_task: Dict[str, list] = {}
-            for i, p in enumerate(req["prompts"]):
-                by_task.setdefault(task.task_of(p), []).append(i)
-            groups: Dict[int, list] = {}
-            for idx in by_task.values():
-                # The router's session id names every turn (ToRA sessions are multi-turn).
-                out = generate(self.cfg, self.model, [req["prompts"][i] for i in idx],
-                               req["group_size"], gen=gen, session=req["session"])
-                for j, s in enumerate(out):
-                    groups.setdefault(idx[j // req["group_size"]], []).append(s)
-            samples = []
-            for i, pid in enumerate(req["ids"]):
-                for j, s in enumerate(groups[i]):
-                    s.update(prompt_id=pid, sample_id=f"{pid}.{j}", version=version,
-                             engine=self.engine_id)
-                    samples.append(s)
-            return {"samples": samples, "version": version}
-
-    def end_session(self, session: str) -> None:
-        self.sessions.pop(session, None)
+            out = self.core.turn(req, torch.Generator().manual_seed(req["seed"]))
+            out.update(version=version, engine=self.engine_id)
+            return out
 
     def ping(self) -> dict:
         return {"engine": self.engine_id, "pid": os.getpid(), "version": self.receiver.version,
-                "requests": self.requests, "cache_hits": self.cache_hits}
+                "turns": self.core.turns, "session_hits": self.core.session_hits}
 
     def hang(self, seconds: float) -> None:
         """Tests: block the engine's request lane (a hung engine)."""
@@ -224,12 +111,8 @@ def engine_actor():
                 return _EngineImpl.update(self, frames)
 
             @ray.method(concurrency_group="work")
-            def generate(self, req):
-                return _EngineImpl.generate(self, req)
-
-            @ray.method(concurrency_group="work")
-            def end_session(self, session):
-                return _EngineImpl.end_session(self, session)
+            def turn(self, req):
+                return _EngineImpl.turn(self, req)
 
             @ray.method(concurrency_group="work")
             def hang(self, seconds):

@@ -5,7 +5,6 @@ Each uses the glm_kernels kernel (Triton on CUDA tensors, the torch reference on
 import torch
 
 from glm_kernels.loss import reverse_kl_from_logits
-from glm_kernels.optim import MuonSplit, muon_param_groups
 from glm_kernels.topk import decode_routing_batch as _decode_routing_batch
 from glm_kernels.topk import encode_routing as _encode_routing
 from glm_kernels.topk import moe_route as _moe_route
@@ -55,16 +54,6 @@ def encode_routing(ids: torch.Tensor, n_experts: int) -> bytes:
 def decode_routing_batch(packets, width: int, device):
     """Packets -> (ids int64 [layers, B, width, k], lengths [B]) (``glm_kernels.topk``)."""
     return _decode_routing_batch(packets, width=width, device=device)
-
-
-def make_optimizer(model, cfg, adamw_lr: float):
-    """``glm_kernels.optim.MuonSplit``: Muon per head for the MLA up-projections and per
-    expert for the MoE weights, Muon for the other hidden matrices, AdamW (``adamw_lr``) for
-    embeddings, the lm_head, norms and biases (``muon_param_groups``' routing)."""
-    from .model import head_splits     # model.py imports this module (routing, top-k)
-    groups = muon_param_groups(model, head_splits=head_splits(model))
-    return MuonSplit(groups, lr=cfg.muon_lr, adamw_lr=adamw_lr,
-                     weight_decay=cfg.weight_decay)
 
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:

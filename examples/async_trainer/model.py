@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from glm_kernels.optim import MuonSplit, muon_param_groups
+
 from . import kernels, task
 
 
@@ -201,3 +203,12 @@ def head_splits(model: TinyLM) -> dict:
         out[f"blocks.{i}.3.up"] = (moe.n_experts, [moe.up.shape[0] // moe.n_experts])
         out[f"blocks.{i}.3.down"] = (moe.n_experts, [moe.down.shape[0] // moe.n_experts])
     return out
+
+
+def make_optimizer(model, cfg, adamw_lr: float):
+    """``glm_kernels.optim.MuonSplit``: Muon per head for the MLA up-projections and per
+    expert for the MoE weights, Muon for the other hidden matrices, AdamW (``adamw_lr``) for
+    embeddings, the lm_head, norms and biases (``muon_param_groups``' routing)."""
+    groups = muon_param_groups(model, head_splits=head_splits(model))
+    return MuonSplit(groups, lr=cfg.muon_lr, adamw_lr=adamw_lr,
+                     weight_decay=cfg.weight_decay)

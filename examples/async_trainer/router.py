@@ -14,9 +14,16 @@ consistent-hash ring moves only the sessions of the engine that changed:
 More virtual nodes give a more even load (the spread of an engine's share falls like
 1/sqrt(vnodes)); 128 keeps every engine within about 20% of the mean at 2-8 engines.
 
-The router also counts what the metrics report: requests per engine (``load``) and the
-session-affinity hit rate (a request of a session seen before that goes to the same engine
-as that session's previous request; a miss follows an engine's departure).
+Sessions are sticky: the router keeps each live session's engine (:meth:`start` places a
+new one, :meth:`route` sends its later turns there) until the session ends or its engine
+leaves; only then does it move (to the ring's owner of its id). A replacement joining the
+ring therefore never pulls a live session off a live engine, whose prefix cache holds it.
+
+Placing a new session is consistent hashing with bounded loads (Mirrokni, Thorup and
+Zadeh): from the session's point the ring is walked to the first engine that has a free
+slot (``free``), so a new session never waits behind a busy engine while another is idle;
+with no engine free it goes to the point's owner. The router counts requests per engine
+(``load``) and turns that had to move because their engine left (``moved``).
 """
 import bisect
 import hashlib
@@ -46,9 +53,8 @@ class ConsistentHashRouter:
         self._owner: List[Hashable] = []
         self._engines: Dict[Hashable, None] = {}
         self.load: Dict[Hashable, int] = {}          # requests routed per engine (all time)
-        self._last: Dict[str, Hashable] = {}         # session -> engine of its last request
-        self.hits = 0                                # repeat requests on the same engine
-        self.misses = 0                              # repeat requests that had to move
+        self._table: Dict[str, Hashable] = {}        # live session -> its engine
+        self.moved = 0                               # turns moved off an engine that left
         for e in engines:
             self.add(e)
 
@@ -87,29 +93,48 @@ class ConsistentHashRouter:
         at = bisect.bisect_left(self._points, _point(str(session_id)))
         return self._owner[at % len(self._points)]
 
-    def route(self, session_id) -> Hashable:
-        """The engine for this request of ``session_id``; counts load and affinity."""
-        engine = self.lookup(session_id)
-        key = str(session_id)
-        last = self._last.get(key)
-        if last is not None:
-            if last == engine:
-                self.hits += 1
-            else:
-                self.misses += 1
-        self._last[key] = engine
+    def start(self, session_id, free: Optional[Iterable[Hashable]] = None) -> Hashable:
+        """Place a new session and count its first request: the first engine in ``free``
+        clockwise from the session's point (all engines when ``free`` is None), or the
+        point's owner when none is free."""
+        if not self._points:
+            raise LookupError("no live engine to route to")
+        free = set(self._engines) if free is None else set(free)
+        at = bisect.bisect_left(self._points, _point(str(session_id)))
+        engine = self._owner[at % len(self._points)]
+        if free and engine not in free:
+            for step in range(1, len(self._points)):
+                owner = self._owner[(at + step) % len(self._points)]
+                if owner in free:
+                    engine = owner
+                    break
+        self._table[str(session_id)] = engine
         self.load[engine] = self.load.get(engine, 0) + 1
         return engine
 
-    def end_session(self, session_id) -> None:
-        """Forget a finished session (keeps the affinity table bounded)."""
-        self._last.pop(str(session_id), None)
+    def route(self, session_id) -> Tuple[Hashable, bool]:
+        """(engine, moved) for a later turn of ``session_id``: its engine while that lives;
+        otherwise the ring's owner of its id now (``moved`` True, counted). An unknown
+        session is placed as by :meth:`start`."""
+        key = str(session_id)
+        engine = self._table.get(key)
+        if engine is None:
+            return self.start(session_id), False
+        moved = engine not in self._engines
+        if moved:
+            engine = self.lookup(session_id)
+            self._table[key] = engine
+            self.moved += 1
+        self.load[engine] = self.load.get(engine, 0) + 1
+        return engine, moved
 
-    def affinity_hit_rate(self) -> Optional[float]:
-        """Repeat requests that reached the same engine as the session's previous one; None
-        before any repeat request."""
-        n = self.hits + self.misses
-        return self.hits / n if n else None
+    def engine_of(self, session_id) -> Optional[Hashable]:
+        """The engine a live session is on (None: not placed, or ended)."""
+        return self._table.get(str(session_id))
+
+    def end_session(self, session_id) -> None:
+        """Forget a finished session (keeps the table bounded)."""
+        self._table.pop(str(session_id), None)
 
     def shares(self, sessions: Iterable) -> Dict[Hashable, float]:
         """Fraction of ``sessions`` each live engine owns (no counting): for tests and logs."""
@@ -120,6 +145,6 @@ class ConsistentHashRouter:
             n += 1
         return {e: c / max(n, 1) for e, c in counts.items()}
 
-    def snapshot(self) -> Tuple[Dict[str, int], Optional[float]]:
-        """(load per engine as ``{str(engine): requests}``, affinity hit rate)."""
-        return {str(e): n for e, n in self.load.items()}, self.affinity_hit_rate()
+    def snapshot(self) -> Dict[str, int]:
+        """Load per engine as ``{str(engine): requests}``."""
+        return {str(e): n for e, n in self.load.items()}

@@ -19,14 +19,15 @@ class RolloutError(RuntimeError):
 
 class RolloutProcess:
     def __init__(self, cfg, ctx, tag: str, seed: int, mix: Dict[str, float], group_size: int,
-                 queue_size: int, version: int = 0):
+                 prompts_per_step: int, queue_size: int, version: int = 0):
         self.tag = tag
         self.sender = WeightSender(ctx, cfg.rollout_torch_dtype(), version=version)
         self.queue = ctx.Queue(maxsize=queue_size)
         self.stop_ev, self._generated = ctx.Event(), ctx.Value("q", 0)
         self.received = 0
         self.proc = ctx.Process(target=rollout_worker, daemon=True, name=f"rollout {tag}",
-                                args=(cfg, seed, mix, group_size, self.sender.receiver(),
+                                args=(cfg, seed, mix, group_size, prompts_per_step,
+                                      self.sender.receiver(),
                                       self.queue, self.stop_ev, self._generated, tag))
         self._started = False
 

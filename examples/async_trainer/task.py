@@ -14,44 +14,34 @@ Every trajectory is one token stream with role tokens::
   ``<observation>`` turn, and the assistant answers.
 
 A ``reverse`` / ``tool`` trajectory that leaves the expected path (a wrong token, a tool call
-where none is offered, no tool call where one is required) ends at once with reward 0; the
-rest of its row is padded with ``<eos>`` and masked.
+where none is offered, no tool call where one is required) has reward 0. A tool session whose
+first turn is not the call ends there (no second turn); a turn's positions after its stop
+token are padded with ``<eos>`` and masked. The turns and the environment between them are
+driven by ``sessions.py``.
 
-Vocabulary (one for all tasks, so one model learns them all): the 8 role / task tokens, the
-15 ToRA tokens (task token, code fragments, an error marker and the decimal digits
-``"0".."9"``), then the ``vocab_digits`` digits of the reverse and tool tasks. Every id but
-the last group is fixed, so :func:`task_of` needs no configuration.
+Vocabulary: ``vocab.py`` (one for all tasks, so one model learns them all).
 """
 from typing import List
 
 import torch
 
-SYSTEM, USER, ASSISTANT, OBSERVATION, EOS, TOOL_CALL, TASK_REVERSE, TASK_TOOL = range(8)
-# ToRA tokens (rendered as text by tora_task.TOKENIZER): the task, the code block's pieces
-# '```python\nprint(', '*', ')\n```', an error marker, and the decimal digits "0".."9".
-TASK_TORA, PY_OPEN, MUL, PY_CLOSE, ERR = range(8, 13)
-DEC0 = 13
-N_SPECIAL = DEC0 + 10            # the reverse / tool digits start here
-PAD = EOS
-ROLE_NAMES = {SYSTEM: "system", USER: "user", ASSISTANT: "assistant", OBSERVATION: "observation"}
+from . import tora_task
+from .vocab import (ASSISTANT, DEC0, EOS, ERR, MUL, N_SPECIAL, OBSERVATION, PAD, PY_CLOSE,  # noqa: F401
+                    PY_OPEN, ROLE_NAMES, SYSTEM, TASK_REVERSE, TASK_TOOL, TASK_TORA, TOOL_CALL,
+                    USER, vocab_size)
+
 TASKS = ("reverse", "tool", "tora")
 _TASK_TOKEN = {"reverse": TASK_REVERSE, "tool": TASK_TOOL}
-
-
-def vocab_size(cfg) -> int:
-    return N_SPECIAL + cfg.vocab_digits
 
 
 def max_len(cfg) -> int:
     """Longest trajectory of any task: for tool, prompt (n + 4) + tool call, observation span
     (n + 2), answer (n + 1); for tora, ``tora_task.MAX_LEN``."""
-    from . import tora_task
     return max(3 * cfg.num_digits + 8, tora_task.MAX_LEN)
 
 
 def make_prompt(cfg, task: str, gen: torch.Generator) -> List[int]:
     if task == "tora":
-        from . import tora_task
         return tora_task.make_prompt(gen)
     digits = torch.randint(0, cfg.vocab_digits, (cfg.num_digits,), generator=gen) + N_SPECIAL
     return [SYSTEM, _TASK_TOKEN[task], USER, *digits.tolist(), ASSISTANT]
@@ -80,7 +70,6 @@ def expected_completion(cfg, prompt: List[int]) -> List[int]:
     one that uses the tool)."""
     kind = task_of(prompt)
     if kind == "tora":
-        from . import tora_task
         return tora_task.expected_completion(prompt)
     if kind == "tool":
         obs = tool_lookup(cfg, _digits(prompt))
@@ -93,7 +82,6 @@ def reward(cfg, tokens: List[int], prompt_len: int) -> float:
     tora, when its final answer is right (``tora_task.reward``)."""
     prompt = tokens[:prompt_len]
     if task_of(prompt) == "tora":
-        from . import tora_task
         return tora_task.reward(tokens, prompt_len)
     want = prompt + expected_completion(cfg, prompt)
     return 1.0 if tokens[:len(want)] == want else 0.0

@@ -4,7 +4,7 @@ environment runs it in the sandbox (``sandbox.run_python``), and its output come
 
 The question is a product ``a*b`` (``a``, ``b`` in 2..9, ``A_RANGE`` / ``B_RANGE``): a tiny
 model does not learn the table within the demo's budget, but learns to copy the question into
-code and the tool's output into its answer. Token stream (ids in ``task.py``)::
+code and the tool's output into its answer. Token stream (ids in ``vocab.py``)::
 
     <system> <tora> <user> 7 * 6 <assistant>                   prompt
         ```python\nprint(  7 * 6  )\n```                      policy: the code block
@@ -17,6 +17,10 @@ which re-tokenizes it before each turn. Text to ids is canonical: a digit charac
 a ``DEC`` digit token; the reverse / tool tasks' digit tokens (0 .. ``vocab_digits`` - 1)
 print as the same digits, so an engine that writes ``4`` with one of those in its code
 produces ids that re-tokenization does not reproduce (drift: the manager forks a branch).
+
+The session itself (turns through the router, the sandbox between them, the trajectory
+manager) is driven by ``sessions.ToraSession``; this module is the task: prompts, text,
+environment, reward.
 
 The observation span has a fixed width (``OBS_WIDTH`` + 2 tokens): stdout digits stay
 digits, any other character run becomes one ``?`` (ERR), the rest is ``<eos>`` padding; it
@@ -31,7 +35,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import task
+from . import vocab
 from .sandbox import run_python
 
 A_RANGE = (2, 10)              # the question a*b: a, b drawn from these ranges
@@ -53,12 +57,12 @@ class Tokenizer:
 
     def __init__(self, base_digits: int = 10):
         self.pieces: Dict[int, str] = {
-            task.SYSTEM: "<system>", task.USER: "<user>", task.ASSISTANT: "<assistant>",
-            task.OBSERVATION: "<observation>", task.EOS: "<eos>", task.TOOL_CALL: "<tool_call>",
-            task.TASK_REVERSE: "<reverse>", task.TASK_TOOL: "<tool>", task.TASK_TORA: "<tora>",
-            task.PY_OPEN: "```python\nprint(", task.MUL: "*", task.PY_CLOSE: ")\n```",
-            task.ERR: "?"}
-        self.pieces.update({task.DEC0 + d: str(d) for d in range(10)})
+            vocab.SYSTEM: "<system>", vocab.USER: "<user>", vocab.ASSISTANT: "<assistant>",
+            vocab.OBSERVATION: "<observation>", vocab.EOS: "<eos>", vocab.TOOL_CALL: "<tool_call>",
+            vocab.TASK_REVERSE: "<reverse>", vocab.TASK_TOOL: "<tool>", vocab.TASK_TORA: "<tora>",
+            vocab.PY_OPEN: "```python\nprint(", vocab.MUL: "*", vocab.PY_CLOSE: ")\n```",
+            vocab.ERR: "?"}
+        self.pieces.update({vocab.DEC0 + d: str(d) for d in range(10)})
         self.canonical = {text: i for i, text in self.pieces.items()}
         # The reverse / tool digits: the same text as the decimal digits, never produced
         # by encode (non-canonical ids); past 9 they get pieces of their own.
@@ -66,9 +70,9 @@ class Tokenizer:
 
     def base_digits(self, n: int) -> None:
         for d in range(n):
-            self.pieces[task.N_SPECIAL + d] = str(d) if d < 10 else f"<d{d}>"
+            self.pieces[vocab.N_SPECIAL + d] = str(d) if d < 10 else f"<d{d}>"
             if d >= 10:
-                self.canonical[f"<d{d}>"] = task.N_SPECIAL + d
+                self.canonical[f"<d{d}>"] = vocab.N_SPECIAL + d
         self._by_first: Dict[str, List[str]] = {}
         for text in self.canonical:
             self._by_first.setdefault(text[0], []).append(text)
@@ -93,7 +97,7 @@ TOKENIZER = Tokenizer()
 
 def tokenizer(cfg) -> Tokenizer:
     """The tokenizer for ``cfg`` (its reverse / tool digits printable)."""
-    if cfg.vocab_digits > 10 and task.N_SPECIAL + cfg.vocab_digits - 1 not in TOKENIZER.pieces:
+    if cfg.vocab_digits > 10 and vocab.N_SPECIAL + cfg.vocab_digits - 1 not in TOKENIZER.pieces:
         TOKENIZER.base_digits(cfg.vocab_digits)
     return TOKENIZER
 
@@ -101,8 +105,8 @@ def tokenizer(cfg) -> Tokenizer:
 def make_prompt(gen: torch.Generator) -> List[int]:
     a = int(torch.randint(*A_RANGE, (1,), generator=gen))
     b = int(torch.randint(*B_RANGE, (1,), generator=gen))
-    question = [task.DEC0 + int(c) for c in str(a)] + [task.MUL, task.DEC0 + b]
-    return [task.SYSTEM, task.TASK_TORA, task.USER, *question, task.ASSISTANT]
+    question = [vocab.DEC0 + int(c) for c in str(a)] + [vocab.MUL, vocab.DEC0 + b]
+    return [vocab.SYSTEM, vocab.TASK_TORA, vocab.USER, *question, vocab.ASSISTANT]
 
 
 def question(prompt: List[int]) -> str:
@@ -147,18 +151,18 @@ def program(code_turn: str) -> str:
 def expected_completion(prompt: List[int]) -> List[int]:
     """The passing continuation that uses the tool (environment tokens included)."""
     answer = str(product(prompt))
-    code = [task.PY_OPEN, *prompt[3:-1], task.PY_CLOSE]
+    code = [vocab.PY_OPEN, *prompt[3:-1], vocab.PY_CLOSE]
     obs = TOKENIZER.encode(observation_content(answer))
-    return [*code, task.OBSERVATION, *obs, task.ASSISTANT, *TOKENIZER.encode(answer), task.EOS]
+    return [*code, vocab.OBSERVATION, *obs, vocab.ASSISTANT, *TOKENIZER.encode(answer), vocab.EOS]
 
 
 def final_turn(tokens: List[int], prompt_len: int) -> List[int]:
     """The last assistant turn of a trajectory: after the last ``<assistant>`` (the prompt's
     or an observation's), through the first ``<eos>``."""
     rest = tokens[prompt_len:]
-    if task.ASSISTANT in rest:
-        rest = rest[len(rest) - rest[::-1].index(task.ASSISTANT):]
-    return rest[:rest.index(task.EOS) + 1] if task.EOS in rest else rest
+    if vocab.ASSISTANT in rest:
+        rest = rest[len(rest) - rest[::-1].index(vocab.ASSISTANT):]
+    return rest[:rest.index(vocab.EOS) + 1] if vocab.EOS in rest else rest
 
 
 def reward(tokens: List[int], prompt_len: int) -> float:
@@ -218,116 +222,3 @@ def default_env() -> ToraEnv:
     if _ENV is None:
         _ENV = ToraEnv()
     return _ENV
-
-
-def _turn(ids: List[int], lps: List[float], mask: List[float]):
-    """A row's sampled ids and log-probs of one turn (``mask`` 1 where it sampled)."""
-    keep = [j for j, m in enumerate(mask) if m]
-    return [ids[j] for j in keep], [lps[j] for j in keep]
-
-
-@torch.no_grad()
-def generate_sessions(cfg, model, rows: List[List[int]], *, gen=None, greedy: bool = False,
-                      session: str = "rollout") -> List[Dict]:
-    """One ToRA session per row (``rows``: prompts, each repeated group-size times), batched
-    turn by turn, every turn through a :class:`~.trajectory.TrajectoryManager`; returns one
-    sample per row as ``rollout.generate`` does.
-
-    The code turn is sampled for all rows (``CODE_TURN`` tokens at most, up to ``)\\n```` or
-    ``<eos>``); a row that closed a block gets its program run (:class:`ToraEnv`) and the
-    output as an observation message; the manager re-tokenizes the conversation and the
-    answer turn is sampled on the ids it returns (a re-prefill: rows of equal length are
-    batched together). A row that stopped with ``<eos>`` answered without the tool, one that
-    never closed its block has failed: both are done after one turn.
-
-    A sample's ``tokens`` / ``rollout_logprobs`` / ``loss_mask`` are the session's active
-    branch (the engine's ids where sampled). After a re-tokenization drift the branch that
-    holds the engine's code turn was closed: it comes along in ``branches`` (same prompt,
-    its own routing), trained with the same reward. ``routing``: each position's experts from
-    the first forward that fed it with this branch's context (the code turn's forwards up to
-    the turn's last token or the fork, the answer turn's re-prefill after).
-    """
-    from . import kernels
-    from .model import RoutingRecorder
-    from .rollout import sample_turn
-    from .trajectory import TrajectoryManager
-
-    tok, env = tokenizer(cfg), default_env()
-    manager = TrajectoryManager(tok.encode, tok.decode, template=render)
-    device = next(model.parameters()).device
-    n, prompt_len = len(rows), len(rows[0])
-    sids = [f"{session}/{i}" for i in range(n)]
-    for sid, p in zip(sids, rows):
-        manager.start(sid, messages(p))
-        if manager.prompt(sid) != p:
-            raise ValueError(f"a ToRA prompt must be canonical text ids, got {p}")
-
-    recorder = RoutingRecorder(model)
-    toks = torch.tensor(rows, device=device)
-    live = torch.ones(n, dtype=torch.bool, device=device)
-    _, ids, lps, mask = sample_turn(model, toks, live, CODE_TURN, (task.PY_CLOSE, task.EOS),
-                                    recorder, gen=gen, greedy=greedy)
-    first_routing = recorder.recorded()          # positions 0 .. prompt_len + CODE_TURN - 2
-    ids, lps, mask = ids.tolist(), lps.float().tolist(), mask.tolist()
-    called, codes, code_end = [], [], []
-    for i, sid in enumerate(sids):
-        turn, turn_lps = _turn(ids[i], lps[i], mask[i])
-        text = manager.add_assistant(sid, turn, turn_lps)
-        code_end.append(prompt_len + len(turn))
-        if turn[-1] == task.PY_CLOSE:
-            called.append(i)
-            codes.append(program(text))
-    observations = [""] * n
-    for i, text in zip(called, env.run_many(codes)):
-        observations[i] = text
-        manager.add_message(sids[i], "observation", observation_content(text))
-
-    # The answer turn: re-tokenized conversations (forked on drift), batched by length.
-    contexts = {i: manager.prompt(sids[i]) for i in called}
-    fresh_from = {}                              # row -> first position the re-prefill records
-    late_routing = {}                            # row -> [layers, T2, k] of the re-prefill
-    by_len: Dict[int, List[int]] = {}
-    for i in called:
-        s = manager.sessions[sids[i]]
-        fork_at = s.branches[s.active].fork_at if s.active else len(contexts[i])
-        fresh_from[i] = min(code_end[i] - 1, fork_at)
-        by_len.setdefault(len(contexts[i]), []).append(i)
-    for length, members in sorted(by_len.items()):
-        rec = RoutingRecorder(model)
-        batch = torch.tensor([contexts[i] for i in members], device=device)
-        on = torch.ones(len(members), dtype=torch.bool, device=device)
-        _, ids2, lps2, mask2 = sample_turn(model, batch, on, ANSWER_TURN, (task.EOS,), rec,
-                                           gen=gen, greedy=greedy)
-        late = rec.recorded()
-        for j, i in enumerate(members):
-            manager.add_assistant(sids[i], *_turn(ids2[j].tolist(), lps2[j].float().tolist(),
-                                                  mask2[j].tolist()))
-            if late is not None:
-                late_routing[i] = late[:, j]
-
-    def packet(i: int, length: int, start: int) -> Optional[bytes]:
-        """Row ``i``'s routing of ``length`` positions: the code turn's below ``start``."""
-        if first_routing is None:
-            return None
-        parts = [first_routing[:, i, :min(start, length)]]
-        if length > start:
-            parts.append(late_routing[i][:, start:length])
-        return kernels.encode_routing(torch.cat(parts, 1), recorder.n_experts)
-
-    out = []
-    for i, sid in enumerate(sids):
-        *closed, main = manager.end(sid)
-        start = fresh_from.get(i, len(main["tokens"]))
-        out.append({
-            "tokens": main["tokens"], "prompt_len": prompt_len,
-            "rollout_logprobs": main["rollout_logprobs"][prompt_len:],
-            "loss_mask": main["loss_mask"][prompt_len:], "task": "tora",
-            "reward": reward(main["tokens"], prompt_len),
-            "routing": packet(i, len(main["tokens"]) - 1, start),
-            "session_id": sid, "observation": observations[i], "forks": len(closed),
-            "branches": [{"tokens": b["tokens"], "prompt_len": prompt_len,
-                          "rollout_logprobs": b["rollout_logprobs"][prompt_len:],
-                          "loss_mask": b["loss_mask"][prompt_len:],
-                          "routing": packet(i, len(b["tokens"]) - 1, len(b["tokens"]))}
-                         for b in closed]})
-    return out

@@ -13,13 +13,10 @@ SIGINT, SIGTERM, a failure); ``resume=<path>`` continues from it. An optimizer s
 bookkeeping are one unit that no signal splits (``stopping.py``); a rollout process that dies
 is restarted from a full weight snapshot (``supervisor.py``).
 """
-import contextlib
 import dataclasses
-import json
-import multiprocessing
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from tqdm.auto import tqdm
@@ -30,104 +27,14 @@ from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantag
 from . import checkpoint, kernels, task
 from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, policy_step,
                     routing_metrics, sft_sample)
-from .buffer import DataBuffer
+from .async_stage import async_stage
 from .config import TrainerConfig
 from .log import logger
-from .model import TinyLM
+from .model import TinyLM, make_optimizer
 from .plot import plot
 from .rollout import generate
+from .run import Run
 from .stopping import StopGuard, exit_code
-from .supervisor import RolloutError, RolloutProcess
-
-
-class Run:
-    """Everything a checkpoint holds, the open metrics file, and the guard that keeps signals
-    out of units of work (``stopping.py``)."""
-
-    def __init__(self, cfg: TrainerConfig, ckpt: Optional[dict] = None,
-                 guard: Optional[StopGuard] = None, on_rollout=None, engines=None):
-        self.cfg = cfg
-        self.engines = engines      # engines.EngineGroup (rollout_backend ray) or None
-        self.guard = guard if guard is not None else StopGuard()
-        self.on_rollout = on_rollout
-        ckpt = ckpt or {}
-        self.records: List[dict] = ckpt.get("records", [])
-        self.finished: Dict[str, dict] = ckpt.get("finished", {})   # stage -> model state
-        self.trained: Dict[str, list] = ckpt.get("trained", {})     # stage -> sample ids
-        self.accounting: Dict[str, dict] = ckpt.get("accounting", {})
-        self.global_step: int = ckpt.get("global_step", 0)
-        self.rollout_procs: int = ckpt.get("rollout_procs", 0)
-        self.resume_point = (ckpt["stage"], ckpt["step"], ckpt["model"], ckpt["optimizer"]) \
-            if "stage" in ckpt else None
-        self.current = None                                         # (stage, model, opt, step)
-        self.stepping = False       # inside an optimizer step: the live state may be torn
-        self.saved: Optional[str] = None      # where the last checkpoint of this run stands
-        self.path = os.path.join(cfg.out_dir, "checkpoint.pt")
-        # Rewritten from the checkpoint's records on resume: steps logged after the last
-        # checkpoint are run again and must not appear twice.
-        self._file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
-        self._file.writelines(json.dumps(rec) + "\n" for rec in self.records)
-        self._file.flush()
-
-    def log(self, rec: dict) -> None:
-        self.records.append(rec)
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
-        if not self.cfg.progress or rec.get("kind") != "train":
-            logger.info(" ".join(f"{k}={_fmt(v)}" for k, v in rec.items()))
-
-    def where(self) -> str:
-        if self.current is None:
-            return "between stages"
-        return f"stage {self.current[0]}, step {self.current[3]}"
-
-    def save(self) -> Optional[str]:
-        """Write ``checkpoint.pt`` atomically from the live state; None (and the last one
-        stays) when the trainer failed inside an optimizer step, whose state may be torn."""
-        if self.stepping:
-            return None
-        state = {"config": dataclasses.asdict(self.cfg), "records": self.records,
-                 "finished": self.finished, "trained": self.trained,
-                 "accounting": self.accounting, "global_step": self.global_step,
-                 "rollout_procs": self.rollout_procs}
-        if self.current is not None:
-            stage, model, opt, step = self.current
-            state.update(stage=stage, step=step, model=checkpoint.tensors(model.state_dict()),
-                         optimizer=opt.state_dict() if opt is not None else None)
-        elif self.resume_point is not None:
-            # Not resumed into yet (a failure on the way there): the stage state it holds is
-            # written back, never dropped -- the demo resumes from the file it writes.
-            stage, step, model_state, opt_state = self.resume_point
-            state.update(stage=stage, step=step, model=model_state, optimizer=opt_state)
-        checkpoint.save(self.path, state)
-        self.saved = self.where()
-        return self.path
-
-    @contextlib.contextmanager
-    def step(self):
-        """One optimizer step with all its bookkeeping (step counters, trained ids, weight
-        publish, metrics record, ``run.current``) as a unit: no signal lands inside it, and
-        a checkpoint falls due at its end (``checkpoint_every``)."""
-        with self.guard.atomic():
-            self.stepping = True
-            yield
-            self.stepping = False
-            every = self.cfg.checkpoint_every
-            if every and self.current is not None and self.current[3] % every == 0:
-                self.save()
-
-    def finish(self, stage: str, model) -> None:
-        """Mark ``stage`` finished with ``model``'s weights, as one unit."""
-        with self.guard.atomic():
-            self.finished[stage] = checkpoint.tensors(model.state_dict())
-            self.current = None
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def _fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else v
 
 
 def new_model(cfg, state=None) -> TinyLM:
@@ -168,7 +75,7 @@ def stage_optimizer(cfg, stage: str, model):
     """The optimizer a stage trains ``model`` with (also a resume's dry run of its state)."""
     if stage == "sft":
         return torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
-    return kernels.make_optimizer(model, cfg, cfg.opd_lr if stage == "opd" else cfg.rl_lr)
+    return make_optimizer(model, cfg, cfg.opd_lr if stage == "opd" else cfg.rl_lr)
 
 
 def stage_steps(cfg) -> Dict[str, int]:
@@ -209,139 +116,6 @@ def sft_stage(run, on_step) -> TinyLM:
         if on_step:
             on_step("sft", step + 1)
     return model
-
-
-def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: int,
-                prompts_per_step: int, steps: int, start: int, step_fn, on_step) -> None:
-    """Consume ready groups from a rollout process, step, push weights; ``steps`` in all.
-
-    A rollout process that dies is replaced by a new one that starts from a full weight
-    snapshot; ``cfg.rollout_restarts`` deaths in a row (no optimizer step between) are
-    replaced, one more raises ``RolloutError``. Whatever happens, the process is stopped and
-    every sample it generated is accounted for (trained, unconsumed or dropped) on the way out.
-    """
-    cfg, guard = run.cfg, run.guard
-    run.current = (stage, model, opt, start)
-    if start >= steps:
-        return
-    ctx = multiprocessing.get_context("spawn")
-    # Back-pressure: the rollout may run at most ``max_ahead_steps`` steps' worth of samples
-    # ahead of the trainer, which bounds staleness (weight versions behind) near that number.
-    queue_size = max(1, cfg.max_ahead_steps) * prompts_per_step * group_size
-    buf, held, deaths, rollout = DataBuffer(group_size), [], 0, None
-    trained = run.trained.setdefault(stage, [])
-    acc = run.accounting.setdefault(stage, {})
-    for key in ("generated", "trained", "unconsumed", "dropped"):
-        acc.setdefault(key, 0)
-
-    def launch(version: int) -> None:       # inside a unit: the handle exists before start()
-        nonlocal rollout
-        run.rollout_procs += 1
-        tag = f"{stage}/{run.rollout_procs}"
-        if run.engines is not None:
-            from .ray_rollout import RayRollout
-            rollout = RayRollout(run.engines, cfg, tag, cfg.seed * 7919 + run.rollout_procs, mix,
-                                 group_size, queue_size, health_interval=cfg.health_interval,
-                                 max_restarts=cfg.rollout_restarts)
-            first = rollout.start(guard, model)
-            logger.info(f"{stage}: rollout {tag} on {len(run.engines.alive())} Ray engine actors "
-                        f"({', '.join(run.engines.alive())}); weight sync v{first.version} "
-                        f"{first.payload_bytes} bytes per engine "
-                        f"({'full snapshot' if first.full else 'zstd delta'})")
-            return
-        rollout = RolloutProcess(cfg, ctx, tag, cfg.seed * 7919 + run.rollout_procs, mix,
-                                 group_size, queue_size, version)
-        first = rollout.start(guard, model)
-        logger.info(f"{stage}: rollout process {tag} (pid {rollout.pid}); weight sync "
-                    f"v{first.version} (full snapshot) {first.payload_bytes} bytes, later "
-                    f"versions are zstd deltas")
-        if run.on_rollout:
-            run.on_rollout(stage, rollout.pid)
-
-    def retire() -> None:
-        nonlocal rollout
-        counts, rollout = rollout.shutdown(), None
-        for key, n in counts.items():
-            acc[key] += n
-
-    try:
-        with guard.atomic():
-            launch(0)
-        bar = tqdm(range(start, steps), desc=stage, disable=not cfg.progress, initial=start,
-                   total=steps)
-        for step in bar:
-            t0 = time.perf_counter()
-            groups = held = []              # popped from the buffer, not trained yet
-            while len(groups) < prompts_per_step:
-                if not rollout.alive() and run.engines is not None:
-                    raise RolloutError(f"{stage}: {rollout.error} (config.rollout_restarts="
-                                       f"{cfg.rollout_restarts})")
-                if not rollout.alive():
-                    with guard.atomic():
-                        deaths += 1
-                        pid, code = rollout.pid, rollout.proc.exitcode
-                        version = rollout.sender.version
-                        retire()
-                        if deaths > cfg.rollout_restarts:
-                            raise RolloutError(
-                                f"{stage}: the rollout process died {deaths} times in a row "
-                                f"(last: pid {pid}, exit code {code}) with no optimizer step "
-                                f"between; stopping (config.rollout_restarts="
-                                f"{cfg.rollout_restarts})")
-                        logger.warning(f"{stage}: rollout process pid {pid} died (exit code "
-                                       f"{code}) at step {step}; restarting it from a full "
-                                       f"weight snapshot (restart {deaths} of "
-                                       f"{cfg.rollout_restarts} in a row)")
-                        run.log({"kind": "event", "event": "rollout_restart", "stage": stage,
-                                 "step": step, "global_step": run.global_step,
-                                 "exit_code": code})
-                        launch(version)
-                    continue
-                with guard.atomic():        # taken off the queue and buffered: one unit
-                    sample = rollout.get(timeout=0.25)
-                    if sample is not None:
-                        buf.add(sample)
-                        groups += buf.pop_ready(prompts_per_step - len(groups))
-            samples = [s for g in groups for s in g]
-            with run.step():
-                rec = step_fn(samples)
-                trained += [s["sample_id"] for s in samples]
-                held = []
-                trained_on = rollout.sender.version  # the weights this gradient was taken on
-                version, stats = rollout.sender.send(model)
-                run.global_step += 1
-                run.current = (stage, model, opt, step + 1)
-                rec.update(kind="train", stage=stage, step=step + 1, global_step=run.global_step,
-                           staleness=trained_on - sum(s["version"] for s in samples) / len(samples),
-                           weight_version=version, bytes_synced=stats.payload_bytes,
-                           changed_elements=stats.changed, step_s=time.perf_counter() - t0)
-                if any("forks" in s for s in samples):     # multi-turn (ToRA) sessions
-                    rec.update(trajectory_forks=sum(s.get("forks", 0) for s in samples),
-                               branches_trained=sum(len(s.get("branches", ()))
-                                                    for s in samples))
-                if run.engines is not None:
-                    rec.update(rollout.stats())
-                    rollout.step_done()
-                    while rollout.events:
-                        run.log({"kind": "event", "stage": stage, "step": step + 1,
-                                 "global_step": run.global_step, **rollout.events.pop(0)})
-                run.log(rec)
-            deaths = 0
-            if run.engines is not None and run.global_step == cfg.kill_engine_at:
-                victim = run.engines.kill()
-                logger.warning(f"{stage}: killed engine actor {victim} after global step "
-                               f"{run.global_step} (--kill-engine-at); the health monitor "
-                               f"replaces it")
-            bar.set_postfix(reward=f"{rec['reward']:.2f}", pop=f"{rec['pop_frac']:.3f}",
-                            stale=f"{rec['staleness']:.1f}", refresh=False)
-            if on_step:
-                on_step(stage, step + 1)
-    finally:
-        with guard.atomic():                # stopping the process and the accounting: one unit
-            if rollout is not None:
-                retire()
-            acc["unconsumed"] += buf.pending() + sum(len(g) for g in held)
-            acc["trained"] = len(trained)
 
 
 def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:

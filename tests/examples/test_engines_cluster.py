@@ -26,7 +26,8 @@ ray = pytest.importorskip("ray")
 
 import examples.async_trainer.__main__ as cli                              # noqa: E402
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
-from examples.async_trainer.engines import EngineGroup, init_ray          # noqa: E402
+from examples.async_trainer.engines import EngineGroup                    # noqa: E402
+from examples.async_trainer.ray_local import init_ray                   # noqa: E402
 from examples.async_trainer.ray_rollout import RayRollout                  # noqa: E402
 from examples.async_trainer.log import setup_logging                       # noqa: E402
 from examples.async_trainer.placement import EnginePlacement, PlacementError  # noqa: E402
@@ -160,7 +161,8 @@ def test_spread_places_engines_on_both_nodes_and_a_replacement_in_its_bundle(clu
         from examples.async_trainer.model import TinyLM
         torch.manual_seed(0)
         model = TinyLM(cfg, task.vocab_size(cfg))
-        rollout = RayRollout(group, cfg, "c1", 1, {"reverse": 1.0}, 4, 32, health_interval=0.3)
+        rollout = RayRollout(group, cfg, "c1", 1, {"reverse": 1.0}, 4, 10_000,
+                             health_interval=0.3)
         rollout.start(None, model)
         taken = take(rollout, 16)
         victim = "e0"

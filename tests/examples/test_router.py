@@ -1,5 +1,5 @@
 """Consistent-hash session router: load balance, minimal movement when an engine leaves or
-joins, session affinity accounting."""
+joins, sticky sessions, bounded-load placement of new sessions."""
 import random
 
 import pytest
@@ -50,34 +50,44 @@ def test_routing_is_deterministic_across_instances_and_order():
     assert all(a.lookup(s) == b.lookup(s) for s in _sessions(500, seed=2))
 
 
-def test_affinity_hit_rate_and_load():
-    router = ConsistentHashRouter([0, 1, 2])
+def test_sessions_stay_on_their_engine_until_it_leaves():
+    router = ConsistentHashRouter(["e0", "e1", "e2"])
     sessions = _sessions(300, seed=3)
-    assert router.affinity_hit_rate() is None
-    for turn in range(3):                       # three turns per session, nothing changes
-        for s in sessions:
-            router.route(s)
-    assert router.hits == 2 * len(sessions) and router.misses == 0
-    assert router.affinity_hit_rate() == 1.0
-    assert sum(router.load.values()) == 3 * len(sessions)
-    gone = 1
-    owned = [s for s in sessions if router.lookup(s) == gone]
-    router.remove(gone)
+    placed = {s: router.start(s) for s in sessions}
+    assert all(placed[s] == router.lookup(s) for s in sessions)    # all free: the ring's owner
+    router.add("e3")                          # a replacement joins: no live session moves
+    for _ in range(2):
+        assert all(router.route(s) == (placed[s], False) for s in sessions)
+    assert router.moved == 0 and sum(router.load.values()) == 3 * len(sessions)
+    router.remove("e1")
+    owned = [s for s in sessions if placed[s] == "e1"]
     for s in sessions:
-        router.route(s)
-    assert router.misses == len(owned)          # exactly the sessions that had to move
-    load, rate = router.snapshot()
-    assert rate == pytest.approx(router.hits / (router.hits + router.misses))
-    assert load[str(gone)] == 3 * len(owned)    # the departed engine's history is kept
+        engine, moved = router.route(s)
+        assert moved == (s in owned) and engine != "e1"
+        assert engine == (router.lookup(s) if moved else placed[s])
+    assert router.moved == len(owned)         # exactly the sessions that had to move
+    assert router.snapshot()["e1"] == 3 * len(owned)    # the departed engine's history is kept
     router.end_session(sessions[0])
-    router.route(sessions[0])                   # a new session: neither hit nor miss
-    assert router.hits + router.misses == 3 * len(sessions)
+    assert router.engine_of(sessions[0]) is None
+
+
+def test_a_new_session_goes_to_a_free_engine_bounded_load():
+    router = ConsistentHashRouter(["e0", "e1", "e2"])
+    sessions = _sessions(200, seed=4)
+    for s in sessions:                         # only e1 free: every new session lands there
+        assert router.start(s, free={"e1"}) == "e1"
+    # Two free: each session takes the first of them clockwise from its point, so both
+    # get a share, and a session whose owner is free stays with its owner.
+    got = {s: router.start(s, free={"e0", "e2"}) for s in sessions}
+    assert set(got.values()) == {"e0", "e2"}
+    assert all(got[s] == router.lookup(s) for s in sessions if router.lookup(s) != "e1")
+    assert router.start(sessions[0], free=set()) == router.lookup(sessions[0])   # none free
 
 
 def test_errors():
     router = ConsistentHashRouter()
     with pytest.raises(LookupError, match="no live engine"):
-        router.route("s")
+        router.start("s")
     router.add(1)
     with pytest.raises(ValueError, match="already"):
         router.add(1)

@@ -11,8 +11,7 @@ from examples.async_trainer.__main__ import parse
 from examples.async_trainer.batch import (collate, fused_linear_grpo_loss, policy_step,
                                           replay_tap, routing_metrics)
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.kernels import make_optimizer
-from examples.async_trainer.model import RoutingTap, TinyLM, routing_tap
+from examples.async_trainer.model import RoutingTap, TinyLM, make_optimizer, routing_tap
 from examples.async_trainer.rollout import generate
 from glm_kernels.topk import decode_routing, routing_header, routing_mismatch
 from tests.examples.test_trainer_async import Oracle

@@ -11,8 +11,7 @@ import torch
 from examples.async_trainer import task, tora_task
 from examples.async_trainer.batch import fused_linear_grpo_loss, policy_step, sft_sample
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.kernels import make_optimizer
-from examples.async_trainer.model import TinyLM
+from examples.async_trainer.model import TinyLM, make_optimizer
 from examples.async_trainer.rollout import generate
 from examples.async_trainer.tora_task import OBS_WIDTH, TOKENIZER, ToraEnv
 from glm_kernels.topk import routing_header

@@ -87,10 +87,10 @@ def test_tool_trajectory_observation_is_environment_and_masked():
     assert s["loss_mask"][0] == 1.0 and s["loss_mask"][3 + n:] == [1.0] * (n + 1)
     assert s["loss_mask"] == task.template_loss_mask(toks, p)[p:]
     assert sft_sample(cfg, prompt)["tokens"] == toks
-    # A first token that is not the tool call fails at once: reward 0, the rest masked padding.
+    # A first token that is not the tool call fails at once: reward 0, nothing after it.
     (bad,) = generate(cfg, Oracle(cfg, first=task.N_SPECIAL), [prompt], 1, gen=gen)
     assert bad["reward"] == 0.0 and bad["loss_mask"] == [1.0] + [0.0] * (len(bad["loss_mask"]) - 1)
-    assert set(bad["tokens"][p + 1:]) == {task.PAD}
+    assert bad["tokens"] == prompt + [task.N_SPECIAL]    # no second turn: the session ended
 
 
 def test_observation_tokens_get_no_loss_and_no_gradient():
@@ -124,7 +124,7 @@ def test_observation_tokens_get_no_loss_and_no_gradient():
 
 def test_optimizer_is_muon_split_per_head_and_per_expert():
     from glm_kernels.optim import MuonSplit
-    from examples.async_trainer.kernels import make_optimizer
+    from examples.async_trainer.model import make_optimizer
     cfg = TrainerConfig().validate()
     model = TinyLM(cfg, task.vocab_size(cfg))
     opt = make_optimizer(model, cfg, adamw_lr=1e-3)
@@ -151,7 +151,11 @@ def _check_accounting(out, cfg, stage, steps, per_step):
     acc = out["accounting"][stage]
     assert acc["trained"] == len(ids)
     assert acc["dropped"] == 0, (stage, acc)                            # no rollout died
-    assert acc["generated"] == acc["trained"] + acc["unconsumed"], (stage, acc)   # none lost
+    assert acc["generated"] == acc["trained"] + acc["unconsumed"] + acc["stale"], (stage, acc)
+    # Staleness bound: the rollout admits no more than max_ahead_steps allow, and a group that
+    # still finishes too late is dropped (``stale``), never trained past the bound.
+    recs = [r for r in out["records"] if r.get("stage") == stage and r["kind"] == "train"]
+    assert max(r["staleness_max"] for r in recs) <= cfg.max_ahead_steps, stage
 
 
 def test_short_run_learns_and_accounts_for_every_sample(tmp_path):
@@ -169,13 +173,6 @@ def test_short_run_learns_and_accounts_for_every_sample(tmp_path):
     assert last < 0.7 * first, (first, last)                 # the student moves to its teacher
     _check_accounting(out, cfg, "rl:reverse", cfg.rl_steps, cfg.prompts_per_step * cfg.group_size)
     _check_accounting(out, cfg, "opd", cfg.opd_steps, cfg.opd_prompts_per_step)
-    # Back-pressure: the queue holds max_ahead_steps steps of samples, one more batch is being
-    # generated, its weights were the newest the receiver held (+1), and on a loaded machine
-    # the newest publish may still be in flight when the rollout polls (+1). Seen here: 2-3 at
-    # max_ahead_steps=1 on an idle machine, 4 once under heavy load.
-    staleness = [r["staleness"] for r in out["records"]
-                 if r.get("kind") == "train" and "staleness" in r]
-    assert max(staleness) <= cfg.max_ahead_steps + 3, staleness
     rl = [r for r in out["records"] if r.get("stage") == "rl:reverse" and r["kind"] == "train"]
     assert all(0 < r["bytes_synced"] for r in rl)
     for f in ("metrics.jsonl", "metrics.png", "checkpoint.pt"):

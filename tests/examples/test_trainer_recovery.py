@@ -61,7 +61,7 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 def _check_accounting(acc, trained_ids, n_trained, dropped_ok=False):
     assert len(trained_ids) == len(set(trained_ids)) == n_trained      # none trained twice
     assert acc["trained"] == n_trained
-    assert acc["generated"] == acc["trained"] + acc["unconsumed"] + acc["dropped"], acc
+    assert acc["generated"] == acc["trained"] + acc["unconsumed"] + acc["stale"] + acc["dropped"], acc
     assert dropped_ok or acc["dropped"] == 0, acc                       # none lost
 
 
@@ -225,7 +225,7 @@ def test_a_rollout_that_keeps_dying_exits_1_with_a_checkpoint(tmp_path, monkeypa
     ckpt = checkpoint.load(str(tmp_path / "checkpoint.pt"))
     assert (ckpt["stage"], ckpt["step"]) == ("rl:reverse", 0) and "sft" in ckpt["finished"]
     acc = ckpt["accounting"]["rl:reverse"]
-    assert acc["trained"] == 0 and acc["generated"] == acc["unconsumed"] + acc["dropped"]
+    assert acc["trained"] == 0 and acc["generated"] == acc["unconsumed"] + acc["stale"] + acc["dropped"]
     _claimed_outputs(err, tmp_path)
 
 
