@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..loss import fused_linear_icepop_loss
-from ..loss.icepop import MISMATCH_KEYS
+from ..loss.mismatch import MISMATCH_KEYS
 
 __all__ = ["IcePopGRPOTrainer", "IcePopGRPOConfig", "generate_with_logprobs", "INSTALL_HINT",
            "SUPPORTED_LOSS_TYPES"]

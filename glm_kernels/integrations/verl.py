@@ -51,7 +51,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ..loss import icepop_loss
-from ..loss.icepop import MISMATCH_KEYS
+from ..loss.mismatch import MISMATCH_KEYS
 
 __all__ = ["icepop_policy_loss", "register", "gate_bounds", "LOSS_NAME", "INSTALL_HINT"]
 

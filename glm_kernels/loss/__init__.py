@@ -9,4 +9,4 @@ from .reverse_kl import reverse_kl_from_logits
 
 __all__ = ["icepop_loss", "group_advantages", "opd_advantages", "selective_logprobs",
            "icepop_loss_from_logits", "fused_linear_icepop_loss", "reverse_kl_from_logits",
-           "mismatch_metrics"]
+           "mismatch_metrics", "MISMATCH_KEYS"]

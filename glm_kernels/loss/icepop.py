@@ -28,7 +28,7 @@ import torch
 
 from .. import _dispatch
 from . import _checks, _reference
-from .mismatch import MISMATCH_KEYS, mismatch_from_tokens, raise_if_nonfinite
+from .mismatch import mismatch_from_tokens, raise_if_nonfinite
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8

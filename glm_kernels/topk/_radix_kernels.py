@@ -32,8 +32,10 @@ from .._aot import AotSpec
 from .._triton_compat import constexpr_function
 from .._dispatch import triton_version
 from ._kernels import PAD, _fill_like, _order_key, _pack, _topk_desc, _unpack_index
-from .topk import RADIX_TRITON_MIN
 
+# Triton 3.4's compiler aborts the process (an LLVM assertion in its TritonGPUCoalesce pass) on
+# the radix kernel; 3.6 builds it (3.5 not checked). Its interpreter runs it on 3.4.
+RADIX_TRITON_MIN = (3, 6)
 
 @triton.jit
 def _radix_ukey(key, KEY_BITS: tl.constexpr):

@@ -38,9 +38,6 @@ KEY_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.int3
 METHODS = ("short", "radix")
 SHORT_MAX = 4096               # longest row the register (short) path takes
 SORT_IN_KERNEL_MAX = 4096      # largest k the radix path sorts in registers
-# Triton 3.4's compiler aborts the process (an LLVM assertion in its TritonGPUCoalesce pass) on
-# the radix kernel; 3.6 builds it (3.5 not checked). Its interpreter runs it on 3.4.
-RADIX_TRITON_MIN = (3, 6)
 MAX_ROW = 2 ** 31 - 2 ** 16    # in-row offsets are int32 (tiles may run past the end)
 
 
@@ -143,15 +140,15 @@ def _topk_rows(x2d: torch.Tensor, k: int, largest: bool, sorted: bool,
         _kernels.topk_short(x2d, lengths, values, indices, rows_per_program=rows_per_program,
                             block=_next_pow2(n_cols), **common)
         return values, indices
-    if backend == "triton" and _dispatch.triton_version() < RADIX_TRITON_MIN:
+    from . import _radix_kernels
+    if backend == "triton" and _dispatch.triton_version() < _radix_kernels.RADIX_TRITON_MIN:
         _dispatch.warn_once("fallback:topk:radix",
                             f"glm_kernels.topk: the radix kernel (rows longer than the register "
                             f"path, or 64-bit keys) needs triton >= "
-                            f"{'.'.join(map(str, RADIX_TRITON_MIN))} to compile (installed: "
-                            f"{'.'.join(map(str, _dispatch.triton_version()))}); using the "
-                            "torch reference")
+                            f"{'.'.join(map(str, _radix_kernels.RADIX_TRITON_MIN))} to compile "
+                            f"(installed: {'.'.join(map(str, _dispatch.triton_version()))}); "
+                            "using the torch reference")
         return _reference.topk_reference(x2d, k, 1, largest, sorted, lengths)
-    from . import _radix_kernels
     direct = key_bits > 32 or k > SORT_IN_KERNEL_MAX
     programs = min(programs or n_rows, n_rows)
     if direct:
