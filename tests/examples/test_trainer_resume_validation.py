@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import examples.async_trainer.__main__ as cli
-from examples.async_trainer import checkpoint, kernels, trainer
+from examples.async_trainer import checkpoint, trainer
 from examples.async_trainer.config import TrainerConfig
 
 TINY = dict(tasks="reverse", sft_steps=2, rl_steps=4, opd_steps=0, prompts_per_step=2,
@@ -25,7 +25,7 @@ def _valid_state(out_dir):
     cfg = TrainerConfig(**TINY, out_dir=str(out_dir)).validate()
     torch.manual_seed(0)
     model = trainer.new_model(cfg)
-    opt = kernels.make_optimizer(model, cfg, cfg.rl_lr)          # what rl stages train with
+    opt = trainer.stage_optimizer(cfg, STAGE, model)             # what rl stages train with
     sum((p.float() ** 2).sum() for p in model.parameters()).backward()
     opt.step()
     return {"config": dataclasses.asdict(cfg), "records": [], "trained": {STAGE: ["0.0", "0.1"]},
