@@ -1,10 +1,20 @@
 """Shared test set-up: the interpreter is switched on before glm_kernels is imported, so every
 Triton kernel can run on CPU tensors under the ``interpret`` backend."""
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+# A private Inductor cache per test session: the default one (/tmp/torchinductor_<user>) is
+# shared by every run on the machine, and a compiled graph cached before a custom op's fake
+# kernel changed is replayed with the old fake's strides.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="glm_kernels_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

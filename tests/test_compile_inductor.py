@@ -112,9 +112,15 @@ def test_mismatch_metrics_and_advantages(backend):
                                            coef=0.5)]
         for dt in FLOATS:
             for m in (mask, fmask):
-                metrics = glm_kernels.mismatch_metrics(train_lp.to(dt), rollout.to(dt), m)
+                # bf16/fp16 inputs arrive in their dtype: a cast inside the graph may be fused
+                # away by Inductor (it keeps fp32 where eager rounds), which is not the op's
+                # behaviour under test.
+                lp = train_lp if dt == torch.float32 else low_precision[dt]
+                metrics = glm_kernels.mismatch_metrics(lp, rollouts[dt], m)
                 outs += [metrics[key] for key in sorted(metrics)]
         return (outs[1].sum(),) + tuple(outs)
+    low_precision = {dt: train.to(dt) for dt in FLOATS[1:]}
+    rollouts = {dt: rollout.to(dt) for dt in FLOATS}
     check_compiled_matches_eager(step, [train, train + 0.1])
 
 
