@@ -38,8 +38,7 @@ def measure(invariant: bool, repeats: int) -> dict:
     from examples.async_trainer import task
     from examples.async_trainer.batch import fused_linear_grpo_loss, policy_step
     from examples.async_trainer.config import TrainerConfig
-    from examples.async_trainer.kernels import make_optimizer
-    from examples.async_trainer.model import TinyLM
+    from examples.async_trainer.model import TinyLM, make_optimizer
     from examples.async_trainer.rollout import generate
     from glm_kernels import group_advantages
 

@@ -172,6 +172,34 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(tasks):
     torch.testing.assert_close(plain[m], batch.rollout_logprobs[m], rtol=1e-5, atol=1e-5)
 
 
+def test_engine_turn_gives_a_row_the_same_bits_alone_or_with_other_sessions_rows():
+    """``EngineCore`` (what a Ray engine actor or the rollout process serves turns with):
+    a row's ids and log-probs are the same served alone as among other rows of other
+    lengths, and equal to the trainer's full forward of the grown sequence."""
+    from examples.async_trainer.sampler import EngineCore
+    cfg = TrainerConfig(batch_invariant=True).validate()
+    model = _model(cfg, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    ctxs = [torch.randint(0, task.vocab_size(cfg), (n,), generator=gen).tolist()
+            for n in (5, 9, 9, 3)]
+    req = {"steps": 6, "stops": [task.EOS], "greedy": True}
+    core = EngineCore(model, batch_invariant=True)
+    alone = core.turn(dict(req, session="a", rows=[[0, ctxs[0]]], end=True))["rows"][0]
+    mixed = core.turn(dict(req, session="b", end=True,
+                           rows=[[i, c] for i, c in enumerate(ctxs)][::-1]))["rows"][0]
+    assert alone["ids"] == mixed["ids"] and alone["logprobs"] == mixed["logprobs"]
+    mask = torch.tensor(alone["mask"]) > 0
+    assert mask.any()
+    toks = torch.tensor([ctxs[0] + alone["ids"]])
+    with torch.no_grad(), glm_kernels.batch_invariant():
+        lp = invariant.token_logprobs(model(toks[:, :-1]), toks[:, 1:])[0, len(ctxs[0]) - 1:]
+    assert torch.equal(lp[mask], torch.tensor(alone["logprobs"])[mask])
+    # The default engine path gives the same tokens other bits (what the mode removes).
+    plain = EngineCore(model).turn(dict(req, session="c", rows=[[0, ctxs[0]]], end=True))
+    assert plain["rows"][0]["ids"] == alone["ids"]
+    assert plain["rows"][0]["logprobs"] != alone["logprobs"]
+
+
 def test_behaviour_policy_refuses_a_version_it_does_not_hold():
     cfg = TrainerConfig(batch_invariant=True).validate()
     model = _model(cfg)
