@@ -13,10 +13,9 @@ from typing import Dict, List
 from tqdm.auto import tqdm
 
 from .buffer import DataBuffer
+from .checkpoint import ACCOUNTING
 from .log import logger
 from .supervisor import RolloutError, RolloutProcess
-
-ACCOUNTING = ("generated", "trained", "unconsumed", "stale", "dropped")
 
 
 def staleness(trained_on: int, group: List[dict]) -> int:

@@ -106,7 +106,8 @@ def load(path: str) -> dict:
     return ckpt
 
 
-_ACCOUNTING = ("generated", "trained", "unconsumed", "dropped")
+# A stage's sample accounting keys (async_stage counts them; a checkpoint holds them).
+ACCOUNTING = ("generated", "trained", "unconsumed", "stale", "dropped")
 
 
 def validate(ckpt: dict, path: str, stage_steps: Dict[str, int], reference: Dict[str, torch.Tensor],
@@ -144,8 +145,8 @@ def validate(ckpt: dict, path: str, stage_steps: Dict[str, int], reference: Dict
             raise bad(f"trained[{stage!r}]", "must be a list of sample ids (str)")
     for stage, acc in ckpt["accounting"].items():
         stage_name(f"accounting[{stage!r}]", stage)
-        if not isinstance(acc, dict) or set(acc) - set(_ACCOUNTING):
-            raise bad(f"accounting[{stage!r}]", f"must be a dict of {list(_ACCOUNTING)}")
+        if not isinstance(acc, dict) or set(acc) - set(ACCOUNTING):
+            raise bad(f"accounting[{stage!r}]", f"must be a dict of {list(ACCOUNTING)}")
         for key, value in acc.items():
             count(f"accounting[{stage!r}][{key!r}]", value)
     for stage, state in ckpt["finished"].items():
