@@ -31,10 +31,11 @@ def parse(argv=None) -> TrainerConfig:
                                  description="SFT -> async GRPO + IcePop per task -> OPD, on CPU "
                                              "by default (see docs/trainer.md)")
     for f in fields(TrainerConfig):
-        kind = _bool if isinstance(f.default, bool) else type(f.default)
-        ap.add_argument("--" + f.name.replace("_", "-"), type=kind,
+        flag = isinstance(f.default, bool)       # ``--batch-invariant`` alone means true
+        ap.add_argument("--" + f.name.replace("_", "-"), type=_bool if flag else type(f.default),
                         default=CLI_DEFAULTS.get(f.name, f.default),
-                        metavar=type(f.default).__name__.upper())
+                        metavar=type(f.default).__name__.upper(),
+                        **({"nargs": "?", "const": True} if flag else {}))
     return TrainerConfig(**vars(ap.parse_args(argv)))
 
 

@@ -26,8 +26,11 @@ def staleness(trained_on: int, group: List[dict]) -> int:
 
 
 def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: int,
-                prompts_per_step: int, steps: int, start: int, step_fn, on_step) -> None:
+                prompts_per_step: int, steps: int, start: int, step_fn, on_step,
+                behaviour=None) -> None:
     """Consume ready groups from the rollout, step, push weights; ``steps`` in all.
+    ``behaviour`` (a ``behaviour.BehaviourPolicy``, batch-invariant mode) is told every
+    version published, so that it can recompute each sample's log-probs with its weights.
 
     A rollout process that dies is replaced by a new one that starts from a full weight
     snapshot; ``cfg.rollout_restarts`` deaths in a row (no optimizer step between) are
@@ -50,6 +53,11 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
         acc.setdefault(key, 0)
 
     def launch(version: int) -> None:       # inside a unit: the handle exists before start()
+        _launch(version)
+        if behaviour is not None:           # the version the new rollout starts from
+            behaviour.remember(rollout.sender.version, model)
+
+    def _launch(version: int) -> None:
         nonlocal rollout
         run.rollout_procs += 1
         tag = f"{stage}/{run.rollout_procs}"
@@ -145,6 +153,8 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
                 trained += [s["sample_id"] for s in samples]
                 held = []
                 version, stats = rollout.sender.send(model)
+                if behaviour is not None:
+                    behaviour.remember(version, model)
                 run.global_step += 1
                 run.current = (stage, model, opt, step + 1)
                 rec.update(kind="train", stage=stage, step=step + 1, global_step=run.global_step,

@@ -3,10 +3,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 
+from glm_kernels import batch_invariant, icepop_loss, selective_logprobs
 from glm_kernels.loss import fused_linear_icepop_loss
 
-from . import kernels, task
+from . import invariant, kernels, task
 from .model import RoutingTap, routing_tap
 from .packing import assign_to_ranks
 
@@ -94,15 +96,53 @@ def icepop_kwargs(cfg) -> dict:
                 return_metrics=True)
 
 
+# A sample's behaviour log-probs (``behaviour.py``), per response position like
+# ``rollout_logprobs``; set in batch-invariant mode only.
+BEHAVIOUR_KEY = "behaviour_logprobs"
+
+# Extra metrics of a loss_fn that policy_step combines by max over micro-batches (the
+# others are summed).
+MAX_METRICS = ("logprob_max_abs_diff",)
+
+
+def logprob_gap(train_logprobs: torch.Tensor, batch: Batch) -> Dict[str, float]:
+    """``logprob_max_abs_diff``: max |rollout - train| over the masked-in tokens (0.0 when
+    none), ``train`` being the log-probs IcePop's gate compares with the rollout's."""
+    gap = torch.where(batch.loss_mask > 0, (batch.rollout_logprobs - train_logprobs).abs(), 0.0)
+    return {"logprob_max_abs_diff": float(gap.max()) if gap.numel() else 0.0}
+
+
+def invariant_icepop_loss(cfg, logits: torch.Tensor, mb_samples: List[dict], batch: Batch,
+                          advantages: torch.Tensor) -> tuple:
+    """``--batch-invariant``: IcePop in decoupled mode, the gate on the behaviour log-probs
+    (``behaviour.py``: the weights that sampled each token, recomputed bitwise) against the
+    rollout's, the policy ratio exp(current - behaviour); ``logits`` from the invariant
+    forward. Returns (summed loss, metrics, {"logprob_max_abs_diff": ...})."""
+    old = place(mb_samples, BEHAVIOUR_KEY, batch.loss_mask.shape[1], batch.loss_mask.device)
+    lp = invariant.token_logprobs(logits, batch.targets)
+    with batch_invariant():
+        loss, m = icepop_loss(lp, batch.rollout_logprobs, advantages, batch.loss_mask,
+                              old_logprobs=old, **icepop_kwargs(cfg))
+    return loss, m, logprob_gap(old, batch)
+
+
 def fused_linear_grpo_loss(cfg, advantages: torch.Tensor, row_of: Dict[int, int]) -> LossFn:
     """GRPO + IcePop straight from the last hidden states and the lm_head weight
-    (``fused_linear_icepop_loss``: the [tokens, vocab] logits are never materialized)."""
+    (``fused_linear_icepop_loss``: the [tokens, vocab] logits are never materialized);
+    with ``cfg.batch_invariant`` from the invariant forward (``invariant_icepop_loss``)."""
     def loss_fn(model, mb_samples, batch):
         adv = advantages[[row_of[s.get("origin", id(s))] for s in mb_samples]]   # [B]
-        loss, m = fused_linear_icepop_loss(model.hidden(batch.inputs), model.lm_head.weight,
+        if cfg.batch_invariant:
+            with invariant.mode(True):
+                logits = model(batch.inputs)
+            return invariant_icepop_loss(cfg, logits, mb_samples, batch, adv)
+        hidden = model.hidden(batch.inputs)
+        loss, m = fused_linear_icepop_loss(hidden, model.lm_head.weight,
                                            batch.targets, batch.rollout_logprobs, adv,
                                            batch.loss_mask, **icepop_kwargs(cfg))
-        return loss, m, {}
+        with torch.no_grad():      # the gap the gate saw (a [tokens, vocab] fp32 product)
+            lp = selective_logprobs(F.linear(hidden, model.lm_head.weight), batch.targets)
+        return loss, m, logprob_gap(lp, batch)
     return loss_fn
 
 
@@ -140,7 +180,7 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
             sums["tokens"] += masked
             sums["loss"] += float(loss.detach())
             for k, v in extra.items():
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k] = max(sums.get(k, 0.0), v) if k in MAX_METRICS else sums.get(k, 0.0) + v
     opt.step()
     model.update_balance_bias(cfg.balance_bias_rate)
     return sums

@@ -57,7 +57,10 @@ class TrainerConfig:
                                      # round over the engines (ray), at most
     max_ahead_steps: int = 1         # staleness bound: a group is trained at most this many
                                      # weight versions after the one it was generated with
-    rollout_dtype: str = "bfloat16"  # weights the rollout engine runs in ("float32" too)
+    rollout_dtype: str = "auto"      # weights the rollout engine runs in: "bfloat16",
+                                     # "float32"; "auto": bfloat16, float32 if batch_invariant
+    batch_invariant: bool = False    # rollout and trainer log-probs bitwise equal (docs/
+                                     # trainer.md, "Batch-invariant mode"); fp32 rollout, CPU
     routing_replay: bool = True      # R3: train with the experts the rollout routed to
     beta: float = 2.0                # IcePop gate [1/beta, beta]
     eps_low: float = 0.2
@@ -107,6 +110,8 @@ class TrainerConfig:
         return self.device
 
     def rollout_torch_dtype(self) -> torch.dtype:
+        if self.rollout_dtype == "auto":
+            return torch.float32 if self.batch_invariant else torch.bfloat16
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.rollout_dtype]
 
     def use_ray(self) -> bool:
@@ -175,9 +180,13 @@ class TrainerConfig:
                              f" must hold one trajectory ({task.max_len(self)} tokens)")
         if self.beta <= 1.0:
             raise ValueError(f"config.beta must be > 1 (gate [1/beta, beta]), got {self.beta}")
-        if self.rollout_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"config.rollout_dtype must be 'bfloat16' or 'float32', got "
-                             f"{self.rollout_dtype!r}")
+        if self.rollout_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"config.rollout_dtype must be 'auto', 'bfloat16' or 'float32', "
+                             f"got {self.rollout_dtype!r}")
+        if self.batch_invariant and self.rollout_dtype == "bfloat16":
+            raise ValueError("config.rollout_dtype='bfloat16' with config.batch_invariant: the "
+                             "rollout must run the trainer's fp32 weights to match its "
+                             "log-probs bitwise (use 'float32' or 'auto')")
         if self.rollout_backend not in ("auto", "ray", "process"):
             raise ValueError(f"config.rollout_backend must be 'auto', 'ray' or 'process', got "
                              f"{self.rollout_backend!r}")
@@ -206,4 +215,7 @@ class TrainerConfig:
             raise ValueError(f"config.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("config.device='cuda' but torch.cuda.is_available() is False")
+        if self.batch_invariant and self.resolved_device() != "cpu":
+            raise ValueError(f"config.batch_invariant is built and tested on CPU only "
+                             f"(device {self.resolved_device()!r}); use device 'cpu'")
         return self

@@ -52,7 +52,7 @@ class _EngineImpl:
         self.cfg, self.engine_id = cfg, engine_id
         self.model = TinyLM(cfg, vocab.vocab_size(cfg)).to(
             cfg.resolved_device(), cfg.rollout_torch_dtype()).eval()
-        self.core = EngineCore(self.model)
+        self.core = EngineCore(self.model, batch_invariant=cfg.batch_invariant)
         self._new_receiver()
         self._lock = threading.Lock()
 

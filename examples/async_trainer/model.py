@@ -5,6 +5,11 @@ Rollout routing replay (R3): ``RoutingRecorder`` records which experts every MoE
 each position to during generation (one wire packet per trajectory); in training a
 ``RoutingTap`` installed with ``routing_tap`` replays those experts (or, with replay off, only
 compares against them) and counts the routing mismatch.
+
+Under ``glm_kernels.batch_invariant()`` the model takes the batch-invariant path of
+``invariant.py`` (fixed-shape tiles, fixed-order reductions, one thread), which also decodes
+with a KV cache (``TinyLM.forward(tokens, cache=invariant.KVCache())``) bitwise equal to the
+full forward.
 """
 import contextlib
 from typing import List, Optional
@@ -13,9 +18,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from glm_kernels import batch_invariant_enabled
 from glm_kernels.optim import MuonSplit, muon_param_groups
 
-from . import kernels, task
+from . import invariant, kernels, task
 
 
 class MLA(nn.Module):
@@ -98,11 +104,12 @@ class RoutingRecorder:
     def n_experts(self) -> int:
         return self.layers[0].n_experts
 
-    def step(self) -> None:
+    def step(self, start: int = 0) -> None:
+        """After a forward over positions ``start`` .. (``start`` > 0: a KV-cache decode)."""
         if self.layers:
-            ids = torch.stack(self.tap.ids)                             # [layers, rows, T, k]
-            self.chunks.append(ids[:, :, self.seen:])
-            self.seen = ids.shape[2]
+            ids = torch.stack(self.tap.ids)                 # [layers, rows, new positions, k]
+            self.chunks.append(ids[:, :, self.seen - start:])
+            self.seen = start + ids.shape[2]
 
     def recorded(self) -> Optional[torch.Tensor]:
         for moe in self.layers:
@@ -135,16 +142,18 @@ class MoE(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         flat = x.reshape(-1, d)
-        logits = self.router(flat)
+        fixed = batch_invariant_enabled()
+        ops = invariant if fixed else kernels
+        logits = invariant.linear(flat, self.router.weight) if fixed else self.router(flat)
         tap, layer = self.tap if self.tap is not None else (None, 0)
         recorded = None if tap is None or tap.recorded is None else \
             tap.recorded[layer].reshape(-1, self.k)
         if recorded is not None and tap.replay:    # R3: the rollout's experts, fresh weights
-            ids, w, mismatch = kernels.moe_route_replay(logits, self.k, self.route_bias,
-                                                        self.n_group, self.topk_group, recorded)
+            ids, w, mismatch = ops.moe_route_replay(logits, self.k, self.route_bias,
+                                                    self.n_group, self.topk_group, recorded)
         else:
-            ids, w = kernels.moe_route(logits, self.k, self.route_bias, self.n_group,
-                                       self.topk_group)                   # [N, k] each
+            ids, w = ops.moe_route(logits, self.k, self.route_bias, self.n_group,
+                                   self.topk_group)                       # [N, k] each
             mismatch = None if recorded is None else kernels.routing_mismatch(ids, recorded)
         if tap is not None:
             tap.observe(layer, ids.view(b, t, self.k), mismatch)
@@ -152,6 +161,8 @@ class MoE(nn.Module):
             self.load += torch.bincount(ids.flatten(), minlength=self.load.numel()).float()
         up = self.up.view(self.n_experts, d, 2 * d)
         down = self.down.view(self.n_experts, 2 * d, d)
+        if fixed:
+            return invariant.experts(flat, up, down, ids, w).view(b, t, d)
         h = torch.einsum("nd,edf->nef", flat, up).relu()
         y = torch.einsum("nef,efd->ned", h, down)                          # all experts (tiny)
         picked = y.gather(1, ids[..., None].expand(*ids.shape, d))        # [N, k, d]
@@ -176,16 +187,29 @@ class TinyLM(nn.Module):
             for _ in range(cfg.n_layers))
         self.norm, self.lm_head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
-    def hidden(self, tokens):
-        """Last hidden states after the final norm, [B, T, d] (the lm_head's input)."""
+    def hidden(self, tokens, cache: Optional[invariant.KVCache] = None):
+        """Last hidden states after the final norm, [B, T, d] (the lm_head's input).
+
+        Under ``glm_kernels.batch_invariant()``: the batch-invariant path, and ``cache``
+        (optional) makes ``tokens`` the positions after the cached ones (decode)."""
+        if batch_invariant_enabled():
+            with invariant.one_thread():
+                return invariant.hidden(self, tokens, cache)
+        if cache is not None:
+            raise ValueError("TinyLM: a KV cache needs glm_kernels.batch_invariant() (the "
+                             "default path recomputes the whole prefix)")
         x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for n1, attn, n2, moe in self.blocks:
             x = x + attn(n1(x))
             x = x + moe(n2(x))
         return self.norm(x)
 
-    def forward(self, tokens):
-        return self.lm_head(self.hidden(tokens))
+    def forward(self, tokens, cache: Optional[invariant.KVCache] = None):
+        h = self.hidden(tokens, cache)
+        if batch_invariant_enabled():
+            with invariant.one_thread():
+                return invariant.linear(h, self.lm_head.weight)
+        return self.lm_head(h)
 
     def update_balance_bias(self, rate: float) -> None:
         for *_, moe in self.blocks:

@@ -40,7 +40,7 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
     if not prompts:
         return []
     sess = new_session(cfg, session, prompts, group_size)
-    engine = EngineCore(model)
+    engine = EngineCore(model, batch_invariant=cfg.batch_invariant)
     while not sess.done:
         req = dict(sess.next_turn(), session=session, greedy=greedy)
         sess.feed(engine.turn(req, gen))

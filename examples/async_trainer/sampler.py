@@ -15,13 +15,20 @@ cache never recomputes it) and records only the rest. TinyLM has no KV tensors, 
 forward itself still runs over the whole context: the cache here saves no compute, it makes
 the routing what a real engine's would be and measures session affinity honestly (a turn
 finds its session's prefix only on the engine that served the session before).
+
+With ``batch_invariant`` (``--batch-invariant``) a turn runs the model's batch-invariant path
+(``invariant.py``): it prefills a KV cache with the context and decodes one position per
+step, and the recorded log-probs are bitwise what the trainer's full forward gives the same
+tokens with the same weights, whatever rows share the turn.
 """
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import torch
 
-from . import kernels, vocab
+from glm_kernels import batch_invariant_enabled
+
+from . import invariant, kernels, vocab
 from .model import RoutingRecorder
 
 
@@ -30,20 +37,31 @@ def sample_turn(model, toks, live, steps: int, stops, recorder, *, gen=None,
     """One assistant turn for a batch of rows: ``steps`` tokens sampled with one forward each
     (no early exit: rows stay aligned), rows in ``live`` until they sample a token in
     ``stops``; the others get ``PAD``. Returns the grown ``toks`` [n, T + steps], the turn's
-    ids, fp32 log-probs (0 where not sampled) and mask (1 where sampled), each [n, steps]."""
+    ids, fp32 log-probs (0 where not sampled) and mask (1 where sampled), each [n, steps].
+
+    Under ``glm_kernels.batch_invariant()`` the turn prefills a KV cache and decodes one
+    position per step, and the log-probs are ``invariant.token_logprobs``."""
     stops = torch.tensor(sorted(stops), dtype=toks.dtype, device=toks.device)
     ids, lps, masks = [], [], []
     live = live.clone()
+    cache = invariant.KVCache() if batch_invariant_enabled() else None
     for _ in range(steps):
-        logp = torch.log_softmax(model(toks)[:, -1].float(), -1)
-        recorder.step()
+        if cache is None:
+            logits = model(toks)[:, -1].float()
+            recorder.step()
+        else:
+            start = cache.length
+            logits = model(toks[:, start:], cache=cache)[:, -1]
+            recorder.step(start)
+        logp = torch.log_softmax(logits, -1)
         if greedy:
             nxt = kernels.topk(logp, 1).indices                      # ties -> smaller id
         else:
             # Sampled on the CPU with the caller's generator: one seeded stream per process,
             # whatever device the model is on (a [rows, vocab] copy; the vocab is tiny).
             nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)
-        lp = logp.gather(-1, nxt).squeeze(-1)
+        lp = logp.gather(-1, nxt).squeeze(-1) if cache is None else \
+            invariant.token_logprobs(logits, nxt.squeeze(-1))
         nxt = torch.where(live, nxt.squeeze(-1), torch.full_like(nxt.squeeze(-1), vocab.PAD))
         ids.append(nxt)
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))
@@ -69,10 +87,12 @@ class EngineCore:
     ``session_found`` (this engine held the session's prefix) and ``reused_tokens``.
     At most ``max_sessions`` sessions are kept (least recently used goes first: a session
     that ends without a last turn, e.g. every row failed, does not stay forever).
+    ``batch_invariant``: every turn on the model's batch-invariant path (see the module).
     """
 
-    def __init__(self, model, *, max_sessions: int = 512):
+    def __init__(self, model, *, max_sessions: int = 512, batch_invariant: bool = False):
         self.model = model
+        self.batch_invariant = batch_invariant
         self.max_sessions = max_sessions
         self.sessions: "OrderedDict[str, Dict[int, tuple]]" = OrderedDict()
         self.turns = self.session_hits = self.reused_tokens = 0
@@ -90,9 +110,10 @@ class EngineCore:
             recorder = RoutingRecorder(self.model)
             toks = torch.tensor([ctx for _, ctx in members], device=device)
             live = torch.ones(len(members), dtype=torch.bool, device=device)
-            toks, ids, lps, mask = sample_turn(self.model, toks, live, req["steps"],
-                                               req["stops"], recorder, gen=gen,
-                                               greedy=req.get("greedy", False))
+            with invariant.mode(self.batch_invariant):
+                toks, ids, lps, mask = sample_turn(self.model, toks, live, req["steps"],
+                                                   req["stops"], recorder, gen=gen,
+                                                   greedy=req.get("greedy", False))
             fresh = recorder.recorded()                   # [layers, rows, fed, k] or None
             fed = toks[:, :-1].cpu().tolist()            # the ids each position was fed
             ids, lps, mask = ids.tolist(), lps.float().cpu().tolist(), mask.tolist()

@@ -24,10 +24,11 @@ from tqdm.auto import tqdm
 from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantages,
                          selective_logprobs)
 
-from . import checkpoint, kernels, task
-from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, policy_step,
-                    routing_metrics, sft_sample)
+from . import checkpoint, invariant, kernels, task
+from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, invariant_icepop_loss,
+                    logprob_gap, policy_step, routing_metrics, sft_sample)
 from .async_stage import async_stage
+from .behaviour import BehaviourPolicy
 from .config import TrainerConfig
 from .log import logger
 from .model import TinyLM, make_optimizer
@@ -125,17 +126,21 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
     opt = stage_optimizer(cfg, stage, model)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
+    behaviour = BehaviourPolicy(cfg) if cfg.batch_invariant else None
 
     def grpo_step(samples):
         rewards = torch.tensor([s["reward"] for s in samples], device=model.emb.weight.device)
         adv = group_advantages(rewards, cfg.group_size)                     # [n * G]
         row_of = {id(s): i for i, s in enumerate(samples)}
+        if behaviour is not None:
+            behaviour.annotate(samples)
         sums = policy_step(cfg, model, opt, samples, fused_linear_grpo_loss(cfg, adv, row_of))
         return {"reward": float(rewards.mean()), "pop_frac": sums["pop"] / sums["tokens"],
-                "clip_frac": sums["clip"] / sums["tokens"], **routing_metrics(sums)}
+                "clip_frac": sums["clip"] / sums["tokens"],
+                "logprob_max_abs_diff": sums["logprob_max_abs_diff"], **routing_metrics(sums)}
 
     async_stage(run, stage, model, opt, {task_name: 1.0}, cfg.group_size, cfg.prompts_per_step,
-                cfg.rl_steps, start, grpo_step, on_step)
+                cfg.rl_steps, start, grpo_step, on_step, behaviour)
     return model
 
 
@@ -149,9 +154,11 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
         opt.load_state_dict(opt_state)
     for t in teachers.values():
         t.eval().requires_grad_(False)
+    behaviour = BehaviourPolicy(cfg) if cfg.batch_invariant else None
 
     def distill_loss(model, mb, batch):
-        logits = model(batch.inputs)
+        with invariant.mode(cfg.batch_invariant):
+            logits = model(batch.inputs)
         teacher_lp = torch.zeros_like(batch.rollout_logprobs)
         exact_kl = torch.zeros_like(batch.rollout_logprobs)
         for name in {s["task"] for s in mb}:
@@ -162,16 +169,25 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
                 teacher_lp[rows] = selective_logprobs(t_logits, batch.targets[rows])
                 exact_kl[rows] = kernels.reverse_kl(logits[rows].detach(), t_logits)
         adv = opd_advantages(batch.rollout_logprobs, teacher_lp, form="log_ratio")  # [B, T]
-        loss, metrics = icepop_loss_from_logits(logits, batch.targets, batch.rollout_logprobs,
-                                                adv, batch.loss_mask, **icepop_kwargs(cfg))
+        if cfg.batch_invariant:
+            loss, metrics, gap = invariant_icepop_loss(cfg, logits, mb, batch, adv)
+        else:
+            loss, metrics = icepop_loss_from_logits(logits, batch.targets,
+                                                    batch.rollout_logprobs, adv,
+                                                    batch.loss_mask, **icepop_kwargs(cfg))
+            with torch.no_grad():
+                gap = logprob_gap(selective_logprobs(logits, batch.targets), batch)
         m = batch.loss_mask
         return loss, metrics, {
             "kl_sampled": float(((batch.rollout_logprobs - teacher_lp) * m).sum()),
-            "kl_exact": float((exact_kl * m).sum())}
+            "kl_exact": float((exact_kl * m).sum()), **gap}
 
     def distill_step(samples):
+        if behaviour is not None:
+            behaviour.annotate(samples)
         sums = policy_step(cfg, model, opt, samples, distill_loss)
         rec = {"pop_frac": sums["pop"] / sums["tokens"], "clip_frac": sums["clip"] / sums["tokens"],
+               "logprob_max_abs_diff": sums["logprob_max_abs_diff"],
                "reverse_kl": sums["kl_exact"] / sums["tokens"],
                "reverse_kl_sampled": sums["kl_sampled"] / sums["tokens"],
                "reward": sum(s["reward"] for s in samples) / len(samples),
@@ -183,7 +199,7 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
         return rec
 
     async_stage(run, stage, model, opt, cfg.opd_mix(), 1, cfg.opd_prompts_per_step,
-                cfg.opd_steps, start, distill_step, on_step)
+                cfg.opd_steps, start, distill_step, on_step, behaviour)
     return model
 
 
