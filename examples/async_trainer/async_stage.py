@@ -18,7 +18,6 @@ from .log import logger
 from .supervisor import RolloutError, RolloutProcess
 
 
-
 def staleness(trained_on: int, group: List[dict]) -> int:
     """Versions between the oldest weights any sample of ``group`` was generated with and
     ``trained_on``."""
