@@ -183,7 +183,10 @@ def test_a_stalled_engine_does_not_stall_the_other(cfg, group):
             taken.append(s)
     during = {e: sum(1 for s in taken if s["engine"] == e) - before[e] for e in (stalled, other)}
     assert during[stalled] <= rollout.prompts_per_session * 4      # at most its last turn
-    assert during[other] >= 10 * rollout.prompts_per_session * 4, during
+    # A pump that waits on the hung engine lets the other serve at most one turn meanwhile;
+    # three turns' worth proves it does not wait (10x held on a quiet machine, 5x beside a
+    # test suite on the other core).
+    assert during[other] >= 3 * rollout.prompts_per_session * 4, during
     idle = rollout.stats()["engine_idle_s"]
     assert idle[other] < 1.0, idle                                  # the free one kept busy
     _accounted(rollout, taken)
