@@ -108,6 +108,9 @@ def _backward_fake(hidden, weight, token_ids, lse, entropy, grad_lp, grad_entrop
 class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, token_ids, inv_temp, want_entropy, chunk_size):
+        # An entropy kept for logging (or a log-prob left unused) gets no zero-filled upstream
+        # gradient: backward leaves its term out instead of computing it times 0.
+        ctx.set_materialize_grads(False)
         lp, entropy, lse = run_op(_forward_op, _forward_impl, hidden, weight, token_ids,
                                   inv_temp, want_entropy, chunk_size)
         ctx.save_for_backward(hidden, weight, token_ids, lse, entropy)
@@ -121,11 +124,14 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         hidden, weight, token_ids, lse, entropy = ctx.saved_tensors
         inv_temp, want_entropy, chunk_size = ctx.cfg
         need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_lp = (torch.zeros_like(lse) if grad_lp is None
+                   else grad_lp.float().contiguous())
+        # A traced backward may hand the non-differentiable [0] entropy a gradient anyway.
+        grad_entropy = (grad_entropy.float().contiguous()
+                        if want_entropy and grad_entropy is not None else None)
         grad_hidden, grad_weight = run_op(
-            _backward_op, _backward_impl, hidden, weight, token_ids, lse, entropy,
-            grad_lp.float().contiguous(),
-            grad_entropy.float().contiguous() if want_entropy else None, inv_temp, chunk_size,
-            bool(need_hidden), bool(need_weight))
+            _backward_op, _backward_impl, hidden, weight, token_ids, lse, entropy, grad_lp,
+            grad_entropy, inv_temp, chunk_size, bool(need_hidden), bool(need_weight))
         return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
                 None, None, None, None)
 
