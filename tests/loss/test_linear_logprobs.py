@@ -9,6 +9,7 @@ import glm_kernels
 from glm_kernels import fused_linear_logprobs, selective_logprobs
 from glm_kernels.loss import linear_logprobs
 from glm_kernels.loss.fused_linear import make_fused_linear_config
+from glm_kernels.testing import rel_error
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE
 from tests.loss.test_logits_fused_linear import _LargestTensor, _PeakLiveBytes
@@ -98,8 +99,8 @@ def test_without_entropy(any_backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_matches_trl_fused_lm_head(any_backend, dtype, temperature):
-    """TRL accumulates its gradients in fp32 and rounds once; ours rounds the bf16 weight
-    gradient once per token chunk (3 chunks here): equal within the bf16 tolerance."""
+    """Both sum the weight gradient over chunks in fp32 and round once (TRL over vocab tiles
+    of 32 columns, ours over 3 token chunks)."""
     hidden, weight, ids, grad_lp, grad_ent = _inputs(3, 8, 200, 16, seed=2, dtype=dtype)
     got = _run(_ours(ids, temperature, 9), hidden, weight, grad_lp, grad_ent)
     ref = _run(_trl(ids, temperature), hidden, weight, grad_lp, grad_ent)
@@ -109,6 +110,29 @@ def test_matches_trl_fused_lm_head(any_backend, dtype, temperature):
     assert_close(got[1], ref[1], tol=max(tol / 10, FP32), name="entropy vs TRL")
     assert_close(got[2].float(), ref[2].float(), tol=tol, name="dhidden vs TRL")
     assert_close(got[3].float(), ref[3].float(), tol=tol, name="dweight vs TRL")
+
+
+def test_fp32_weight_grad_keeps_many_chunks_accurate():
+    """bf16 weights, 128 token chunks: summed in fp32 (the default) the weight gradient is as
+    accurate as TRL's (fp32 sums, one rounding); summed in bf16 it loses accuracy with every
+    chunk (the check fails if the fp32 sum were not used: the two errors then agree)."""
+    hidden, weight, ids, grad_lp, grad_ent = (t.cpu() for t in _inputs(
+        1, 2048, 256, 16, seed=14, dtype=torch.bfloat16))
+    exact = _run(_materialised(ids, 1.0), hidden.double(), weight.double(), grad_lp, grad_ent)
+    trl = _run(_trl(ids, 1.0), hidden, weight, grad_lp, grad_ent)
+
+    def weight_grad_error(fp32_weight_grad):
+        def fn(h, w):
+            return fused_linear_logprobs(h, w, ids, return_entropy=True, chunk_size=16,
+                                         fp32_weight_grad=fp32_weight_grad)
+        with glm_kernels.force_backend("torch"):
+            got = _run(fn, hidden, weight, grad_lp, grad_ent)
+        assert got[3].dtype == torch.bfloat16
+        return rel_error(got[3], exact[3])
+
+    trl_error = rel_error(trl[3], exact[3])
+    assert weight_grad_error(True) <= 1.05 * trl_error
+    assert weight_grad_error(False) > 1.5 * trl_error
 
 
 def test_entropy_matches_verl(any_backend):
@@ -214,6 +238,8 @@ class TestBadInputs:
             fused_linear_logprobs(hidden, weight, ids, chunk_size=0)
         with pytest.raises(ValueError, match="memory_budget"):
             fused_linear_logprobs(hidden, weight, ids, memory_budget=-1)
+        with pytest.raises(TypeError, match="fp32_weight_grad"):
+            fused_linear_logprobs(hidden, weight, ids, fp32_weight_grad=None)
 
     def test_out_of_range_ids_on_cpu(self):
         hidden, weight, ids, _, _ = (t.cpu() for t in _inputs(1, 4, 20, 8, seed=9))
@@ -254,10 +280,15 @@ def test_opcheck_custom_ops():
                               test_utils=utils)
         torch.library.opcheck(linear_logprobs._backward_op,
                               (hidden, weight, ids, lse, torch.rand(4), grad_lp.reshape(-1),
-                               grad_ent.reshape(-1), 1.0, 3, True, True), test_utils=utils)
+                               grad_ent.reshape(-1), 1.0, 3, True, True, True),
+                              test_utils=utils)
         torch.library.opcheck(linear_logprobs._backward_op,
                               (hidden, weight, ids, lse, torch.rand(0), grad_lp.reshape(-1),
-                               None, 1.0, 3, False, True), test_utils=utils)
+                               None, 1.0, 3, False, True, False), test_utils=utils)
+        torch.library.opcheck(linear_logprobs._backward_op,
+                              (hidden.bfloat16(), weight.bfloat16(), ids, lse, torch.rand(0),
+                               grad_lp.reshape(-1), None, 1.0, 3, True, True, True),
+                              test_utils=utils)
 
 
 @pytest.mark.gpu
