@@ -10,9 +10,10 @@ term), from hidden [N, H] and lm_head weight [V, H], temperature 0.7, side by si
 * ``trl_fused_lm_head``: TRL 1.16's ``ChunkedLogProbFunction`` (its GRPO trainer's LM head),
   vocab tiles of 4096 columns.
 
-Time: median of repeats. Peak memory: the bytes held by live tensors allocated during the
-step, above the inputs (CUDA: the allocator's peak; CPU: the peak of live aten outputs, the
-tracker tests/loss/test_logits_fused_linear.py uses). Ratios: each provider / verl's.
+Time: median of repeats (on the CPU also the process time per step). Peak memory: the bytes
+held by live tensors allocated during the step, above the inputs (CUDA: the allocator's peak;
+CPU: the peak of live aten outputs, the tracker tests/loss/test_logits_fused_linear.py uses).
+Ratios: each provider / verl's.
 
     python benchmarks/bench_entropy.py --cpu     # N = 512, V = 4096, H = 64, fp32, C = 64
     python benchmarks/bench_entropy.py           # GPU: N = 4K / 16K, V = 154880, H = 6144,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -31,6 +33,7 @@ import _common  # noqa: E402
 from glm_kernels import _dispatch, fused_linear_logprobs, selective_logprobs  # noqa: E402
 
 TEMPERATURE = 0.7
+CPU_REPEATS = 3
 
 
 def make_inputs(n_tokens, vocab, hidden, dtype, device, seed=0):
@@ -79,20 +82,20 @@ def _step(fn, inp):
     return step
 
 
-def peak_bytes(step, device) -> int:
+def measure(step, device):
+    """(median seconds, peak bytes above the inputs, CPU seconds per step or None) of one
+    fwd+bwd step. On the CPU the process time is reported beside the wall time: on a shared
+    machine it is the steadier of the two."""
     if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        from bench_logits import _measure            # the allocator's peak, then the timing
+        return (*_measure(lambda _: step, None, device), None)
     from tests.loss.test_logits_fused_linear import _PeakLiveBytes
     tracker = _PeakLiveBytes()
-    with tracker:
+    with tracker:                                    # also the warm-up
         step()
-    return tracker.peak
+    start = time.process_time()
+    seconds = _common.time_fn(step, device=device, warmup=0, repeats=CPU_REPEATS)
+    return seconds, tracker.peak, (time.process_time() - start) / CPU_REPEATS
 
 
 def run(quick: bool = False, cpu: bool = False) -> dict:
@@ -114,27 +117,32 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
         for name, fn in providers(chunk_size).items():
             step = _step(fn, inp)
             try:
-                seconds = _common.time_fn(step, device=device, warmup=1, repeats=3)
-                peak = peak_bytes(step, device)
+                seconds, peak, cpu_seconds = measure(step, device)
             except Exception as exc:           # a provider that fails is reported, not hidden
                 notes[f"{name}@{n}"] = f"{type(exc).__name__}: {str(exc)[:160]}"
                 continue
             row[f"{name}_ms"], row[f"{name}_peak_MiB"] = seconds * 1e3, peak / 2 ** 20
+            if cpu_seconds is not None:
+                row[f"{name}_cpu_ms"] = cpu_seconds * 1e3
         for name in providers():
             if f"{name}_ms" in row and "verl_ms" in row:
                 row[f"{name}_time/verl"] = row[f"{name}_ms"] / row["verl_ms"]
                 row[f"{name}_peak/verl"] = row[f"{name}_peak_MiB"] / row["verl_peak_MiB"]
+                if "verl_cpu_ms" in row:
+                    row[f"{name}_cpu/verl"] = row[f"{name}_cpu_ms"] / row["verl_cpu_ms"]
         rows.append(row)
         del inp
     names = list(providers())
     _common.print_table(
         f"log-probs + entropy fwd+bwd from hidden states on {device} ({dtype}, T = "
-        f"{TEMPERATURE}; glm_kernels backend: {backend}, chunk_size {chunk_size or 'from budget'}; "
-        f"matmul {rate / 1e9:.0f} GFLOP/s measured)", rows, ["tokens", "vocab", "hidden", "floor_ms"]
-        + [f"{p}_ms" for p in names])
+        f"{TEMPERATURE}; glm_kernels backend: {backend}, chunk_size "
+        f"{chunk_size or 'from budget'}; matmul {rate / 1e9:.0f} GFLOP/s measured)", rows,
+        ["tokens", "vocab", "hidden", "floor_ms"]
+        + [c for p in names for c in (f"{p}_ms", f"{p}_cpu_ms") if any(c in r for r in rows)])
     _common.print_table("side by side (provider / verl)", rows,
                         ["tokens"] + [c for p in names for c in (
-                            f"{p}_peak_MiB", f"{p}_time/verl", f"{p}_peak/verl")])
+                            f"{p}_peak_MiB", f"{p}_time/verl", f"{p}_cpu/verl", f"{p}_peak/verl")
+                            if any(c in r for r in rows)])
     result = {"benchmark": "entropy", "device": device, "glm_kernels_backend": backend,
               "matmul_flops": rate, "chunk_size": chunk_size, "rows": rows, "notes": notes,
               "fallbacks": _dispatch.fallbacks_logged(), "env": _common.environment()}

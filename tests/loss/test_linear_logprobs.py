@@ -2,6 +2,7 @@
 tokens, never a [tokens, V] tensor; against selective_logprobs on the materialised logits,
 TRL 1.16's own fused LM head (``trl.kernels.chunked_logprob.ChunkedLogProbFunction``, what
 its GRPO trainer runs for log-probs and entropy) and verl's ``entropy_from_logits``."""
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from glm_kernels.testing import rel_error
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE
 from tests.loss.test_logits_fused_linear import _LargestTensor, _PeakLiveBytes
-from tests.test_compile_inductor import COMPILER, check_compiled_matches_eager
+from tests.test_compile_inductor import check_compiled_matches_eager
 
 FP32 = TOLERANCES[torch.float32]
 BF16 = TOLERANCES[torch.bfloat16]
@@ -232,14 +233,17 @@ class TestBadInputs:
             fused_linear_logprobs(hidden, weight, ids.float())
         with pytest.raises(ValueError, match="temperature"):
             fused_linear_logprobs(hidden, weight, ids, temperature=0.0)
-        with pytest.raises(TypeError, match="return_entropy"):
-            fused_linear_logprobs(hidden, weight, ids, return_entropy=1)
         with pytest.raises(ValueError, match="chunk_size"):
             fused_linear_logprobs(hidden, weight, ids, chunk_size=0)
         with pytest.raises(ValueError, match="memory_budget"):
             fused_linear_logprobs(hidden, weight, ids, memory_budget=-1)
-        with pytest.raises(TypeError, match="fp32_weight_grad"):
-            fused_linear_logprobs(hidden, weight, ids, fp32_weight_grad=None)
+
+    @pytest.mark.parametrize("value", ["no", np.bool_(True), 1, None])
+    @pytest.mark.parametrize("flag", ["return_entropy", "fp32_weight_grad"])
+    def test_flags_take_bool_only(self, flag, value):
+        hidden, weight, ids, _, _ = _inputs(1, 4, 20, 8, seed=8)
+        with pytest.raises(TypeError, match=flag):
+            fused_linear_logprobs(hidden, weight, ids, **{flag: value})
 
     def test_out_of_range_ids_on_cpu(self):
         hidden, weight, ids, _, _ = (t.cpu() for t in _inputs(1, 4, 20, 8, seed=9))
