@@ -160,6 +160,23 @@ def test_bf16_matches_unfused_bf16(any_backend):
     assert_close(got[3].float(), ref[3].float(), tol=BF16, name="dweight")
 
 
+def test_fp16_int32_ids_strided_hidden_and_frozen_hidden(any_backend):
+    """fp16, int32 ids, a non-contiguous hidden (a slice of a wider buffer) and a frozen
+    hidden: only the weight gets a gradient."""
+    hidden, weight, ids, grad_lp, grad_ent = _inputs(2, 6, 70, 16, seed=15,
+                                                     dtype=torch.float16)
+    wide = torch.stack([hidden, hidden], -1)[..., 0]             # strided, same values
+    assert not wide.is_contiguous() and torch.equal(wide, hidden)
+    w = weight.clone().requires_grad_(True)
+    lp, ent = fused_linear_logprobs(wide, w, ids.int(), return_entropy=True, chunk_size=5)
+    ((lp * grad_lp).sum() + (ent * grad_ent).sum()).backward()
+    ref = _run(_materialised(ids, 1.0), hidden, weight, grad_lp, grad_ent)
+    assert_close(lp, ref[0], tol=FP32, name="logprobs")
+    assert_close(ent, ref[1], tol=FP32, name="entropy")
+    assert w.grad.dtype == torch.float16
+    assert_close(w.grad.float(), ref[3].float(), tol=TOLERANCES[torch.float16], name="dweight")
+
+
 def test_frozen_weight_no_grad_and_empty(any_backend):
     hidden, weight, ids, grad_lp, grad_ent = _inputs(2, 3, 60, 8, seed=5)
     h = hidden.clone().requires_grad_(True)
