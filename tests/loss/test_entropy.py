@@ -118,7 +118,7 @@ def test_top_entropy_quantile_mask_matches_trl(any_backend, quantile):
     single-process ``accelerate.Accelerator``, which it uses only to gather across ranks) on
     our entropies selects the tokens it selects on TRL's, all-masked row included."""
     accelerate = pytest.importorskip("accelerate")
-    trainer = type("OneProcess", (), {"accelerator": accelerate.Accelerator(cpu=True)})()
+    trainer = type("OneProcess", (), {"accelerator": accelerate.Accelerator()})()
     get_mask = trl_grpo.GRPOTrainer.get_high_entropy_mask
     logits, ids, _, _, mask = _batch(b=4, t=16, seed=4)
     _, _, entropy = _ours(logits, ids, 0.8)
