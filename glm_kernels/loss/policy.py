@@ -4,7 +4,7 @@ Math: docs/policy_loss.md (one row per preset); readable version in
 ``loss/_policy_reference.py``. The variant is a compile-time :class:`PolicyLossSpec`
 (``loss/_policy_spec.py``); its hyper-parameters are runtime floats.
 """
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -16,6 +16,10 @@ from ._policy_spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec,  
 
 STATS_KEYS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pop_frac")
 _DEFAULT_GATE = (0.5, 2.0)
+_BLOCK_GPU, _WARPS_GPU = 2048, 8
+_BLOCK_SEQ_GPU = 1024            # a sequence program's chunk: registers for ~8 tile values
+_BLOCK_INTERPRET = 256
+_NUM_STATS = 6
 
 
 def _layout(logprobs, cu_seqlens):
@@ -103,6 +107,153 @@ def _check_reduction(spec, reduction, denominator, norm_length, logprobs, cu_seq
         raise ValueError(f"norm_length is only used by reduction='seq_mean_token_sum_norm', "
                          f"got reduction={reduction!r}")
     return reduction, denominator, norm_length
+
+
+def _seg_id(num_tokens, num_rows, row_len, cu_seqlens, device):
+    if cu_seqlens is None:
+        return torch.arange(num_tokens, device=device) // max(row_len, 1)
+    positions = torch.arange(num_tokens, device=device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+
+
+def _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows, denominator,
+            norm_length, loss_scale):
+    """(loss, backward scale: 0-d, or [rows] for seq_mean_*) from the kernel's outputs."""
+    device = partials.device
+    one = torch.ones((), device=device)
+    if reduction == "none":
+        return loss_terms * loss_scale, one * loss_scale
+    total = partials[:, 0].double().sum().float()
+    if reduction == "sum":
+        return total * loss_scale, one * loss_scale
+    if reduction == "row_mean":
+        inv = 1.0 / (float(num_rows) if denominator is None else denominator)
+        return total * inv * loss_scale, inv * loss_scale * one
+    if reduction == "token_mean":
+        tokens = partials[:, 1].double().sum().float()
+        inv = 1.0 / (tokens.clamp(min=1.0) if denominator is None else denominator)
+        return total * inv * loss_scale, inv * loss_scale * one
+    if spec.ratio != "token":                      # one stats row per sequence
+        row_sums, row_tokens = partials[:, 0], partials[:, 1]
+    else:
+        zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        row_sums = zeros.index_add(0, seg_id, loss_terms)
+        row_tokens = zeros.index_add(0, seg_id, mask.float())
+    has_tokens = (row_tokens > 0).float()
+    denom = has_tokens.sum().clamp(min=1.0) if denominator is None else denominator
+    row_scale = has_tokens / denom
+    if reduction == "seq_mean_token_mean":
+        row_scale = row_scale / row_tokens.clamp(min=1.0)
+    if reduction == "seq_mean_token_sum_norm":
+        row_scale = row_scale / norm_length
+    row_scale = row_scale * loss_scale
+    return (row_sums * row_scale).sum(), row_scale
+
+
+@torch.library.custom_op("glm_kernels::policy_loss", mutates_args=())
+def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+               loss_mask: Optional[torch.Tensor], token_weights: Optional[torch.Tensor],
+               rollout_logprobs: Optional[torch.Tensor], selection: Optional[torch.Tensor],
+               cu_seqlens: Optional[torch.Tensor], denominator: Optional[torch.Tensor],
+               ratio: str, objective: str, gate: str, reduction: str,
+               floats: List[float], params: List[float],
+               has_delta: bool, has_dual: bool, num_rows: int, row_len: int,
+               need_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor]:
+    """Flat inputs -> (loss, d unit / d lp [N] fp32 or [0], backward scale, stats [6]).
+
+    gate '' = none; floats: log-ratio clamp
+    (0 = none), sequence log-ratio cap (nan = none), gate_low, gate_high, eps_low, eps_high,
+    dual_clip, norm_length, loss_scale."""
+    from . import _policy_kernels as kernels
+    log_clamp, seq_max, gate_low, gate_high, eps_low, eps_high, dual, norm_length, \
+        loss_scale = floats
+    spec = PolicyLossSpec(ratio, objective, log_ratio_clamp=log_clamp or None,
+                          seq_log_ratio_max=None if seq_max != seq_max else seq_max)
+    backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
+                                       loss_mask, token_weights, rollout_logprobs)
+    interpret = backend == "interpret"
+    n = logprobs.numel()
+    device = logprobs.device
+    adv_per_seq = advantages.shape[0] != n
+    seg_id = _seg_id(n, num_rows, row_len, cu_seqlens, device)
+    if adv_per_seq and ratio == "token" and cu_seqlens is not None:
+        advantages, adv_per_seq = advantages[seg_id], False
+    store_loss = reduction == "none" or (reduction.startswith("seq_mean") and ratio == "token")
+    if ratio == "geo_mean":
+        loss_terms = torch.empty(num_rows, dtype=torch.float32, device=device)
+        programs = num_rows
+        block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
+    elif ratio != "token":
+        loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
+        programs = num_rows
+        block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
+    else:
+        loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
+        block = _BLOCK_INTERPRET if interpret else _BLOCK_GPU
+        programs = -(-n // block)
+    grad = torch.empty(n if need_grad else 0, dtype=torch.float32, device=device)
+    partials = torch.zeros((programs, _NUM_STATS), dtype=torch.float32, device=device)
+    as_bytes = lambda t: None if t is None else (   # noqa: E731
+        t.view(torch.uint8) if t.dtype == torch.bool else t)
+    mask = (torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None
+            else loss_mask != 0)
+    if programs and (n or ratio == "geo_mean"):
+        kernels.policy_fwd(
+            spec, (kernels.RATIO_CODES[ratio], kernels.OBJECTIVE_CODES[objective],
+                   kernels.GATE_CODES[gate or None]),
+            logprobs, old_logprobs, advantages, as_bytes(loss_mask), token_weights,
+            rollout_logprobs, as_bytes(selection), cu_seqlens, loss_terms, grad, partials,
+            row_len=row_len, adv_per_seq=adv_per_seq, gate_low=gate_low, gate_high=gate_high,
+            eps_low=eps_low, eps_high=eps_high, dual_clip=dual if has_dual else None,
+            params=params, has_delta=has_delta, block=block,
+            num_warps=4 if interpret or block <= 1024 else _WARPS_GPU)
+    loss, scale = _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows,
+                          denominator, norm_length, loss_scale)
+    stats = partials.double().sum(0).float()
+    return loss, grad, scale, stats
+
+
+@_policy_op.register_fake
+def _policy_fake(logprobs, old_logprobs, advantages, loss_mask, token_weights,
+                 rollout_logprobs, selection, cu_seqlens, denominator, ratio, objective, gate,
+                 reduction, floats, params, has_delta, has_dual, num_rows, row_len, need_grad):
+    n = logprobs.numel()
+    if reduction == "none":
+        loss_shape = (num_rows,) if ratio == "geo_mean" else (n,)
+    else:
+        loss_shape = ()
+    scale_shape = (num_rows,) if reduction.startswith("seq_mean") else ()
+    return (logprobs.new_empty(loss_shape, dtype=torch.float32),
+            logprobs.new_empty((n if need_grad else 0,), dtype=torch.float32),
+            logprobs.new_empty(scale_shape, dtype=torch.float32),
+            logprobs.new_empty((_NUM_STATS,), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    logprobs, cu_seqlens = inputs[0], inputs[7]
+    _, grad, scale, _ = output
+    ctx.save_for_backward(grad, scale, cu_seqlens)
+    ctx.ratio, ctx.reduction = inputs[9], inputs[12]
+    ctx.num_rows, ctx.row_len = inputs[17], inputs[18]
+    ctx.lp_dtype = logprobs.dtype
+
+
+def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
+    coef, scale, cu_seqlens = ctx.saved_tensors
+    n = coef.numel()
+    per_row = ctx.reduction.startswith("seq_mean") or (
+        ctx.reduction == "none" and ctx.ratio == "geo_mean")
+    upstream = scale * grad_loss
+    if per_row:
+        seg_id = _seg_id(n, ctx.num_rows, ctx.row_len, cu_seqlens, coef.device)
+        upstream = upstream[seg_id]
+    out = coef * upstream
+    return (out.to(ctx.lp_dtype),) + (None,) * 19
+
+
+torch.library.register_autograd("glm_kernels::policy_loss", _backward,
+                                setup_context=_setup_context)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -210,21 +361,55 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     reduction, denominator, norm_length = _check_reduction(spec, reduction, denominator,
                                                            norm_length, logprobs, cu_seqlens)
 
-    seg_id, num_seqs, _ = _layout(logprobs, cu_seqlens)
+    seg_id, num_seqs, row_len = _layout(logprobs, cu_seqlens)
+    backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
+                                       loss_mask, token_weights, rollout_logprobs)
     flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
-    adv = advantages[seg_id] if advantages.shape != logprobs.shape else flat(advantages)
-    mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
-            if loss_mask is None else flat(loss_mask) != 0)
-    sel = flat(selection)
-    if sel is None and spec.objective in ("clip_cov", "kl_cov"):
-        sel = torch.zeros_like(mask)
-    loss, stats = policy_loss_reference(
-        spec, flat(logprobs), flat(old_logprobs), adv, mask, seg_id, num_seqs,
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
-        token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
-        gate_low=lo, gate_high=hi, selection=sel, reduction=reduction,
-        denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
-        params=params)
+    if spec.objective in ("clip_cov", "kl_cov") and selection is None:
+        selection = torch.zeros(logprobs.shape, dtype=torch.bool, device=logprobs.device)
+    if backend == "torch":
+        adv = advantages[seg_id] if advantages.shape != logprobs.shape else flat(advantages)
+        mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
+                if loss_mask is None else flat(loss_mask) != 0)
+        loss, stats = policy_loss_reference(
+            spec, flat(logprobs), flat(old_logprobs), adv, mask, seg_id, num_seqs,
+            eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
+            token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
+            gate_low=lo, gate_high=hi, selection=flat(selection), reduction=reduction,
+            denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
+            params=params)
+    else:
+        contiguous = lambda t: None if t is None else t.contiguous().reshape(-1)  # noqa: E731
+        if denominator is not None and not isinstance(denominator, torch.Tensor):
+            denominator = torch.tensor(denominator, dtype=torch.float32,
+                                       device=logprobs.device)
+        elif denominator is not None:
+            denominator = denominator.to(device=logprobs.device, dtype=torch.float32)
+        values = [v for v in params.values()] + [0.0] * 4
+        delta = params.get("delta")
+        op_params = [0.0 if v is None else float(v) for v in values[:4]]
+        floats = [spec.log_ratio_clamp or 0.0,
+                  float("nan") if spec.seq_log_ratio_max is None else spec.seq_log_ratio_max,
+                  lo, hi, eps_low, eps_high, 1.0 if dual is None else dual,
+                  1.0 if norm_length is None else norm_length, loss_scale]
+        loss, _, _, sums = _policy_op(
+            contiguous(logprobs), contiguous(old_logprobs), contiguous(advantages),
+            contiguous(loss_mask), contiguous(token_weights), contiguous(rollout_logprobs),
+            contiguous(selection), None if cu_seqlens is None else cu_seqlens.contiguous(),
+            denominator, spec.ratio, spec.objective, gate or "", reduction, floats,
+            op_params, delta is not None, dual is not None, num_seqs,
+            0 if row_len is None else row_len,
+            bool(logprobs.requires_grad and torch.is_grad_enabled()))
+        stats = _stats_from_sums(sums)
     if reduction == "none" and spec.ratio != "geo_mean":
         loss = loss.reshape(logprobs.shape)
     return (loss, stats) if return_stats else loss
+
+
+def _stats_from_sums(sums: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The kernel's stats [6] -> verl's masked means (sum / (masked + 1e-8)) and pop_frac."""
+    masked = sums[1]
+    return {"pg_clipfrac": sums[3] / (masked + 1e-8),
+            "pg_clipfrac_lower": sums[4] / (masked + 1e-8),
+            "ppo_kl": sums[5] / (masked + 1e-8),
+            "pop_frac": sums[2] / masked.clamp(min=1.0)}
