@@ -1,4 +1,4 @@
-"""verl plug-in: IcePop as a verl policy loss, registered through verl's own registry.
+"""verl plug-in: IcePop and every verl policy loss, registered through verl's own registry.
 
 verl (checked against verl 0.9.1) looks a policy loss up by name in
 ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY`` (``register_policy_loss``) and calls it
@@ -8,24 +8,26 @@ from its actor's ``ppo_loss`` (verl/workers/utils/losses.py) as::
                                          response_mask=..., loss_agg_mode=..., config=...,
                                          rollout_is_weights=...)
 
-Importing this module registers :func:`icepop_policy_loss` under ``"icepop"`` when verl is
-installed (:func:`register` does it explicitly, and raises if verl is missing). Select it with
-``actor_rollout_ref.actor.policy_loss.loss_mode=icepop``; docs/verl.md has the config lines,
-including how verl's Ray workers import this module (``VERL_USE_EXTERNAL_MODULES``).
+Importing this module, when verl is installed, registers :func:`icepop_policy_loss` under
+``"icepop"`` (:func:`register` does it explicitly, and raises if verl is missing) and
+``glm_<name>`` for every loss in verl's registry (:func:`register_all`; the losses live in
+:mod:`glm_kernels.integrations.verl_losses`). Select one with
+``actor_rollout_ref.actor.policy_loss.loss_mode=icepop`` (or ``=glm_gspo``, ...);
+docs/verl.md has the config lines, including how verl's Ray workers import this module
+(``VERL_USE_EXTERNAL_MODULES``).
 
-Two modes, chosen by what verl hands the loss:
+IcePop has two modes, chosen by what verl hands the loss:
 
 * **decoupled** (``rollout_is_weights`` given): verl recomputed ``old_log_prob`` and its
   rollout-correction step turned the rollout log-probs into per-token IS weights -- with
   ``algorithm.rollout_correction.rollout_is=token`` and ``rollout_is_threshold="lo_hi"``
   those are IcePop's ``w = k * 1[lo <= k <= hi]``, k = exp(old - rollout)
   (``RolloutCorrectionConfig.decoupled_token_icepop``). verl never passes the rollout
-  log-probs themselves to a policy loss, so the gate is verl's; the kernel computes
-  ``w * max(-r A, -clip(r) A)`` with r = exp(log_prob - old). Any other IS weights (TIS,
-  sequence level) are honoured the same way. A token whose weight is 0 contributes exactly 0
-  to the loss and the gradient, even when its log-probs are inf or NaN.
+  log-probs themselves to a policy loss, so the gate is verl's; the core op computes
+  ``w * max(-r A, -clip(r) A)`` (dual-clipped) with r = exp(log_prob - old) as its token
+  weights. Any other IS weights (TIS, sequence level) are honoured the same way.
 * **coupled** (no ``rollout_is_weights``): ``old_log_prob`` is the ratio's base and the gate
-  is on rho = exp(log_prob - old) itself (DESIGN 3.1 coupled mode). With
+  is on rho = exp(log_prob - old) itself (the core op's ``gate="coupled"``). With
   ``algorithm.rollout_correction.bypass_mode=true`` verl's trainer puts the rollout
   log-probs in ``old_log_prob`` and skips the old-log-prob forward: that is GLM-5's coupled
   (TITO) IcePop. The gate interval is read from
@@ -33,10 +35,11 @@ Two modes, chosen by what verl hands the loss:
   ``"lo_hi"`` string (verl's IcePop spelling), else [1/2, 2] (beta = 2).
 
 Both modes keep verl's PPO details: the clip [1 - clip_ratio_low, 1 + clip_ratio_high], the
-dual clip ``clip_ratio_c`` for negative advantages, every ``loss_agg_mode`` through verl's own
-``agg_loss`` with ``config.global_batch_info`` (so data-parallel normalisation is verl's), and
-verl's metric names ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` plus
-``actor/pop_frac`` (masked tokens whose weight is 0) and ``actor/icepop_ratio_mean``.
+dual clip ``clip_ratio_c`` for negative advantages, every ``loss_agg_mode`` with
+``config.global_batch_info`` (verl's ``agg_loss`` arithmetic, done by the core op), and verl's
+metric names ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (from the
+core op's statistics, the same pass) plus ``actor/pop_frac`` (masked tokens whose weight is
+0) and ``actor/icepop_ratio_mean``.
 
 Log-probs from hidden states: verl's actor computes ``log_prob`` itself (its
 ``use_fused_kernels`` option already avoids [tokens, V] logits); verl 0.9.1 has no plug point

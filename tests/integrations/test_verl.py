@@ -11,6 +11,7 @@ import torch
 
 from glm_kernels.integrations import verl as plug
 from tests._compare import assert_close
+from tests.integrations._verl_actor import run_ppo_loss
 
 PIP = plug.INSTALL_HINT
 core = pytest.importorskip("verl.trainer.ppo.core_algos", reason=f"verl missing: {PIP}")
@@ -237,28 +238,14 @@ def test_verl_ppo_loss_dispatches_to_icepop():
     """verl's actor-side ``ppo_loss`` (verl/workers/utils/losses.py) on a batch laid out as its
     engine hands it (padded prompts/responses, packed per-position log-probs): it looks the
     loss up by ``config.policy_loss.loss_mode`` and calls it with its keyword arguments."""
-    losses = pytest.importorskip("verl.workers.utils.losses", reason=f"verl missing: {PIP}")
-    tu = pytest.importorskip("verl.utils.tensordict_utils", reason=f"verl missing: {PIP}")
+    pytest.importorskip("verl.workers.utils.losses", reason=f"verl missing: {PIP}")
     lp, old, rollout, adv, mask = make_batch(7, edge=False, empty_row=False)
-    b, t = lp.shape
-    prompt_len = 4
     w = verl_decoupled_weights(old, rollout, mask)
     cfg = actor_config()
-    x = lp.clone().requires_grad_(True)
-    # Position p of a sequence predicts token p + 1: the response log-probs sit one to the left.
-    stream = [torch.cat([x.new_zeros(prompt_len - 1), x[i], x.new_zeros(1)]) for i in range(b)]
-    data = tu.get_tensordict(
-        {"prompts": torch.ones(b, prompt_len, dtype=torch.long),
-         "responses": torch.ones(b, t, dtype=torch.long),
-         "attention_mask": torch.ones(b, prompt_len + t, dtype=torch.long),
-         "response_mask": mask.long(), "old_log_probs": old, "advantages": adv,
-         "rollout_is_weights": w},
-        {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None})
-    loss, metrics = losses.ppo_loss(cfg, {"log_probs": torch.cat(stream)}, data)
-    loss.backward()
+    loss, grad, metrics = run_ppo_loss(cfg, lp, old, adv, mask, w)
     ref = run(plug.icepop_policy_loss, lp, old, adv, mask, "token-mean", cfg, w)
-    assert_close(loss.detach(), ref[0], tol=TOL, name="ppo_loss")
-    assert_close(x.grad, ref[1], tol=TOL, name="ppo_loss grad")
+    assert_close(loss, ref[0], tol=TOL, name="ppo_loss")
+    assert_close(grad, ref[1], tol=TOL, name="ppo_loss grad")
     assert "actor/pop_frac" in metrics
 
 

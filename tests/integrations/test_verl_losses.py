@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests._compare import assert_close
+from tests.integrations._verl_actor import run_ppo_loss
 
 core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl missing")
 rc = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="verl missing")
@@ -139,7 +140,8 @@ def assert_same(ours, ref, label, magnitude=None):
         assert abs(float(ours[0]) - float(ref[0])) <= TOL * scale, (
             f"loss {label}: {float(ours[0])!r} vs {float(ref[0])!r} (scale {scale:.3e})")
     assert_close(ours[1], ref[1], tol=TOL, name=f"grad {label}")
-    assert set(ours[2]) == set(ref[2]), f"metric keys {label}: {sorted(ours[2])} vs {sorted(ref[2])}"
+    assert set(ours[2]) == set(ref[2]), (f"metric keys {label}: {sorted(ours[2])} vs "
+                                         f"{sorted(ref[2])}")
     for key, value in ref[2].items():
         assert isinstance(ours[2][key], float), f"{label} {key}: {type(ours[2][key])}"
         assert ours[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{label} {key}"
@@ -276,33 +278,17 @@ def test_clip_cov_draws_as_verl_does():
 def test_verl_ppo_loss_dispatches_to_glm(name):
     """verl's actor-side ppo_loss (verl/workers/utils/losses.py) with loss_mode=glm_<name>
     gives what it gives with loss_mode=<name>: loss, gradient, metrics."""
-    losses = pytest.importorskip("verl.workers.utils.losses", reason="verl missing")
-    tu = pytest.importorskip("verl.utils.tensordict_utils", reason="verl missing")
+    pytest.importorskip("verl.workers.utils.losses", reason="verl missing")
     lp, old, rollout, adv, mask = make_batch(6)
-    b, t = lp.shape
-    prompt_len = 4
     correction = RolloutCorrectionConfig.bypass_pg_is()
     w = verl_weights("token_tis", old, rollout, mask)
     results = []
     for loss_mode in (name, f"glm_{name}"):
-        cfg = actor_config(loss_mode, correction=correction)
-        x = lp.clone().requires_grad_(True)
-        # Position p predicts token p + 1: the response log-probs sit one to the left.
-        stream = [torch.cat([x.new_zeros(prompt_len - 1), x[i], x.new_zeros(1)])
-                  for i in range(b)]
-        data = tu.get_tensordict(
-            {"prompts": torch.ones(b, prompt_len, dtype=torch.long),
-             "responses": torch.ones(b, t, dtype=torch.long),
-             "attention_mask": torch.ones(b, prompt_len + t, dtype=torch.long),
-             "response_mask": mask.long(), "old_log_probs": old, "advantages": adv,
-             "rollout_is_weights": w},
-            {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None})
         torch.manual_seed(0)
-        loss, metrics = losses.ppo_loss(cfg, {"log_probs": torch.cat(stream)}, data)
-        loss.backward()
-        results.append((loss.detach(), x.grad,
-                        {k: float(v.aggregate()) if hasattr(v, "aggregate") else v
-                         for k, v in metrics.items() if k != "actor/pg_loss"}))
+        loss, grad, metrics = run_ppo_loss(actor_config(loss_mode, correction=correction), lp,
+                                           old, adv, mask, w)
+        results.append((loss, grad, {k: float(v.aggregate()) if hasattr(v, "aggregate") else v
+                                     for k, v in metrics.items() if k != "actor/pg_loss"}))
     assert_same(results[1], results[0], f"ppo_loss {name}")
 
 
