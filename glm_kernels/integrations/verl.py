@@ -160,10 +160,12 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
         pg_loss, stats = policy_loss(log_prob, old, advantages.detach(), mask,
                                      token_weights=weights, **common)
         with torch.no_grad():
-            kept = mask & (weights != 0)
-            extra = {"pop_frac": (mask & (weights == 0)).sum() / mask.sum().clamp(min=1),
-                     "icepop_ratio_mean": (torch.where(kept, weights.float(), 0.0).sum()
-                                           / kept.sum().clamp(min=1))}
+            # Popped tokens have w = 0, so the sum over masked tokens is the sum over kept ones.
+            n_masked = mask.sum()
+            n_kept = (mask & (weights != 0)).sum()
+            extra = {"pop_frac": (n_masked - n_kept) / n_masked.clamp(min=1),
+                     "icepop_ratio_mean": (torch.where(mask, weights.float(), 0.0).sum()
+                                           / n_kept.clamp(min=1))}
     stats = {**stats, **extra}
     keys = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "pop_frac", "icepop_ratio_mean")
     if rollout_is_weights is None:
