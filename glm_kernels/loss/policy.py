@@ -84,6 +84,10 @@ def _check_reduction(spec, reduction, denominator, norm_length, logprobs, cu_seq
         raise ValueError(f"reduction={reduction!r} does not fit ratio={spec.ratio!r}: geo_mean "
                          "(one loss per sequence) takes row_mean, sum or none; the others "
                          "take token_mean, seq_mean_*, sum or none")
+    if reduction == "none" and spec.ratio == "sequence":
+        raise ValueError("reduction='none' is not defined for ratio='sequence': each token's "
+                         "loss depends on its whole row, so per-token losses have no per-token "
+                         "gradient; use a scalar reduction")
     if denominator is not None:
         if reduction in ("sum", "none"):
             raise ValueError(f"denominator is not used by reduction={reduction!r}: pass None")
