@@ -49,6 +49,7 @@ log-probs verl gives it.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -56,7 +57,7 @@ import torch
 from ..loss import mismatch_metrics, policy_loss
 from ..loss.mismatch import MISMATCH_KEYS
 from .verl_losses import (AGG_MODES, POLICY_LOSSES, VERL_LOSS_NAMES, check_inputs, clip_ranges,
-                          dual_clip, field, metrics_dict, reduction_kwargs, register_all,
+                          dual_clip, field, reduction_kwargs, register_all,
                           verl_core)
 
 __all__ = ["icepop_policy_loss", "register", "register_all", "gate_bounds", "LOSS_NAME",
@@ -136,41 +137,64 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
                  rollout_is_weights, config)
     eps_low, eps_high = clip_ranges(config)
     mask = response_mask.bool()
-    old = old_log_prob.detach()
+    old, adv = old_log_prob.detach(), advantages.detach()
     common = dict(variant="vanilla", eps_low=eps_low, eps_high=eps_high,
-                  dual_clip=dual_clip(config), return_stats=True,
-                  **reduction_kwargs(loss_agg_mode, config))
+                  dual_clip=dual_clip(config), **reduction_kwargs(loss_agg_mode, config))
+    keys = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "pop_frac", "icepop_ratio_mean")
     if rollout_is_weights is None:
         # Coupled: base = old_log_prob (the rollout's in bypass mode), gate on rho itself.
         lo, hi = gate_bounds(config)
-        pg_loss, stats = policy_loss(log_prob, old, advantages.detach(), mask,
-                                     rollout_logprobs=old, gate="coupled", gate_low=lo,
-                                     gate_high=hi, **common)
+        gate = dict(rollout_logprobs=old, gate="coupled", gate_low=lo, gate_high=hi, **common)
+        pg_loss, stats = policy_loss(log_prob, old, adv, mask, return_stats=True, **gate)
         with torch.no_grad():
             # old_log_prob is the rollout's, so the mismatch metrics are the engine drift;
             # decoupled, verl's rollout-correction step reports its own.
-            extra = mismatch_metrics(log_prob.detach(), old, mask, gate_low=lo, gate_high=hi)
+            stats.update(mismatch_metrics(log_prob.detach(), old, mask, gate_low=lo,
+                                          gate_high=hi))
             rho = torch.exp((log_prob.detach().float() - old.float()).clamp(
                 -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-            extra["icepop_ratio_mean"] = (torch.where(mask, rho, 0.0).sum()
+            stats["icepop_ratio_mean"] = (torch.where(mask, rho, 0.0).sum()
                                           / mask.sum().clamp(min=1))
+        keys += MISMATCH_KEYS
     else:
         # Decoupled: verl's weights are the core op's token weights (0 = popped by verl's gate).
         weights = rollout_is_weights.detach()
-        pg_loss, stats = policy_loss(log_prob, old, advantages.detach(), mask,
-                                     token_weights=weights, **common)
+        gate = dict(token_weights=weights, **common)
+        pg_loss, stats = policy_loss(log_prob, old, adv, mask, return_stats=True, **gate)
         with torch.no_grad():
             # Popped tokens have w = 0, so the sum over masked tokens is the sum over kept ones.
             n_masked = mask.sum()
             n_kept = (mask & (weights != 0)).sum()
-            extra = {"pop_frac": (n_masked - n_kept) / n_masked.clamp(min=1),
-                     "icepop_ratio_mean": (torch.where(mask, weights.float(), 0.0).sum()
-                                           / n_kept.clamp(min=1))}
-    stats = {**stats, **extra}
-    keys = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "pop_frac", "icepop_ratio_mean")
+            stats["pop_frac"] = (n_masked - n_kept) / n_masked.clamp(min=1)
+            stats["icepop_ratio_mean"] = (torch.where(mask, weights.float(), 0.0).sum()
+                                          / n_kept.clamp(min=1))
+    # One host transfer for the metrics and the loss's finiteness (verl's .item()s sync too).
+    values = torch.stack([pg_loss.detach().float()] + [stats[key].float() for key in keys])
+    loss_value, *metric_values = values.tolist()
+    if not math.isfinite(loss_value):
+        pg_loss = _without_popped_inputs(log_prob, old, adv, mask, rollout_is_weights, gate)
+    return pg_loss, {f"actor/{key}": value for key, value in zip(keys, metric_values)}
+
+
+def _without_popped_inputs(log_prob, old, adv, mask, rollout_is_weights, gate_kwargs):
+    """The loss again with the popped tokens' inputs set to 0: a popped token (weight 0, or
+    outside the coupled gate, or a NaN ratio) contributes exactly 0 to the loss and the
+    gradient even when its log-probs or advantage are inf or NaN (verl's vanilla loss turns
+    0 * NaN into a NaN loss; the core op multiplies by the weight). Runs only when the first
+    loss was not finite; a non-finite kept token still gives a non-finite loss."""
+    with torch.no_grad():
+        if rollout_is_weights is None:
+            rho = torch.exp((log_prob.detach().float() - old.float()).clamp(
+                -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+            kept = (rho >= gate_kwargs["gate_low"]) & (rho <= gate_kwargs["gate_high"])
+        else:
+            kept = rollout_is_weights != 0
+        popped = mask & ~kept
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    clean = [torch.where(popped, zero.to(t.dtype), t) for t in (log_prob, old, adv)]
     if rollout_is_weights is None:
-        keys += MISMATCH_KEYS
-    return pg_loss, metrics_dict(stats, keys)
+        gate_kwargs = {**gate_kwargs, "rollout_logprobs": clean[1]}
+    return policy_loss(*clean, mask, **gate_kwargs)
 
 
 if importlib.util.find_spec("verl") is not None:

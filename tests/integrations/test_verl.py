@@ -196,7 +196,7 @@ def test_gate_bounds_from_verl_config():
         plug.gate_bounds(actor_config(gate="a_b"))
 
 
-def test_popped_tokens_with_inf_nan_contribute_nothing():
+def test_popped_tokens_with_inf_nan_contribute_nothing(any_backend):
     lp, old, rollout, adv, mask = make_batch(5)
     w = verl_decoupled_weights(old, rollout, mask)
     popped = mask & (w == 0)
@@ -217,6 +217,27 @@ def test_popped_tokens_with_inf_nan_contribute_nothing():
     # verl's own vanilla loss turns the NaN into a NaN loss (0 * NaN): the plug-in does not.
     assert torch.isnan(run(core.compute_policy_loss_vanilla, lp_bad, old_bad, adv_bad, mask,
                            "token-mean", cfg, w)[0])
+
+
+def test_coupled_popped_tokens_with_inf_nan_contribute_nothing(any_backend):
+    """Coupled: a NaN log-prob gives a NaN ratio, which the gate pops; an inf advantage on a
+    token outside the gate: both contribute 0, as the finite batch without them."""
+    lp, _, rollout, adv, mask = make_batch(5)
+    rho = torch.exp(lp - rollout)
+    popped = mask & ((rho < LO) | (rho > HI))
+    assert popped.sum() >= 2
+    idx = popped.nonzero()
+    lp_bad, adv_bad = lp.clone(), adv.clone()
+    lp_bad[idx[0, 0], idx[0, 1]] = float("nan")
+    adv_bad[idx[1, 0], idx[1, 1]] = float("inf")
+    cfg = actor_config()
+    clean = run(plug.icepop_policy_loss, lp, rollout, adv, mask, "seq-mean-token-mean", cfg, None)
+    dirty = run(plug.icepop_policy_loss, lp_bad, rollout, adv_bad, mask, "seq-mean-token-mean",
+                cfg, None)
+    assert torch.isfinite(dirty[0]) and torch.isfinite(dirty[1]).all()
+    assert_close(dirty[0], clean[0], tol=TOL, name="loss")
+    assert_close(dirty[1], clean[1], tol=TOL, name="grad")
+    assert (dirty[1][popped] == 0).all()
 
 
 @pytest.mark.parametrize("mode", plug.AGG_MODES)
