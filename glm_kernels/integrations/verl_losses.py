@@ -173,8 +173,8 @@ def _variant_params(name: str, config) -> Dict[str, Any]:
         # verl: config.get("clip_ratio_c", 20.0) truncates the detached ratio.
         return {**clip_band, "ratio_cap": float(field(config, "clip_ratio_c", 20.0))}
     if name == "sapo":
-        return {"tau_pos": float(field(config, "tau_pos")),
-                "tau_neg": float(field(config, "tau_neg"))}
+        return {"tau_pos": float(field(config, "tau_pos", 1.0)),        # ActorConfig defaults
+                "tau_neg": float(field(config, "tau_neg", 1.05))}
     if name == "dro":
         beta = field(policy, "dro_beta")
         if beta is None or not beta > 0:

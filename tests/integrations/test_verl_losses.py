@@ -210,6 +210,24 @@ def test_bypass_mode_every_preset(preset, any_backend):
               (lp, rollout, adv, mask, mode, cfg, None), f"bypass_mode/{preset}/{mode}")
 
 
+@pytest.mark.parametrize("name", VERL_NAMES)
+def test_bf16_log_prob(name, any_backend):
+    """log_prob in bf16 (an actor computing log-probs in bf16): verl's math promotes against
+    the fp32 old_log_prob; the gradient comes back in bf16 on both sides (DESIGN 4: 1e-2)."""
+    lp, old, rollout, adv, mask = make_batch(10)
+    lp = lp.bfloat16()
+    correction = RolloutCorrectionConfig.bypass_pg_token_icepop(threshold=2.0)
+    w = None if name == "bypass_mode" else verl_weights("icepop", old, rollout, mask)
+    cfg = actor_config(name, correction=correction)
+    ref = run(core.POLICY_LOSS_REGISTRY[name], lp, old, adv, mask, "token-mean", cfg, w)
+    ours = run(core.get_policy_loss_fn(f"glm_{name}"), lp, old, adv, mask, "token-mean", cfg, w)
+    assert ours[1].dtype == ref[1].dtype == torch.bfloat16
+    assert_close(ours[0].float(), ref[0].float(), tol=1e-2, name=f"{name} bf16 loss")
+    assert_close(ours[1].float(), ref[1].float(), tol=1e-2, name=f"{name} bf16 grad")
+    for key, value in ref[2].items():
+        assert ours[2][key] == pytest.approx(value, rel=1e-2, abs=1e-3), f"{name} {key}"
+
+
 def test_bypass_presets_cover_both_loss_types_and_rejection():
     """The preset sweep above reaches both loss types, IS at both levels and rejection that
     drops rows (else it could pass with a branch never taken)."""
