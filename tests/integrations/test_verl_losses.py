@@ -322,6 +322,14 @@ def test_bad_inputs_name_the_argument():
         fn(old, lp, adv, mask, "token-mean", None)
     with pytest.raises(TypeError, match="rollout_is_weights"):
         fn(old, lp, adv, mask, "token-mean", cfg, [1.0])
+    data_parallel = actor_config("gspo")
+    data_parallel.global_batch_info["dp_size"] = 2          # and no global counts: verl raises
+    for mode, key in (("token-mean", "batch_num_tokens"),
+                      ("seq-mean-token-mean", "global_batch_size")):
+        with pytest.raises(ValueError, match=key):
+            core.POLICY_LOSS_REGISTRY["gspo"](old, lp, adv, mask, mode, data_parallel)
+        with pytest.raises(ValueError, match=key):
+            fn(old, lp, adv, mask, mode, data_parallel)
     with pytest.raises(ValueError, match="dro_beta"):
         core.get_policy_loss_fn("glm_dro")(old, lp, adv, mask, "token-mean",
                                            actor_config("dro", policy_loss=PolicyLossConfig(
@@ -375,7 +383,10 @@ def test_empty_micro_batch_is_zero_where_verl_divides_by_zero(name):
 
 
 def test_signature_is_verls():
-    """The keyword names verl's actor passes (losses.ppo_loss)."""
-    ref = list(inspect.signature(core.POLICY_LOSS_REGISTRY["vanilla"]).parameters)
+    """Each glm_<name> takes verl's function's parameters, in its order, with its defaults
+    (gspo / sapo default to seq-mean-token-mean there)."""
     for name in VERL_NAMES:
-        assert list(inspect.signature(verl_losses.POLICY_LOSSES[name]).parameters) == ref
+        ref = inspect.signature(core.POLICY_LOSS_REGISTRY[name]).parameters
+        ours = inspect.signature(verl_losses.POLICY_LOSSES[name]).parameters
+        assert list(ours) == list(ref), name
+        assert [p.default for p in ours.values()] == [p.default for p in ref.values()], name
