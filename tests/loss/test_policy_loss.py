@@ -392,3 +392,13 @@ def test_compile_fullgraph_matches_eager(backend, name, reduction):
         assert_close(a, e, tol=FP32, name="compiled output")
     assert eager_grad.abs().sum() > 0
     assert_close(compiled_grad, eager_grad, tol=FP32, name="compiled grad")
+
+
+def test_docs_policy_loss_examples_run(any_backend):
+    """docs/policy_loss.md's examples print what the page says, on both backends."""
+    import doctest
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "policy_loss.md")
+    result = doctest.testfile(path, module_relative=False,
+                              optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0, result
