@@ -280,6 +280,11 @@ def _make(name: str) -> Callable:
         return _token_loss(name, old_log_prob, log_prob, advantages, response_mask,
                            loss_agg_mode, config, rollout_is_weights)
 
+    weights_doc = ("ignored, as by verl's bypass_mode: the IS weights and the rejection mask "
+                   "come from\n        policy_loss.rollout_correction and verl's helper"
+                   if name == "bypass_mode" else
+                   "verl's rollout-correction IS weights (detached), multiplied into each "
+                   "token's loss")
     loss_fn.__name__ = loss_fn.__qualname__ = f"glm_{name}_policy_loss"
     loss_fn.__doc__ = f"""verl's ``{name}`` policy loss through :func:`glm_kernels.policy_loss`.
 
@@ -300,7 +305,7 @@ def _make(name: str) -> Callable:
         "seq-mean-token-sum-norm", with ``config.global_batch_info``.
     config : verl ``ActorConfig`` (or a DictConfig with its fields)
     rollout_is_weights : Tensor [B, T] float, optional
-        verl's rollout-correction IS weights (detached), multiplied into each token's loss.
+        {weights_doc}.
 
     Returns
     -------
