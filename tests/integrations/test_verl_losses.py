@@ -166,6 +166,29 @@ def test_every_verl_loss_has_a_glm_twin():
         assert ours is not core.POLICY_LOSS_REGISTRY[name]
 
 
+def test_never_calls_verls_loss_functions(monkeypatch):
+    """The plug-in computes each loss itself: with every verl loss function (module attribute
+    and registry entry) replaced by one that raises, each glm_<name> and icepop still run."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a verl loss function was called")
+    for attr in dir(core):
+        if attr.startswith("compute_policy_loss"):
+            monkeypatch.setattr(core, attr, refuse)
+    for name in VERL_NAMES:
+        monkeypatch.setitem(core.POLICY_LOSS_REGISTRY, name, refuse)
+    lp, old, rollout, adv, mask = make_batch(11)
+    w = verl_weights("icepop", old, rollout, mask)
+    for name in [f"glm_{name}" for name in VERL_NAMES] + ["icepop"]:
+        cfg = actor_config(name, correction=RolloutCorrectionConfig.bypass_pg_is())
+        for weights in (w, None):
+            loss, grad, _ = run(core.get_policy_loss_fn(name), lp, old, adv, mask,
+                                "token-mean", cfg, weights)
+            assert torch.isfinite(loss) and grad.abs().sum() > 0, name
+    with pytest.raises(AssertionError, match="verl loss function"):
+        run(core.compute_policy_loss_vanilla, lp, old, adv, mask, "token-mean",
+            actor_config("vanilla"), w)
+
+
 def test_register_all_under_another_prefix():
     verl_losses.register_all(prefix="glmtest_")
     for name in VERL_NAMES:
