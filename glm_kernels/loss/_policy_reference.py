@@ -181,7 +181,7 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, seg_id, num_
         elif reduction == "sum":
             loss = losses.sum()
         else:
-            loss = losses.sum() / (num_seqs if denominator is None else denominator)
+            loss = losses.sum() / (max(num_seqs, 1) if denominator is None else denominator)
         if need_stats:
             is_clipped = (log_ratio != clipped).float()
             stats = {"pg_clipfrac": masked_mean(is_clipped * (adv > 0).float(), mask_f),

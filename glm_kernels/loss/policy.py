@@ -125,7 +125,7 @@ def _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows, denom
     if reduction == "sum":
         return total * loss_scale, one * loss_scale
     if reduction == "row_mean":
-        inv = 1.0 / (float(num_rows) if denominator is None else denominator)
+        inv = 1.0 / (float(max(num_rows, 1)) if denominator is None else denominator)
         return total * inv * loss_scale, inv * loss_scale * one
     if reduction == "token_mean":
         tokens = partials[:, 1].double().sum().float()
@@ -246,10 +246,13 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
     per_row = ctx.reduction.startswith("seq_mean") or (
         ctx.reduction == "none" and ctx.ratio == "geo_mean")
     upstream = scale * grad_loss
-    if per_row:
+    if per_row and cu_seqlens is None and n:     # padded: broadcast over the row, no gather
+        out = (coef.reshape(ctx.num_rows, -1) * upstream.unsqueeze(-1)).reshape(-1)
+    elif per_row:
         seg_id = _seg_id(n, ctx.num_rows, ctx.row_len, cu_seqlens, coef.device)
-        upstream = upstream[seg_id]
-    out = coef * upstream
+        out = coef * upstream[seg_id]
+    else:
+        out = coef * upstream
     return (out.to(ctx.lp_dtype),) + (None,) * 19
 
 
