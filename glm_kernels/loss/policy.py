@@ -182,7 +182,7 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
         advantages, adv_per_seq = advantages[seg_id], False
     store_loss = reduction == "none" or (reduction.startswith("seq_mean") and ratio == "token")
     if ratio == "geo_mean":
-        loss_terms = torch.empty(num_rows, dtype=torch.float32, device=device)
+        loss_terms = torch.zeros(num_rows, dtype=torch.float32, device=device)
         programs = num_rows
         block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
     elif ratio != "token":
@@ -199,7 +199,7 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
         t.view(torch.uint8) if t.dtype == torch.bool else t)
     mask = (torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None
             else loss_mask != 0)
-    if programs and (n or ratio == "geo_mean"):
+    if programs and n:            # no tokens: every sum stays 0 (rows without tokens: 0)
         kernels.policy_fwd(
             spec, (kernels.RATIO_CODES[ratio], kernels.OBJECTIVE_CODES[objective],
                    kernels.GATE_CODES[gate or None]),
