@@ -443,3 +443,43 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
             stats_out, max(row_len, 1), seq_log_max=spec.seq_log_ratio_max or 0.0,
             RATIO=ratio_code, HAS_SEQ_MAX=spec.seq_log_ratio_max is not None,
             HAS_CU=cu_seqlens is not None, **floats, **switches)
+
+
+def _policy_aot_specs():
+    """The GPU launches of the presets (bf16 log-probs, mask, decoupled gate and token
+    weights: the most inputs a launch reads), at the block sizes loss/policy.py uses."""
+    from .._aot import AotSpec
+    floats = ("gate_low", "gate_high", "log_clamp", "clip_low", "clip_high", "eps_low",
+              "eps_high", "dual_clip", "p0", "p1", "p2", "p3")
+    base = {"lp_ptr": "*bf16", "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8",
+            "tw_ptr": "*fp32", "rollout_ptr": "*fp32"}
+    outputs = {"loss_ptr": "*fp32", "grad_ptr": "*fp32", "stats_ptr": "*fp32"}
+    specs = []
+    token = [("vanilla", 0, dict(DUAL_CLIP=True)), ("cispo", 1, {}), ("sapo", 2, {}),
+             ("dppo_kl", 5, {}), ("kl_cov", 8, dict(HAS_SEL=True))]
+    for name, objective, extra in token:
+        sig = dict(base, sel_ptr="*u8", **outputs, n_tokens="i32", seq_len="i32",
+                   **{f: "fp32" for f in floats})
+        constexprs = dict(OBJECTIVE=objective, GATE=2, HAS_MASK=True, HAS_TW=True,
+                          HAS_SEL=False, CLAMP=True, HAS_DELTA=False, DUAL_CLIP=False,
+                          ADV_PER_SEQ=False, STORE_LOSS=False, STORE_GRAD=True, BLOCK=2048)
+        constexprs.update(extra)
+        sig.update({k: "constexpr" for k in constexprs})
+        specs.append(AotSpec(f"policy_token[{name},gate,weights]", _policy_token_kernel, sig,
+                             constexprs, num_warps=8))
+    seq = [("gspo", 1, 0), ("grpo_sequence", 2, 0), ("geo_mean", 3, 0), ("vespo", 4, 9)]
+    for name, ratio, objective in seq:
+        sig = dict(base, cu_ptr="*i32", **outputs, seq_len="i32",
+                   **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
+                   **{f: "fp32" for f in floats[8:]})
+        constexprs = dict(RATIO=ratio, OBJECTIVE=objective, GATE=2, HAS_MASK=True,
+                          HAS_TW=True, CLAMP=ratio != 2, HAS_SEQ_MAX=ratio == 1,
+                          HAS_DELTA=False, DUAL_CLIP=False, HAS_CU=True, ADV_PER_SEQ=True,
+                          STORE_LOSS=False, STORE_GRAD=True, BLOCK=1024)
+        sig.update({k: "constexpr" for k in constexprs})
+        specs.append(AotSpec(f"policy_seq[{name},packed,gate,weights]", _policy_seq_kernel,
+                             sig, constexprs, num_warps=4))
+    return specs
+
+
+AOT_SPECS = _policy_aot_specs()

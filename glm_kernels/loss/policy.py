@@ -23,18 +23,12 @@ _NUM_STATS = 6
 
 
 def _layout(logprobs, cu_seqlens):
-    """(seg_id [N] int64, num_seqs, row_length or None) of padded [B, T] or packed [N]."""
-    device = logprobs.device
-    n = logprobs.numel()
-    if cu_seqlens is None:
-        if logprobs.dim() == 2:
-            rows, length = logprobs.shape
-            return torch.arange(n, device=device) // max(length, 1), rows, length
-        return torch.zeros(n, dtype=torch.long, device=device), 1, n
-    # Token t belongs to sequence b when cu[b] <= t < cu[b + 1]: a device-side search.
-    positions = torch.arange(n, device=device, dtype=cu_seqlens.dtype)
-    seg_id = torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
-    return seg_id, cu_seqlens.numel() - 1, None
+    """(num_seqs, row_length or None) of padded [B, T], packed [N] or one sequence [N]."""
+    if cu_seqlens is not None:
+        return cu_seqlens.numel() - 1, None
+    if logprobs.dim() == 2:
+        return logprobs.shape[0], logprobs.shape[1]
+    return 1, logprobs.numel()
 
 
 def _check_tensors(logprobs, old_logprobs, advantages, loss_mask, token_weights,
@@ -131,7 +125,7 @@ def _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows, denom
     if reduction == "sum":
         return total * loss_scale, one * loss_scale
     if reduction == "row_mean":
-        inv = 1.0 / (float(num_rows) if denominator is None else denominator)
+        inv = 1.0 / (float(max(num_rows, 1)) if denominator is None else denominator)
         return total * inv * loss_scale, inv * loss_scale * one
     if reduction == "token_mean":
         tokens = partials[:, 1].double().sum().float()
@@ -180,12 +174,15 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     n = logprobs.numel()
     device = logprobs.device
     adv_per_seq = advantages.shape[0] != n
-    seg_id = _seg_id(n, num_rows, row_len, cu_seqlens, device)
+    seg_id = None                 # token -> row, only where a row-wise step needs it
+    if (adv_per_seq and ratio == "token" and cu_seqlens is not None) or (
+            ratio == "token" and reduction.startswith("seq_mean")):
+        seg_id = _seg_id(n, num_rows, row_len, cu_seqlens, device)
     if adv_per_seq and ratio == "token" and cu_seqlens is not None:
         advantages, adv_per_seq = advantages[seg_id], False
     store_loss = reduction == "none" or (reduction.startswith("seq_mean") and ratio == "token")
     if ratio == "geo_mean":
-        loss_terms = torch.empty(num_rows, dtype=torch.float32, device=device)
+        loss_terms = torch.zeros(num_rows, dtype=torch.float32, device=device)
         programs = num_rows
         block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
     elif ratio != "token":
@@ -202,7 +199,7 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
         t.view(torch.uint8) if t.dtype == torch.bool else t)
     mask = (torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None
             else loss_mask != 0)
-    if programs and (n or ratio == "geo_mean"):
+    if programs and n:            # no tokens: every sum stays 0 (rows without tokens: 0)
         kernels.policy_fwd(
             spec, (kernels.RATIO_CODES[ratio], kernels.OBJECTIVE_CODES[objective],
                    kernels.GATE_CODES[gate or None]),
@@ -249,10 +246,13 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
     per_row = ctx.reduction.startswith("seq_mean") or (
         ctx.reduction == "none" and ctx.ratio == "geo_mean")
     upstream = scale * grad_loss
-    if per_row:
+    if per_row and cu_seqlens is None and n:     # padded: broadcast over the row, no gather
+        out = (coef.reshape(ctx.num_rows, -1) * upstream.unsqueeze(-1)).reshape(-1)
+    elif per_row:
         seg_id = _seg_id(n, ctx.num_rows, ctx.row_len, cu_seqlens, coef.device)
-        upstream = upstream[seg_id]
-    out = coef * upstream
+        out = coef * upstream[seg_id]
+    else:
+        out = coef * upstream
     return (out.to(ctx.lp_dtype),) + (None,) * 19
 
 
@@ -365,14 +365,19 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     reduction, denominator, norm_length = _check_reduction(spec, reduction, denominator,
                                                            norm_length, logprobs, cu_seqlens)
 
-    seg_id, num_seqs, row_len = _layout(logprobs, cu_seqlens)
+    num_seqs, row_len = _layout(logprobs, cu_seqlens)
     backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
                                        loss_mask, token_weights, rollout_logprobs)
     flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros(logprobs.shape, dtype=torch.bool, device=logprobs.device)
     if backend == "torch":
-        adv = advantages[seg_id] if advantages.shape != logprobs.shape else flat(advantages)
+        per_seq_adv = advantages.shape != logprobs.shape
+        seg_id = None
+        if per_seq_adv or spec.ratio != "token" or reduction.startswith("seq_mean"):
+            seg_id = _seg_id(logprobs.numel(), num_seqs, row_len or 0, cu_seqlens,
+                             logprobs.device)
+        adv = advantages[seg_id] if per_seq_adv else flat(advantages)
         mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
                 if loss_mask is None else flat(loss_mask) != 0)
         loss, stats = policy_loss_reference(
@@ -381,7 +386,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
             gate_low=lo, gate_high=hi, selection=flat(selection), reduction=reduction,
             denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
-            params=params)
+            params=params, need_stats=return_stats)
     else:
         contiguous = lambda t: None if t is None else t.contiguous().reshape(-1)  # noqa: E731
         if denominator is not None and not isinstance(denominator, torch.Tensor):

@@ -278,6 +278,17 @@ def test_fully_masked_batch_gives_zero(any_backend):
         assert stats["pg_clipfrac"].item() == 0.0 and stats["pop_frac"].item() == 0.0
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0,)])
+def test_empty_inputs(any_backend, shape):
+    for name in ("vanilla", "gspo", "geo_mean", "grpo_sequence"):
+        lp = torch.zeros(shape, device=DEVICE, requires_grad=True)
+        zeros = torch.zeros(shape, device=DEVICE)
+        loss = policy_loss(lp, zeros, zeros, variant=name,
+                           reduction=POLICY_VARIANTS[name].default_reduction)
+        loss.backward()
+        assert loss.item() == 0.0 and lp.grad.shape == lp.shape, name
+
+
 def _good():
     b = make_batch(1, rows=3, length=5)
     b = {k: v[:2] for k, v in b.items()}
