@@ -251,6 +251,26 @@ def test_bf16_log_prob(name, any_backend):
         assert ours[2][key] == pytest.approx(value, rel=1e-2, abs=1e-3), f"{name} {key}"
 
 
+@pytest.mark.parametrize("name", ["vanilla", "dppo_tv", "dppo_kl", "gpg", "clip_cov", "kl_cov",
+                                  "geo_mean", "dro", "bypass_mode"])
+def test_omegaconf_config(name):
+    """The losses verl also accepts with an OmegaConf DictConfig (its others assert an
+    ActorConfig) give the same with one."""
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({
+        "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+        "global_batch_info": {},
+        "policy_loss": {"loss_mode": name, "clip_cov_ratio": 0.1, "clip_cov_lb": 0.0,
+                        "clip_cov_ub": 5.0, "kl_cov_ratio": 0.1, "ppo_kl_coef": 0.1,
+                        "dro_beta": 0.5,
+                        "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0,
+                                               "loss_type": "reinforce"}}})
+    lp, old, rollout, adv, mask = make_batch(12)
+    w = verl_weights("token_tis", old, rollout, mask)
+    check(core.POLICY_LOSS_REGISTRY[name], core.get_policy_loss_fn(f"glm_{name}"),
+          (lp, old, adv, mask, "seq-mean-token-sum", cfg, w), f"{name}/DictConfig")
+
+
 def test_bypass_presets_cover_both_loss_types_and_rejection():
     """The preset sweep above reaches both loss types, IS at both levels and rejection that
     drops rows (else it could pass with a branch never taken)."""
