@@ -170,13 +170,13 @@ def test_reference_gradient_is_autograd_of_its_loss():
     batch["old"][0, 3], batch["old"][1, 4] = batch["lp"][0, 3] - 0.1, batch["lp"][1, 4] + 0.1
     mask = batch["mask"]
     mask[2] = True
-    seg_id = torch.arange(18) // 6
+    rows = ref_mod.Rows(18, 3, 6, None, "cpu")
 
     def loss_of(lp):
         spec = POLICY_VARIANTS["grpo_sequence"]
         return ref_mod.policy_loss_reference(
             spec, lp, batch["old"].double().reshape(-1), batch["adv"].double().reshape(-1),
-            mask.reshape(-1), seg_id, 3, eps_low=0.2, eps_high=0.28, dual_clip=None,
+            mask.reshape(-1), rows, eps_low=0.2, eps_high=0.28, dual_clip=None,
             token_weights=None, rollout=None, gate=None, gate_low=0.5, gate_high=2.0,
             selection=None, reduction="seq_mean_token_mean", denominator=None,
             norm_length=None, loss_scale=1.0, params={"delta": None})[0]
