@@ -15,6 +15,7 @@ import torch
 import glm_kernels
 from glm_kernels import POLICY_VARIANTS, PolicyLossSpec, policy_loss
 from glm_kernels.loss import _policy_reference as ref_mod
+from glm_kernels.loss.policy import STATS_KEYS
 from tests._compare import TOLERANCES, assert_close, assert_sum_close
 from tests.conftest import DEVICE, skip_without_kernels, KERNEL_BACKEND
 
@@ -117,7 +118,7 @@ def check_against_reference(name, batch, reduction, **kw):
             f"{name} {reduction}: {got_loss.item()} vs {ref_loss.item()}")
     assert torch.isfinite(got_grad).all()
     assert_close(got_grad, ref_grad, tol=FP32, name=f"{name} grad")
-    assert set(got_stats) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pop_frac"}
+    assert set(got_stats) == set(STATS_KEYS) == set(ref_stats)
     for key, value in ref_stats.items():
         assert abs(got_stats[key].item() - value.item()) <= FP32 * max(1.0, abs(value.item())), (
             f"{name} {key}: {got_stats[key].item()} vs {value.item()}")
