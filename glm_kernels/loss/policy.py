@@ -1,8 +1,29 @@
 """The fused policy-loss family: every verl / TRL policy loss, IcePop composable on each.
 
-Math: docs/policy_loss.md (one row per preset); readable version in
+Per-token math: docs/policy_loss.md (one row per preset); readable version in
 ``loss/_policy_reference.py``. The variant is a compile-time :class:`PolicyLossSpec`
 (``loss/_policy_spec.py``); its hyper-parameters are runtime floats.
+
+Forward writes the gradient (``loss/_policy_kernels.py``). With ``u_t = m_t w_t l_t`` the
+token's weighted term (w: token weights x gate weight, detached) and ``c_b`` the reduction's
+factor of row b (1/D for token_mean, 1/(n_b D) for seq_mean_token_mean, ...: constant within a
+row), the loss is ``sum_b c_b sum_{t in b} u_t`` and the kernel writes
+``g_t = d(sum_{s in row(t)} u_s) / d lp_t``; backward returns ``g_t c_row(t) dL`` (dL the
+upstream gradient). Per ratio mode, with ``l(r)`` the objective:
+
+* token: ``g_t = m_t w_t (dl/dr r_t 1[|lr_t| <= clamp] + dl/dlp_t)`` (the second term for
+  objectives with ``lp`` in them: cispo, reinforce, dppo, dro, kl_cov's |lr|).
+* sequence_stopgrad (GSPO): ``s_t = exp(lp_t - sg(lp_t) + sg(S_b))``, S_b = mean_m lr over the
+  row: ``ds_t/dlp_t = s_t 1[S_b <= cap]``, so g_t is local once S_b is known (phase 1).
+* sequence (TRL): ``s_b = exp(S_b)`` shared by the row, ``dS_b/dlp_t = m_t / n_b``:
+  ``g_t = m_t w_t dl_t/dlp_t + (m_t / n_b) s_b sum_{s in b} m_s w_s dl_s/dr`` (phase 2 sums
+  the row's dl/dr, the last phase writes g_t).
+* geo_mean (GMPO): one term per row, ``L_b = -Abar_b exp(G_b) W_b`` with
+  ``G_b = sum_t k_t h_t / (K_b + 1e-8)``, h_t = sgn(A) min(sgn(A) lr_t, sgn(A) clip(lr_t)),
+  k the kept mask, K_b its count: ``g_t = L_b k_t h'_t / (K_b + 1e-8)`` with h' the
+  derivative of the min (1 on the unclipped branch, the clip band's indicator on the
+  clipped one, their mean at a tie, as autograd).
+* sequence_sum (VESPO): phi_b is detached: ``g_t = -m_t phi_b A_t``.
 """
 from typing import Dict, List, Optional, Tuple, Union
 
