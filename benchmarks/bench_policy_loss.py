@@ -1,7 +1,8 @@
 """policy_loss vs verl 0.9.1's own policy-loss functions, forward + backward, side by side.
 
-CPU timing of the torch backend (or whatever backend the device picks) against the function
-verl's actor calls, on the same batch, for every verl registry preset; best of --reps interleaved runs.
+CPU timing of the torch backend (or the backend the device picks) against the function
+verl's actor calls, on the same batch, for every verl registry preset; best of --reps
+interleaved runs.
 Usage: python benchmarks/bench_policy_loss.py [--rows 32 --length 1024 --reps 5 --threads 1]
 """
 import argparse

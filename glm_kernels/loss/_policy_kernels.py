@@ -21,8 +21,6 @@ the clip / clip-lower / kl indicators over the masked tokens (verl's metrics' nu
 """
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
 
@@ -35,7 +33,6 @@ OBJECTIVE_CODES = {"ppo": 0, "cispo": 1, "sapo": 2, "reinforce": 3, "dppo_tv": 4
 GATE_CODES = {None: 0, "coupled": 1, "decoupled": 2}
 STAT_LOSS, STAT_MASKED, STAT_POPPED, STAT_CLIP, STAT_CLIP_LOWER, STAT_KL = range(6)
 NUM_STATS = 6
-_VESPO_LOG_MIN = math.log(1e-8)
 
 
 @triton.jit
@@ -283,6 +280,7 @@ def _policy_seq_kernel(
         elif RATIO == 4:
             acc_a += tl.where(masked, log_ratio, 0.0)
             if HAS_TW:
+                # -18.42... = log(1e-8), TRL get_gamma_weights' lower clamp
                 acc_d += tl.where(valid, tl.clamp(tl.log(tw), -18.420680743952367, 20.0), 0.0)
         else:
             acc_a += tl.where(masked, raw, 0.0)

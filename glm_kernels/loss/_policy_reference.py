@@ -1,9 +1,9 @@
 """Readable torch reference of every policy-loss variant (the test oracle; autograd gives its
 gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss`.
 
-Everything runs on a flat token layout: ``[N]`` tensors plus ``seg_id`` (the sequence of each
-token, ``[N]`` int64) and ``num_seqs``; a padded ``[B, T]`` batch is the flat layout with
-``seg_id = t // T``. Per-sequence sums are ``index_add`` over ``seg_id``: no host sync.
+Everything runs on a flat token layout: ``[N]`` tensors plus :class:`Rows`, the token ->
+sequence map (a padded ``[B, T]`` batch: a reshape; packed ``cu_seqlens``: ``index_add`` over
+each token's row found by ``searchsorted``). No host sync either way.
 Formulas: docs/policy_loss.md.
 """
 import math
@@ -17,9 +17,41 @@ _GATE_LOG_CLAMP = 20.0                 # the IcePop gate's log-ratio clamp (loss
 _VESPO_LOG_MIN = math.log(1e-8)        # TRL get_gamma_weights' lower clamp
 
 
-def seg_sum(values: torch.Tensor, seg_id: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """[num_seqs] sums of ``values`` [N] per sequence (differentiable)."""
-    return values.new_zeros(num_seqs).index_add(0, seg_id, values)
+class Rows:
+    """Token -> sequence map of the flat layout: padded rows of ``row_len`` tokens (reshape
+    and broadcast) or packed rows bounded by ``cu_seqlens`` (index_add and gather)."""
+
+    def __init__(self, num_tokens: int, num_rows: int, row_len: Optional[int],
+                 cu_seqlens: Optional[torch.Tensor], device):
+        self.num_tokens, self.num_rows, self.row_len = num_tokens, num_rows, row_len
+        self.cu_seqlens, self.device = cu_seqlens, device
+        self._seg_id = None
+
+    @property
+    def seg_id(self) -> torch.Tensor:
+        """[N] int64: each token's row (built on first use, on the device)."""
+        if self._seg_id is None:
+            if self.cu_seqlens is None:
+                self._seg_id = (torch.arange(self.num_tokens, device=self.device)
+                                // max(self.row_len, 1))
+            else:
+                positions = torch.arange(self.num_tokens, device=self.device,
+                                         dtype=self.cu_seqlens.dtype)
+                self._seg_id = torch.searchsorted(self.cu_seqlens[1:].contiguous(), positions,
+                                                  right=True)
+        return self._seg_id
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[rows] sums of per-token ``values`` [N] (differentiable)."""
+        if self.cu_seqlens is None:
+            return values.reshape(self.num_rows, self.row_len).sum(-1)
+        return values.new_zeros(self.num_rows).index_add(0, self.seg_id, values)
+
+    def spread(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[N]: each token's row value."""
+        if self.cu_seqlens is None:
+            return per_row[:, None].expand(self.num_rows, self.row_len).reshape(-1)
+        return per_row[self.seg_id]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,13 +138,13 @@ def token_objective(spec: PolicyLossSpec, lp, old, adv, ratio, log_ratio, select
     raise AssertionError(obj)
 
 
-def vespo_phi(adv, log_ratio, token_weights, seg_id, num_seqs, p):
+def vespo_phi(adv, log_ratio, token_weights, rows, p):
     """TRL's gamma weight phi(w) per token (detached): w = exp(clamp(sum of clamped log-ratios
     [+ sum of clamped log token weights], log 1e-8, 20)) of the token's sequence."""
     seq_log = log_ratio  # already clamped to [-20, 20] by the spec and masked by the caller
     if token_weights is not None:
         seq_log = seq_log + torch.clamp(torch.log(token_weights), _VESPO_LOG_MIN, 20.0)
-    log_w = torch.clamp(seg_sum(seq_log, seg_id, num_seqs), _VESPO_LOG_MIN, 20.0)[seg_id]
+    log_w = rows.spread(torch.clamp(rows.sum(seq_log), _VESPO_LOG_MIN, 20.0))
     nonneg = adv >= 0
     k = torch.where(nonneg, p["k_pos"], p["k_neg"])
     lam = torch.clamp(torch.where(nonneg, p["lambda_pos"], p["lambda_neg"]), min=1e-4)
@@ -120,7 +152,7 @@ def vespo_phi(adv, log_ratio, token_weights, seg_id, num_seqs, p):
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
-def reduce_tokens(terms, mask, seg_id, num_seqs, reduction, denominator, norm_length):
+def reduce_tokens(terms, mask, rows, reduction, denominator, norm_length):
     """verl's agg_loss over per-token terms already multiplied by the mask (bool [N])."""
     if reduction == "none":
         return terms
@@ -129,8 +161,8 @@ def reduce_tokens(terms, mask, seg_id, num_seqs, reduction, denominator, norm_le
     if reduction == "token_mean":
         denom = mask.sum().clamp(min=1).float() if denominator is None else denominator
         return terms.sum() / denom
-    seq_tokens = seg_sum(mask.float(), seg_id, num_seqs)
-    seq_sums = seg_sum(terms, seg_id, num_seqs)
+    seq_tokens = rows.sum(mask.float())
+    seq_sums = rows.sum(terms)
     has_tokens = (seq_tokens > 0).float()
     if reduction == "seq_mean_token_mean":
         seq_sums = seq_sums / seq_tokens.clamp(min=1.0)
@@ -141,14 +173,13 @@ def reduce_tokens(terms, mask, seg_id, num_seqs, reduction, denominator, norm_le
     return loss
 
 
-def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, seg_id, num_seqs, *,
+def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *,
                           eps_low, eps_high, dual_clip, token_weights, rollout, gate, gate_low,
                           gate_high, selection, reduction, denominator, norm_length,
                           loss_scale, params, need_stats=True
                           ) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
     """(loss, stats or None) on the flat layout; ``lp`` keeps its autograd graph. ``mask`` is
-    bool [N], ``adv`` per token [N]; ``seg_id`` may be None when neither the ratio nor the
-    reduction needs sequences; the others as :func:`glm_kernels.policy_loss` documents them.
+    bool [N], ``adv`` per token [N]; the others as :func:`glm_kernels.policy_loss` documents them.
     Work a variant does not need (the gate, the ratio, the stats) is skipped, so that this
     torch path costs about what the trainers' own functions cost."""
     lp32, old = lp.float(), old.float()
@@ -169,19 +200,19 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, seg_id, num_
         sgn = torch.sign(adv)
         clipped = torch.clamp(log_ratio, -eps_low, eps_high)
         log_min = sgn * torch.minimum(sgn * log_ratio, sgn * clipped)
-        n = seg_sum(kept, seg_id, num_seqs)
-        seq_ratio = torch.exp(seg_sum(log_min * kept, seg_id, num_seqs) / (n + 1e-8))
-        seq_adv = seg_sum(adv * kept, seg_id, num_seqs) / (n + 1e-8)
+        n = rows.sum(kept)
+        seq_ratio = torch.exp(rows.sum(log_min * kept) / (n + 1e-8))
+        seq_adv = rows.sum(adv * kept) / (n + 1e-8)
         losses = -seq_adv * seq_ratio
         if tw is not None:
             losses = losses * torch.exp(
-                seg_sum(torch.log(tw + 1e-10) * kept, seg_id, num_seqs) / (n + 1e-8))
+                rows.sum(torch.log(tw + 1e-10) * kept) / (n + 1e-8))
         if reduction == "none":
             loss = losses
         elif reduction == "sum":
             loss = losses.sum()
         else:
-            loss = losses.sum() / (max(num_seqs, 1) if denominator is None else denominator)
+            loss = losses.sum() / (max(rows.num_rows, 1) if denominator is None else denominator)
         if need_stats:
             is_clipped = (log_ratio != clipped).float()
             stats = {"pg_clipfrac": masked_mean(is_clipped * (adv > 0).float(), mask_f),
@@ -193,17 +224,15 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, seg_id, num_
             if spec.objective not in ("reinforce", "dro", "vespo"):
                 ratio = torch.exp(log_ratio)
         else:
-            n = seg_sum(mask.float(), seg_id, num_seqs).clamp(min=1.0)
-            seq_log = (seg_sum(torch.where(mask, raw_log_ratio, 0.0), seg_id, num_seqs)
-                       / n)[seg_id]
+            n = rows.sum(mask.float()).clamp(min=1.0)
+            seq_log = rows.spread(rows.sum(torch.where(mask, raw_log_ratio, 0.0)) / n)
             if spec.ratio == "sequence_stopgrad":
                 seq_log = lp32 - lp32.detach() + seq_log.detach()
             if spec.seq_log_ratio_max is not None:
                 seq_log = torch.clamp(seq_log, max=spec.seq_log_ratio_max)
             ratio = torch.exp(seq_log)
         if spec.objective == "vespo":
-            phi = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), tw, seg_id,
-                            num_seqs, params)
+            phi = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), tw, rows, params)
             loss_t, ind = -phi * adv * lp32, ({"kl": -log_ratio} if need_stats else {})
             factor = weight
         else:
@@ -211,8 +240,7 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, seg_id, num_
                                           eps_low, eps_high, dual_clip, params, need_stats)
             factor = weight if tw is None else tw if weight is None else weight * tw
         terms = torch.where(mask, loss_t if factor is None else loss_t * factor, 0.0)
-        loss = reduce_tokens(terms, mask, seg_id, num_seqs, reduction, denominator,
-                             norm_length)
+        loss = reduce_tokens(terms, mask, rows, reduction, denominator, norm_length)
         if need_stats:
             mask_f = mask.float()
             if spec.ratio != "token" and spec.objective == "ppo":

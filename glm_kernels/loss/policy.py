@@ -1,8 +1,29 @@
 """The fused policy-loss family: every verl / TRL policy loss, IcePop composable on each.
 
-Math: docs/policy_loss.md (one row per preset); readable version in
+Per-token math: docs/policy_loss.md (one row per preset); readable version in
 ``loss/_policy_reference.py``. The variant is a compile-time :class:`PolicyLossSpec`
 (``loss/_policy_spec.py``); its hyper-parameters are runtime floats.
+
+Forward writes the gradient (``loss/_policy_kernels.py``). With ``u_t = m_t w_t l_t`` the
+token's weighted term (w: token weights x gate weight, detached) and ``c_b`` the reduction's
+factor of row b (1/D for token_mean, 1/(n_b D) for seq_mean_token_mean, ...: constant within a
+row), the loss is ``sum_b c_b sum_{t in b} u_t`` and the kernel writes
+``g_t = d(sum_{s in row(t)} u_s) / d lp_t``; backward returns ``g_t c_row(t) dL`` (dL the
+upstream gradient). Per ratio mode, with ``l(r)`` the objective:
+
+* token: ``g_t = m_t w_t (dl/dr r_t 1[|lr_t| <= clamp] + dl/dlp_t)`` (the second term for
+  objectives with ``lp`` in them: cispo, reinforce, dppo, dro, kl_cov's |lr|).
+* sequence_stopgrad (GSPO): ``s_t = exp(lp_t - sg(lp_t) + sg(S_b))``, S_b = mean_m lr over the
+  row: ``ds_t/dlp_t = s_t 1[S_b <= cap]``, so g_t is local once S_b is known (phase 1).
+* sequence (TRL): ``s_b = exp(S_b)`` shared by the row, ``dS_b/dlp_t = m_t / n_b``:
+  ``g_t = m_t w_t dl_t/dlp_t + (m_t / n_b) s_b sum_{s in b} m_s w_s dl_s/dr`` (phase 2 sums
+  the row's dl/dr, the last phase writes g_t).
+* geo_mean (GMPO): one term per row, ``L_b = -Abar_b exp(G_b) W_b`` with
+  ``G_b = sum_t k_t h_t / (K_b + 1e-8)``, h_t = sgn(A) min(sgn(A) lr_t, sgn(A) clip(lr_t)),
+  k the kept mask, K_b its count: ``g_t = L_b k_t h'_t / (K_b + 1e-8)`` with h' the
+  derivative of the min (1 on the unclipped branch, the clip band's indicator on the
+  clipped one, their mean at a tie, as autograd).
+* sequence_sum (VESPO): phi_b is detached: ``g_t = -m_t phi_b A_t``.
 """
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -10,7 +31,7 @@ import torch
 
 from .. import _dispatch
 from . import _checks
-from ._policy_reference import policy_loss_reference
+from ._policy_reference import Rows, policy_loss_reference
 from ._policy_spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec,  # noqa: F401
                            resolve_params, resolve_variant)
 
@@ -107,15 +128,8 @@ def _check_reduction(spec, reduction, denominator, norm_length, logprobs, cu_seq
     return reduction, denominator, norm_length
 
 
-def _seg_id(num_tokens, num_rows, row_len, cu_seqlens, device):
-    if cu_seqlens is None:
-        return torch.arange(num_tokens, device=device) // max(row_len, 1)
-    positions = torch.arange(num_tokens, device=device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
-
-
-def _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows, denominator,
-            norm_length, loss_scale):
+def _reduce(spec, reduction, loss_terms, partials, mask, rows, denominator, norm_length,
+            loss_scale):
     """(loss, backward scale: 0-d, or [rows] for seq_mean_*) from the kernel's outputs."""
     device = partials.device
     one = torch.ones((), device=device)
@@ -125,7 +139,7 @@ def _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows, denom
     if reduction == "sum":
         return total * loss_scale, one * loss_scale
     if reduction == "row_mean":
-        inv = 1.0 / (float(max(num_rows, 1)) if denominator is None else denominator)
+        inv = 1.0 / (float(max(rows.num_rows, 1)) if denominator is None else denominator)
         return total * inv * loss_scale, inv * loss_scale * one
     if reduction == "token_mean":
         tokens = partials[:, 1].double().sum().float()
@@ -134,9 +148,7 @@ def _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows, denom
     if spec.ratio != "token":                      # one stats row per sequence
         row_sums, row_tokens = partials[:, 0], partials[:, 1]
     else:
-        zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
-        row_sums = zeros.index_add(0, seg_id, loss_terms)
-        row_tokens = zeros.index_add(0, seg_id, mask.float())
+        row_sums, row_tokens = rows.sum(loss_terms), rows.sum(mask.float())
     has_tokens = (row_tokens > 0).float()
     denom = has_tokens.sum().clamp(min=1.0) if denominator is None else denominator
     row_scale = has_tokens / denom
@@ -174,12 +186,9 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     n = logprobs.numel()
     device = logprobs.device
     adv_per_seq = advantages.shape[0] != n
-    seg_id = None                 # token -> row, only where a row-wise step needs it
-    if (adv_per_seq and ratio == "token" and cu_seqlens is not None) or (
-            ratio == "token" and reduction.startswith("seq_mean")):
-        seg_id = _seg_id(n, num_rows, row_len, cu_seqlens, device)
+    rows = Rows(n, num_rows, row_len, cu_seqlens, device)
     if adv_per_seq and ratio == "token" and cu_seqlens is not None:
-        advantages, adv_per_seq = advantages[seg_id], False
+        advantages, adv_per_seq = rows.spread(advantages), False
     store_loss = reduction == "none" or (reduction.startswith("seq_mean") and ratio == "token")
     if ratio == "geo_mean":
         loss_terms = torch.zeros(num_rows, dtype=torch.float32, device=device)
@@ -209,8 +218,8 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
             eps_low=eps_low, eps_high=eps_high, dual_clip=dual if has_dual else None,
             params=params, has_delta=has_delta, block=block,
             num_warps=4 if interpret or block <= 1024 else _WARPS_GPU)
-    loss, scale = _reduce(spec, reduction, loss_terms, partials, mask, seg_id, num_rows,
-                          denominator, norm_length, loss_scale)
+    loss, scale = _reduce(spec, reduction, loss_terms, partials, mask, rows, denominator,
+                          norm_length, loss_scale)
     stats = partials.double().sum(0).float()
     return loss, grad, scale, stats
 
@@ -246,11 +255,8 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
     per_row = ctx.reduction.startswith("seq_mean") or (
         ctx.reduction == "none" and ctx.ratio == "geo_mean")
     upstream = scale * grad_loss
-    if per_row and cu_seqlens is None and n:     # padded: broadcast over the row, no gather
-        out = (coef.reshape(ctx.num_rows, -1) * upstream.unsqueeze(-1)).reshape(-1)
-    elif per_row:
-        seg_id = _seg_id(n, ctx.num_rows, ctx.row_len, cu_seqlens, coef.device)
-        out = coef * upstream[seg_id]
+    if per_row:
+        out = coef * Rows(n, ctx.num_rows, ctx.row_len, cu_seqlens, coef.device).spread(upstream)
     else:
         out = coef * upstream
     return (out.to(ctx.lp_dtype),) + (None,) * 19
@@ -372,16 +378,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros(logprobs.shape, dtype=torch.bool, device=logprobs.device)
     if backend == "torch":
-        per_seq_adv = advantages.shape != logprobs.shape
-        seg_id = None
-        if per_seq_adv or spec.ratio != "token" or reduction.startswith("seq_mean"):
-            seg_id = _seg_id(logprobs.numel(), num_seqs, row_len or 0, cu_seqlens,
-                             logprobs.device)
-        adv = advantages[seg_id] if per_seq_adv else flat(advantages)
+        rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
+        adv = (rows.spread(advantages) if advantages.shape != logprobs.shape
+               else flat(advantages))
         mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
                 if loss_mask is None else flat(loss_mask) != 0)
         loss, stats = policy_loss_reference(
-            spec, flat(logprobs), flat(old_logprobs), adv, mask, seg_id, num_seqs,
+            spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,
             eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
             token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
             gate_low=lo, gate_high=hi, selection=flat(selection), reduction=reduction,

@@ -15,6 +15,7 @@ import torch
 import glm_kernels
 from glm_kernels import POLICY_VARIANTS, PolicyLossSpec, policy_loss
 from glm_kernels.loss import _policy_reference as ref_mod
+from glm_kernels.loss.policy import STATS_KEYS
 from tests._compare import TOLERANCES, assert_close, assert_sum_close
 from tests.conftest import DEVICE, skip_without_kernels, KERNEL_BACKEND
 
@@ -117,7 +118,7 @@ def check_against_reference(name, batch, reduction, **kw):
             f"{name} {reduction}: {got_loss.item()} vs {ref_loss.item()}")
     assert torch.isfinite(got_grad).all()
     assert_close(got_grad, ref_grad, tol=FP32, name=f"{name} grad")
-    assert set(got_stats) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pop_frac"}
+    assert set(got_stats) == set(STATS_KEYS) == set(ref_stats)
     for key, value in ref_stats.items():
         assert abs(got_stats[key].item() - value.item()) <= FP32 * max(1.0, abs(value.item())), (
             f"{name} {key}: {got_stats[key].item()} vs {value.item()}")
@@ -170,13 +171,13 @@ def test_reference_gradient_is_autograd_of_its_loss():
     batch["old"][0, 3], batch["old"][1, 4] = batch["lp"][0, 3] - 0.1, batch["lp"][1, 4] + 0.1
     mask = batch["mask"]
     mask[2] = True
-    seg_id = torch.arange(18) // 6
+    rows = ref_mod.Rows(18, 3, 6, None, "cpu")
 
     def loss_of(lp):
         spec = POLICY_VARIANTS["grpo_sequence"]
         return ref_mod.policy_loss_reference(
             spec, lp, batch["old"].double().reshape(-1), batch["adv"].double().reshape(-1),
-            mask.reshape(-1), seg_id, 3, eps_low=0.2, eps_high=0.28, dual_clip=None,
+            mask.reshape(-1), rows, eps_low=0.2, eps_high=0.28, dual_clip=None,
             token_weights=None, rollout=None, gate=None, gate_low=0.5, gate_high=2.0,
             selection=None, reduction="seq_mean_token_mean", denominator=None,
             norm_length=None, loss_scale=1.0, params={"delta": None})[0]
