@@ -189,6 +189,26 @@ def test_never_calls_verls_loss_functions(monkeypatch):
             actor_config("vanilla"), w)
 
 
+def test_verl_imports_the_plug_in_from_its_environment_variable():
+    """How verl's Ray workers get the losses (docs/verl.md): ``import verl`` with
+    VERL_USE_EXTERNAL_MODULES=glm_kernels.integrations.verl registers every glm_<name> and
+    icepop, in a fresh interpreter that imports nothing of glm_kernels itself."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "glm_kernels.integrations.verl",
+           "VERL_USE_EXTERNAL_PLUGINS": "none",       # not through the entry point
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    code = ("import verl\nfrom verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as r\n"
+            "print(' '.join(sorted(k for k in r if k.startswith('glm_') or k == 'icepop')))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = out.stdout.split()
+    assert names == sorted([f"glm_{name}" for name in VERL_NAMES] + ["icepop"]), out.stdout
+
+
 def test_register_all_under_another_prefix():
     verl_losses.register_all(prefix="glmtest_")
     for name in VERL_NAMES:
