@@ -414,3 +414,25 @@ def test_docs_policy_loss_examples_run(any_backend):
     result = doctest.testfile(path, module_relative=False,
                               optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+@pytest.mark.parametrize("ratio,objective,reduction", [
+    ("token", "ppo", "token_mean"), ("token", "cispo", "none"),
+    ("sequence_stopgrad", "ppo", "seq_mean_token_mean"), ("geo_mean", "ppo", "none"),
+    ("sequence", "sapo", "seq_mean_token_sum")])
+def test_opcheck_custom_op(kernel_backend, ratio, objective, reduction):
+    """The custom op's schema, fake kernel (shapes and strides), autograd registration and
+    AOT dispatch, as torch.library checks them."""
+    from glm_kernels.loss import policy
+    b = to_device(make_batch(31, rows=3, length=8))
+    flat = {k: v.reshape(-1).contiguous() for k, v in b.items()}
+    lp = flat["lp"].clone().requires_grad_(True)
+    args = (lp, flat["old"], flat["adv"], flat["mask"], flat["weights"], flat["rollout"],
+            None, None, None, ratio, objective, "decoupled", reduction,
+            [20.0 if ratio != "sequence" else 0.0, float("nan"), 0.5, 2.0, 0.2, 0.28, 1.0,
+             1.0, 1.0],
+            [1.0, 1.05, 0.0, 0.0] if objective == "sapo" else [0.7, 1.3, 0.0, 0.0],
+            False, False, 3, 8, True)
+    torch.library.opcheck(policy._policy_op, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
