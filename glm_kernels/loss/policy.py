@@ -308,9 +308,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         Defaults 0.5 / 2.0. Popped tokens contribute 0 but stay in every denominator
         (geo_mean drops them from their sequence's mean).
     cu_seqlens : Tensor [B + 1] int32 / int64, optional
-        Sequence boundaries of packed 1-D inputs (0 = cu[0] <= ... <= cu[B] = N). Its values
-        are not checked (reading them would sync the device): tokens outside [cu[0], cu[B])
-        are an error on the torch backend and ignored by the kernels.
+        Sequence boundaries of packed 1-D inputs; must satisfy 0 = cu[0] <= ... <= cu[B] = N.
+        The values are not checked (reading them would sync the device): other values give
+        undefined results.
     reduction : str, optional (default: the preset's)
         token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm | sum |
         none (verl's loss_agg_mode names with '_'); row_mean for geo_mean (mean over all B
