@@ -436,3 +436,20 @@ def test_opcheck_custom_op(kernel_backend, ratio, objective, reduction):
     torch.library.opcheck(policy._policy_op, args,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_vespo_weight_is_trls_gamma_weight(any_backend, weighted):
+    """The vespo preset's per-token loss is -phi A lp with phi from TRL 1.16's own
+    GRPOTrainer.get_gamma_weights (sequence advantages, as TRL's trainer passes them)."""
+    trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    batch = make_batch(41)
+    batch["adv"] = batch["adv"][:, :1].expand(-1, 40).contiguous()
+    is_ratio = batch["weights"] if weighted else None
+    loss = run("vespo", batch, reduction="none", weights=weighted)[0].cpu()
+    phi = trl_grpo.GRPOTrainer.get_gamma_weights(
+        advantages=batch["adv"][:, :1], log_ratio_per_token=batch["lp"] - batch["old"],
+        mask=batch["mask"].float(), importance_sampling_ratio=is_ratio)
+    expected = torch.where(batch["mask"], -phi * batch["adv"] * batch["lp"], 0.0)
+    assert phi.unique().numel() > 2            # the rows' weights differ: a real comparison
+    assert_close(loss, expected, tol=FP32, name="vespo per-token loss")
