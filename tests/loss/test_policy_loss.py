@@ -72,6 +72,8 @@ def run(name, batch, *, reduction, gate=None, weights=False, cu_seqlens=None, pe
         kwargs["selection"] = b["selection"]
     if gate is not None:
         kwargs.update(gate=gate, rollout_logprobs=b["rollout"], gate_low=0.5, gate_high=2.0)
+    if "seq_is" in kwargs:
+        kwargs["rollout_logprobs"] = b["rollout"]
     if cu_seqlens is not None:
         kwargs["cu_seqlens"] = cu_seqlens.to(DEVICE)
         if reduction == "seq_mean_token_sum_norm":
@@ -453,3 +455,34 @@ def test_vespo_weight_is_trls_gamma_weight(any_backend, weighted):
     expected = torch.where(batch["mask"], -phi * batch["adv"] * batch["lp"], 0.0)
     assert phi.unique().numel() > 2            # the rows' weights differ: a real comparison
     assert_close(loss, expected, tol=FP32, name="vespo per-token loss")
+
+
+@pytest.mark.parametrize("name", ["vanilla", "grpo_sequence", "geo_mean", "cispo"])
+def test_seq_is_kernel_matches_reference(kernel_backend, name):
+    """Sequence IS composed with the gate, packed rows: kernels vs the torch reference."""
+    batch, cu = pack(make_batch(51))
+    reduction = POLICY_VARIANTS[name].default_reduction
+    check_against_reference(name, batch, reduction, gate="coupled", cu_seqlens=cu,
+                            weights=True, seq_is="mask", seq_is_high=3.0, seq_is_low=0.2)
+    check_against_reference(name, batch, reduction, cu_seqlens=cu, seq_is="truncate",
+                            seq_is_high=1.5)
+
+
+@pytest.mark.parametrize("change,error,name", [
+    (dict(seq_is="both"), ValueError, "seq_is"),
+    (dict(seq_is="truncate"), ValueError, "rollout_logprobs"),
+    (dict(seq_is="truncate", rollout_logprobs=torch.zeros(2, 5), seq_is_high=0.0),
+     ValueError, "seq_is_high"),
+    (dict(seq_is="truncate", rollout_logprobs=torch.zeros(2, 5), seq_is_low=0.5),
+     ValueError, "seq_is_low"),
+    (dict(seq_is_low=0.5), ValueError, "seq_is_low"),
+    (dict(seq_is="mask", rollout_logprobs=torch.zeros(2, 5), seq_is_low=3.0),
+     ValueError, "seq_is_low"),
+    (dict(variant="vespo", seq_is="mask", rollout_logprobs=torch.zeros(2, 5)),
+     ValueError, "vespo"),
+])
+def test_bad_seq_is_names_the_argument(change, error, name):
+    args = dict(_good(), **change)
+    with pytest.raises(error, match=name):
+        policy_loss(args.pop("logprobs"), args.pop("old_logprobs"), args.pop("advantages"),
+                    args.pop("loss_mask"), **args)
