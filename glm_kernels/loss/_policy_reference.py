@@ -242,11 +242,10 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
         terms = torch.where(mask, loss_t if factor is None else loss_t * factor, 0.0)
         loss = reduce_tokens(terms, mask, rows, reduction, denominator, norm_length)
         if need_stats:
-            mask_f = mask.float()
             if spec.ratio != "token" and spec.objective == "ppo":
                 ind["kl"] = -raw_log_ratio
             zero = torch.zeros((), device=lp.device)
-            denom = mask_f.sum() + 1e-8                   # verl's masked_mean denominator
+            denom = mask.sum() + 1e-8                     # verl's masked_mean denominator
             mean = lambda key: (torch.where(mask, ind[key], 0.0).sum() / denom   # noqa: E731
                                 if key in ind else zero)
             stats = {"pg_clipfrac": mean("clip"), "pg_clipfrac_lower": mean("clip_lower"),

@@ -32,6 +32,7 @@ import torch
 from .. import _dispatch
 from . import _checks
 from ._policy_reference import Rows, policy_loss_reference
+from .sequence_is import check_seq_is, seq_is_token_weights
 from ._policy_spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec,  # noqa: F401
                            resolve_params, resolve_variant)
 
@@ -275,7 +276,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 gate_low: Optional[float] = None, gate_high: Optional[float] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, reduction: Optional[str] = None,
                 denominator=None, norm_length: Optional[float] = None, loss_scale: float = 1.0,
-                selection: Optional[torch.Tensor] = None, return_stats: bool = False,
+                selection: Optional[torch.Tensor] = None, seq_is: Optional[str] = None,
+                seq_is_high: float = 2.0, seq_is_low: Optional[float] = None,
+                return_stats: bool = False,
                 **variant_params
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
     """One policy loss of the family (verl POLICY_LOSS_REGISTRY, TRL loss types), fused.
@@ -308,7 +311,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         Defaults 0.5 / 2.0. Popped tokens contribute 0 but stay in every denominator
         (geo_mean drops them from their sequence's mean).
     cu_seqlens : Tensor [B + 1] int32 / int64, optional
-        Sequence boundaries of packed 1-D inputs (0 = cu[0] <= ... <= cu[B] = N).
+        Sequence boundaries of packed 1-D inputs; must satisfy 0 = cu[0] <= ... <= cu[B] = N.
+        The values are not checked (reading them would sync the device): other values give
+        undefined results.
     reduction : str, optional (default: the preset's)
         token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm | sum |
         none (verl's loss_agg_mode names with '_'); row_mean for geo_mean (mean over all B
@@ -327,6 +332,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return_stats : bool
         Also return detached fp32 0-d tensors ``pg_clipfrac``, ``pg_clipfrac_lower``,
         ``ppo_kl`` (verl's definitions for the objective) and ``pop_frac`` (the gate's).
+    seq_is, seq_is_high, seq_is_low : optional
+        Sequence-level IS on ``rollout_logprobs`` (verl ``rollout_is="sequence"``, slime /
+        TRL sequence TIS / MIS): every token of sequence b is weighted by
+        w_b = exp(clamp(sum_m (old - rollout), -20, 20)), "truncate": min(w_b, seq_is_high);
+        "mask": w_b where seq_is_low <= w_b <= seq_is_high (low default 1 / high), else 0.
+        Computed by one row reduction before the kernel (:mod:`loss.sequence_is`), then a
+        token weight (times ``token_weights``). Not with vespo (TRL puts IS in its log w).
     **variant_params : float
         The objective's parameters (CORE_API.md): delta; cispo_min, cispo_max; tau_pos,
         tau_neg; ratio_cap; dro_beta; ppo_kl_coef; k_pos, lambda_pos, k_neg, lambda_neg.
@@ -350,10 +362,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                          f"{spec.objective!r}")
     params = resolve_params(spec, variant_params, eps_low, eps_high)
     _dispatch.check_choice("gate", gate, GATES)
+    if seq_is is not None:
+        seq_is_high, seq_is_low = check_seq_is(seq_is, seq_is_high, seq_is_low)
+        if rollout_logprobs is None:
+            raise ValueError(f"seq_is={seq_is!r} needs rollout_logprobs")
+        if spec.objective == "vespo":
+            raise ValueError("seq_is does not apply to vespo (TRL adds the IS ratio to its "
+                             "log w: pass token_weights)")
+    elif seq_is_low is not None:
+        raise ValueError("seq_is_low needs seq_is='mask'")
     if gate is None:
-        if rollout_logprobs is not None or gate_low is not None or gate_high is not None:
+        if gate_low is not None or gate_high is not None or (
+                rollout_logprobs is not None and seq_is is None):
             raise ValueError("rollout_logprobs / gate_low / gate_high need gate='coupled' or "
-                             "'decoupled'")
+                             "'decoupled' (or seq_is for rollout_logprobs)")
         lo, hi = _DEFAULT_GATE
     else:
         if rollout_logprobs is None:
@@ -375,6 +397,17 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
                                        loss_mask, token_weights, rollout_logprobs)
     flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
+    if seq_is is not None:
+        mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
+                if loss_mask is None else flat(loss_mask) != 0)
+        rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
+        seq_weights = seq_is_token_weights(flat(old_logprobs), flat(rollout_logprobs), mask,
+                                           rows, seq_is, seq_is_high,
+                                           seq_is_low).reshape(logprobs.shape)
+        token_weights = (seq_weights if token_weights is None
+                         else token_weights.float() * seq_weights)
+    if gate is None:
+        rollout_logprobs = None               # read by seq_is only
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros(logprobs.shape, dtype=torch.bool, device=logprobs.device)
     if backend == "torch":

@@ -72,6 +72,8 @@ def run(name, batch, *, reduction, gate=None, weights=False, cu_seqlens=None, pe
         kwargs["selection"] = b["selection"]
     if gate is not None:
         kwargs.update(gate=gate, rollout_logprobs=b["rollout"], gate_low=0.5, gate_high=2.0)
+    if "seq_is" in kwargs:
+        kwargs["rollout_logprobs"] = b["rollout"]
     if cu_seqlens is not None:
         kwargs["cu_seqlens"] = cu_seqlens.to(DEVICE)
         if reduction == "seq_mean_token_sum_norm":
@@ -414,3 +416,73 @@ def test_docs_policy_loss_examples_run(any_backend):
     result = doctest.testfile(path, module_relative=False,
                               optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+@pytest.mark.parametrize("ratio,objective,reduction", [
+    ("token", "ppo", "token_mean"), ("token", "cispo", "none"),
+    ("sequence_stopgrad", "ppo", "seq_mean_token_mean"), ("geo_mean", "ppo", "none"),
+    ("sequence", "sapo", "seq_mean_token_sum")])
+def test_opcheck_custom_op(kernel_backend, ratio, objective, reduction):
+    """The custom op's schema, fake kernel (shapes and strides), autograd registration and
+    AOT dispatch, as torch.library checks them."""
+    from glm_kernels.loss import policy
+    b = to_device(make_batch(31, rows=3, length=8))
+    flat = {k: v.reshape(-1).contiguous() for k, v in b.items()}
+    lp = flat["lp"].clone().requires_grad_(True)
+    args = (lp, flat["old"], flat["adv"], flat["mask"], flat["weights"], flat["rollout"],
+            None, None, None, ratio, objective, "decoupled", reduction,
+            [20.0 if ratio != "sequence" else 0.0, float("nan"), 0.5, 2.0, 0.2, 0.28, 1.0,
+             1.0, 1.0],
+            [1.0, 1.05, 0.0, 0.0] if objective == "sapo" else [0.7, 1.3, 0.0, 0.0],
+            False, False, 3, 8, True)
+    torch.library.opcheck(policy._policy_op, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_vespo_weight_is_trls_gamma_weight(any_backend, weighted):
+    """The vespo preset's per-token loss is -phi A lp with phi from TRL 1.16's own
+    GRPOTrainer.get_gamma_weights (sequence advantages, as TRL's trainer passes them)."""
+    trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    batch = make_batch(41)
+    batch["adv"] = batch["adv"][:, :1].expand(-1, 40).contiguous()
+    is_ratio = batch["weights"] if weighted else None
+    loss = run("vespo", batch, reduction="none", weights=weighted)[0].cpu()
+    phi = trl_grpo.GRPOTrainer.get_gamma_weights(
+        advantages=batch["adv"][:, :1], log_ratio_per_token=batch["lp"] - batch["old"],
+        mask=batch["mask"].float(), importance_sampling_ratio=is_ratio)
+    expected = torch.where(batch["mask"], -phi * batch["adv"] * batch["lp"], 0.0)
+    assert phi.unique().numel() > 2            # the rows' weights differ: a real comparison
+    assert_close(loss, expected, tol=FP32, name="vespo per-token loss")
+
+
+@pytest.mark.parametrize("name", ["vanilla", "grpo_sequence", "geo_mean", "cispo"])
+def test_seq_is_kernel_matches_reference(kernel_backend, name):
+    """Sequence IS composed with the gate, packed rows: kernels vs the torch reference."""
+    batch, cu = pack(make_batch(51))
+    reduction = POLICY_VARIANTS[name].default_reduction
+    check_against_reference(name, batch, reduction, gate="coupled", cu_seqlens=cu,
+                            weights=True, seq_is="mask", seq_is_high=3.0, seq_is_low=0.2)
+    check_against_reference(name, batch, reduction, cu_seqlens=cu, seq_is="truncate",
+                            seq_is_high=1.5)
+
+
+@pytest.mark.parametrize("change,error,name", [
+    (dict(seq_is="both"), ValueError, "seq_is"),
+    (dict(seq_is="truncate"), ValueError, "rollout_logprobs"),
+    (dict(seq_is="truncate", rollout_logprobs=torch.zeros(2, 5), seq_is_high=0.0),
+     ValueError, "seq_is_high"),
+    (dict(seq_is="truncate", rollout_logprobs=torch.zeros(2, 5), seq_is_low=0.5),
+     ValueError, "seq_is_low"),
+    (dict(seq_is_low=0.5), ValueError, "seq_is_low"),
+    (dict(seq_is="mask", rollout_logprobs=torch.zeros(2, 5), seq_is_low=3.0),
+     ValueError, "seq_is_low"),
+    (dict(variant="vespo", seq_is="mask", rollout_logprobs=torch.zeros(2, 5)),
+     ValueError, "vespo"),
+])
+def test_bad_seq_is_names_the_argument(change, error, name):
+    args = dict(_good(), **change)
+    with pytest.raises(error, match=name):
+        policy_loss(args.pop("logprobs"), args.pop("old_logprobs"), args.pop("advantages"),
+                    args.pop("loss_mask"), **args)

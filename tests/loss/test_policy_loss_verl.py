@@ -194,3 +194,36 @@ def test_bypass_mode_matches_verl(any_backend, preset, variant, agg):
         terms = policy_loss(lp_mine, rollout.to(DEVICE), adv.to(DEVICE), eff_mask.to(DEVICE),
                             **kwargs)
     compare(verl_out, mine, lp_verl, lp_mine, terms.abs().sum().item())
+
+
+@pytest.mark.parametrize("mode,threshold", [("truncate", 2.0), ("mask", "0.5_2.0")])
+@pytest.mark.parametrize("variant", ["vanilla", "gspo", "geo_mean"])
+def test_sequence_is_matches_verl_weights(any_backend, mode, threshold, variant):
+    """seq_is= equals feeding verl's own sequence-level weights (rollout_is="sequence",
+    compute_rollout_correction_weights) to verl's loss as rollout_is_weights."""
+    lp, old, rollout, adv, mask, _ = make_batch(23)
+    rollout = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
+    weights, _ = rc.compute_rollout_correction_weights(
+        log_ratio=old - rollout, response_mask=mask, rollout_is="sequence",
+        rollout_is_threshold=threshold)
+    mine_weights = glm_kernels.loss.sequence_is_weights(old, rollout, mask, mode=mode,
+                                                        high=2.0, low=0.5 if mode == "mask"
+                                                        else None)
+    assert_close(mine_weights * mask, weights, tol=FP32, name="weights")
+    assert (weights[mask.bool()] < 2.0).any() and (weights[mask.bool()] != 1.0).any()
+    agg = "seq-mean-token-mean"
+    lp_verl = lp.clone().requires_grad_(True)
+    verl_out = core.get_policy_loss_fn(variant)(
+        old_log_prob=old, log_prob=lp_verl, advantages=adv, response_mask=mask,
+        loss_agg_mode=agg, config=actor_config(variant), rollout_is_weights=weights)
+    on = lambda t: t.to(DEVICE)   # noqa: E731
+    lp_mine = on(lp).requires_grad_(True)
+    kwargs = dict(variant=variant, eps_low=LOW, eps_high=HIGH, rollout_logprobs=on(rollout),
+                  seq_is=mode, seq_is_high=2.0, seq_is_low=0.5 if mode == "mask" else None,
+                  **core_kwargs(variant, agg, {}, lp.shape[-1]),
+                  **variant_params(variant, lp, old, adv, mask))
+    mine = policy_loss(lp_mine, on(old), on(adv), on(mask), return_stats=True, **kwargs)
+    with torch.no_grad():
+        kwargs["reduction"] = "none"
+        terms = policy_loss(lp_mine, on(old), on(adv), on(mask), **kwargs)
+    compare(verl_out, mine, lp_verl, lp_mine, terms.abs().sum().item())
