@@ -1,7 +1,8 @@
 """docs/verl.md's install lines are what a clean venv needs: a new venv gets torch (TORCH_SPEC,
 the first argument), numpy and pytest, then exactly the docs' pip commands, then runs
-tests/integrations/test_verl.py (torch backend) against this checkout with nothing skipped. The docs'
-commands must equal glm_kernels.integrations.verl.INSTALL_HINT (the ImportError's advice).
+tests/integrations/test_verl.py and test_verl_losses.py (torch backend) against this checkout
+with nothing skipped. The docs' commands must equal glm_kernels.integrations.verl.INSTALL_HINT
+(the ImportError's advice).
 Usage: python .ci/check_verl_install.py TORCH_SPEC [VENV_DIR]
 """
 import ast
@@ -53,13 +54,14 @@ def main(torch_spec, venv):
     env.pop("GLM_KERNELS_BACKEND", None)
     # the torch backend: a CPU torch brings no triton, and the docs' lines add none
     proc = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pytest", "-q", "-rs",
-                           "-k", "not interpret", "tests/integrations/test_verl.py"],
+                           "-k", "not interpret", "tests/integrations/test_verl.py",
+                           "tests/integrations/test_verl_losses.py"],
                           cwd=ROOT, env=env,
                           capture_output=True, text=True)
     print(proc.stdout[-3000:], proc.stderr[-2000:])
     if proc.returncode != 0 or "skipped" in proc.stdout:
-        sys.exit("check_verl_install: tests/integrations/test_verl.py failed or skipped in a "
-                 "venv set up with docs/verl.md's install lines")
+        sys.exit("check_verl_install: tests/integrations/test_verl{,_losses}.py failed or "
+                 "skipped in a venv set up with docs/verl.md's install lines")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
   slime's ``--update-weight-mode delta`` diffs on the GPU (only changed bytes leave it).
 * ``glm_kernels.integrations.sglang`` -- an SGLang custom weight loader that applies delta
   packets in place on the engine's parameters.
-* ``glm_kernels.integrations.verl`` -- registers the ``"icepop"`` policy loss in verl's
-  registry (also through the ``verl.plugins`` entry point).
+* ``glm_kernels.integrations.verl`` -- registers in verl's policy-loss registry the
+  ``"icepop"`` loss and ``"glm_<name>"`` beside every verl loss (``verl_losses``), also
+  through the ``verl.plugins`` entry point.
 * ``glm_kernels.integrations.megatron`` -- ``register()`` adds ``"muon_split"`` (MuonSplit,
   per head for ``linear_qkv`` and the MLA up-projections) to Megatron-core's emerging-optimizer
   registry, built by ``get_megatron_optimizer``.

@@ -1,4 +1,4 @@
-"""verl plug-in: IcePop as a verl policy loss, registered through verl's own registry.
+"""verl plug-in: IcePop and every verl policy loss, registered through verl's own registry.
 
 verl (checked against verl 0.9.1) looks a policy loss up by name in
 ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY`` (``register_policy_loss``) and calls it
@@ -8,24 +8,26 @@ from its actor's ``ppo_loss`` (verl/workers/utils/losses.py) as::
                                          response_mask=..., loss_agg_mode=..., config=...,
                                          rollout_is_weights=...)
 
-Importing this module registers :func:`icepop_policy_loss` under ``"icepop"`` when verl is
-installed (:func:`register` does it explicitly, and raises if verl is missing). Select it with
-``actor_rollout_ref.actor.policy_loss.loss_mode=icepop``; docs/verl.md has the config lines,
-including how verl's Ray workers import this module (``VERL_USE_EXTERNAL_MODULES``).
+Importing this module, when verl is installed, registers :func:`icepop_policy_loss` under
+``"icepop"`` (:func:`register` does it explicitly, and raises if verl is missing) and
+``glm_<name>`` for every loss in verl's registry (:func:`register_all`; the losses live in
+:mod:`glm_kernels.integrations.verl_losses`). Select one with
+``actor_rollout_ref.actor.policy_loss.loss_mode=icepop`` (or ``=glm_gspo``, ...);
+docs/verl.md has the config lines, including how verl's Ray workers import this module
+(``VERL_USE_EXTERNAL_MODULES``).
 
-Two modes, chosen by what verl hands the loss:
+IcePop has two modes, chosen by what verl hands the loss:
 
 * **decoupled** (``rollout_is_weights`` given): verl recomputed ``old_log_prob`` and its
   rollout-correction step turned the rollout log-probs into per-token IS weights -- with
   ``algorithm.rollout_correction.rollout_is=token`` and ``rollout_is_threshold="lo_hi"``
   those are IcePop's ``w = k * 1[lo <= k <= hi]``, k = exp(old - rollout)
   (``RolloutCorrectionConfig.decoupled_token_icepop``). verl never passes the rollout
-  log-probs themselves to a policy loss, so the gate is verl's; the kernel computes
-  ``w * max(-r A, -clip(r) A)`` with r = exp(log_prob - old). Any other IS weights (TIS,
-  sequence level) are honoured the same way. A token whose weight is 0 contributes exactly 0
-  to the loss and the gradient, even when its log-probs are inf or NaN.
+  log-probs themselves to a policy loss, so the gate is verl's; the core op computes
+  ``w * max(-r A, -clip(r) A)`` (dual-clipped) with r = exp(log_prob - old) as its token
+  weights. Any other IS weights (TIS, sequence level) are honoured the same way.
 * **coupled** (no ``rollout_is_weights``): ``old_log_prob`` is the ratio's base and the gate
-  is on rho = exp(log_prob - old) itself (DESIGN 3.1 coupled mode). With
+  is on rho = exp(log_prob - old) itself (the core op's ``gate="coupled"``). With
   ``algorithm.rollout_correction.bypass_mode=true`` verl's trainer puts the rollout
   log-probs in ``old_log_prob`` and skips the old-log-prob forward: that is GLM-5's coupled
   (TITO) IcePop. The gate interval is read from
@@ -33,10 +35,11 @@ Two modes, chosen by what verl hands the loss:
   ``"lo_hi"`` string (verl's IcePop spelling), else [1/2, 2] (beta = 2).
 
 Both modes keep verl's PPO details: the clip [1 - clip_ratio_low, 1 + clip_ratio_high], the
-dual clip ``clip_ratio_c`` for negative advantages, every ``loss_agg_mode`` through verl's own
-``agg_loss`` with ``config.global_batch_info`` (so data-parallel normalisation is verl's), and
-verl's metric names ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` plus
-``actor/pop_frac`` (masked tokens whose weight is 0) and ``actor/icepop_ratio_mean``.
+dual clip ``clip_ratio_c`` for negative advantages, every ``loss_agg_mode`` with
+``config.global_batch_info`` (verl's ``agg_loss`` arithmetic, done by the core op), and verl's
+metric names ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (from the
+core op's statistics, the same pass) plus ``actor/pop_frac`` (masked tokens whose weight is
+0) and ``actor/icepop_ratio_mean``.
 
 Log-probs from hidden states: verl's actor computes ``log_prob`` itself (its
 ``use_fused_kernels`` option already avoids [tokens, V] logits); verl 0.9.1 has no plug point
@@ -46,14 +49,18 @@ log-probs verl gives it.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..loss import icepop_loss
+from ..loss import mismatch_metrics, policy_loss
 from ..loss.mismatch import MISMATCH_KEYS
+from .verl_losses import (AGG_MODES, POLICY_LOSSES, VERL_LOSS_NAMES, check_inputs, clip_ranges,
+                          dual_clip, field, reduction_kwargs, register_all, verl_core)
 
-__all__ = ["icepop_policy_loss", "register", "gate_bounds", "LOSS_NAME", "INSTALL_HINT"]
+__all__ = ["icepop_policy_loss", "register", "register_all", "gate_bounds", "LOSS_NAME",
+           "INSTALL_HINT", "POLICY_LOSSES", "VERL_LOSS_NAMES", "AGG_MODES"]
 
 LOSS_NAME = "icepop"
 # What a clean venv with torch needs for the loss path and verl's actor-side loss module
@@ -61,41 +68,22 @@ LOSS_NAME = "icepop"
 INSTALL_HINT = ("pip install --no-deps 'verl==0.9.1' && pip install 'ray==2.60.0' "
                 "'tensordict==0.10.0' 'transformers==5.10.4' datasets pillow omegaconf "
                 "codetiming")
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-             "seq-mean-token-sum-norm")
 DEFAULT_GATE = (0.5, 2.0)          # IcePop beta = 2
-
-
-def _verl_core():
-    try:
-        from verl.trainer.ppo import core_algos
-    except ImportError as exc:
-        raise ImportError(f"glm_kernels.integrations.verl needs verl ({exc}); install it with: "
-                          f"{INSTALL_HINT}") from exc
-    return core_algos
+_LOG_RATIO_CLAMP = 20.0            # verl's vanilla clamp of log_prob - old_log_prob
 
 
 def register(name: str = LOSS_NAME) -> None:
     """Register :func:`icepop_policy_loss` in verl's policy-loss registry under ``name``."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
-    _verl_core().register_policy_loss(name)(icepop_policy_loss)
-
-
-def _field(config, key, default=None):
-    if config is None:
-        return default
-    getter = getattr(config, "get", None)
-    if callable(getter):
-        return getter(key, default)
-    return getattr(config, key, default)
+    verl_core().register_policy_loss(name)(icepop_policy_loss)
 
 
 def gate_bounds(config) -> Tuple[float, float]:
     """The coupled-mode gate [lo, hi]: ``config.policy_loss.rollout_correction.
     rollout_is_threshold`` when it is a ``"lo_hi"`` string, else (0.5, 2.0)."""
-    correction = _field(_field(config, "policy_loss"), "rollout_correction")
-    spec = _field(correction, "rollout_is_threshold")
+    correction = field(field(config, "policy_loss"), "rollout_correction")
+    spec = field(correction, "rollout_is_threshold")
     if not isinstance(spec, str) or "_" not in spec:
         return DEFAULT_GATE
     low_text, high_text = spec.split("_", 1)
@@ -108,39 +96,6 @@ def gate_bounds(config) -> Tuple[float, float]:
         raise ValueError(f"policy_loss.rollout_correction.rollout_is_threshold={spec!r}: need "
                          f"0 <= lo <= hi")
     return low, high
-
-
-def _clip_ranges(config) -> Tuple[float, float, float]:
-    clip = _field(config, "clip_ratio", 0.2)
-    low = _field(config, "clip_ratio_low")
-    high = _field(config, "clip_ratio_high")
-    low = float(clip if low is None else low)
-    high = float(clip if high is None else high)
-    dual = float(_field(config, "clip_ratio_c", 3.0))
-    if not dual > 1.0:
-        raise ValueError(f"config.clip_ratio_c must be > 1 (dual-clip PPO lower bound of the "
-                         f"ratio), got {dual}")
-    return low, high, dual
-
-
-def _check_inputs(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                  rollout_is_weights) -> None:
-    named = {"old_log_prob": old_log_prob, "log_prob": log_prob, "advantages": advantages,
-             "response_mask": response_mask}
-    if rollout_is_weights is not None:
-        named["rollout_is_weights"] = rollout_is_weights
-    for key, value in named.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{key} must be a torch.Tensor, got {type(value).__name__}")
-    if log_prob.dim() != 2:
-        raise ValueError(f"log_prob must be [batch, response_length], got shape "
-                         f"{tuple(log_prob.shape)}")
-    for key, value in named.items():
-        if value.shape != log_prob.shape:
-            raise ValueError(f"{key} must have the shape of log_prob {tuple(log_prob.shape)}, "
-                             f"got {tuple(value.shape)}")
-    if loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r}: expected one of {list(AGG_MODES)}")
 
 
 def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
@@ -161,8 +116,8 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     response_mask : Tensor [B, T] bool or 0/1
     loss_agg_mode : str
         One of verl's "token-mean", "token-sum", "seq-mean-token-sum",
-        "seq-mean-token-mean", "seq-mean-token-sum-norm"; aggregated by verl's ``agg_loss``
-        with ``config.global_batch_info``.
+        "seq-mean-token-mean", "seq-mean-token-sum-norm"; verl's ``agg_loss`` arithmetic with
+        ``config.global_batch_info`` (the core op's reduction).
     config : verl ``ActorConfig`` (or a mapping with the same fields)
         Read: ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``,
         ``global_batch_info``, ``policy_loss.rollout_correction.rollout_is_threshold``.
@@ -173,73 +128,74 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     Returns
     -------
     (pg_loss, metrics): fp32 scalar; python floats keyed ``actor/pg_clipfrac``,
-    ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``, ``actor/pop_frac``,
-    ``actor/icepop_ratio_mean``.
+    ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (verl's vanilla definitions, from the core
+    op's stats), ``actor/pop_frac``, ``actor/icepop_ratio_mean`` and, coupled, the
+    train-inference mismatch metrics ``actor/<MISMATCH_KEYS>``.
     """
-    if config is None:
-        raise ValueError("config must be verl's ActorConfig (clip ratios, global_batch_info), "
-                         "got None")
-    _check_inputs(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                  rollout_is_weights)
-    core = _verl_core()
-    eps_low, eps_high, dual = _clip_ranges(config)
+    check_inputs(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                 rollout_is_weights, config)
+    eps_low, eps_high = clip_ranges(config)
     mask = response_mask.bool()
-    old = old_log_prob.detach().float()
-    adv = advantages.detach().float()
-
+    old, adv = old_log_prob.detach(), advantages.detach()
+    common = dict(variant="vanilla", eps_low=eps_low, eps_high=eps_high,
+                  dual_clip=dual_clip(config), **reduction_kwargs(loss_agg_mode, config))
+    keys = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "pop_frac", "icepop_ratio_mean")
     if rollout_is_weights is None:
-        # Coupled: the kernel's coupled mode, base = old_log_prob, gate on rho itself.
+        # Coupled: base = old_log_prob (the rollout's in bypass mode), gate on rho itself.
         lo, hi = gate_bounds(config)
-        per_token, kernel_metrics = icepop_loss(
-            log_prob, old, adv, mask, gate_low=lo, gate_high=hi, eps_low=eps_low,
-            eps_high=eps_high, dual_clip=dual, reduction="none", return_metrics=True)
-        scaled_adv = adv
-        pop_frac = kernel_metrics["pop_frac"]
-        ratio_mean = kernel_metrics["ratio_mean"]
+        gate = dict(rollout_logprobs=old, gate="coupled", gate_low=lo, gate_high=hi, **common)
+        pg_loss, stats = policy_loss(log_prob, old, adv, mask, return_stats=True, **gate)
+        with torch.no_grad():
+            # old_log_prob is the rollout's, so the mismatch metrics are the engine drift;
+            # decoupled, verl's rollout-correction step reports its own.
+            stats.update(mismatch_metrics(log_prob.detach(), old, mask, gate_low=lo,
+                                          gate_high=hi))
+            rho = torch.exp((log_prob.detach().float() - old.float()).clamp(
+                -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+            stats["icepop_ratio_mean"] = (torch.where(mask, rho, 0.0).sum()
+                                          / mask.sum().clamp(min=1))
+        keys += MISMATCH_KEYS
     else:
-        # Decoupled: verl's weights w fold into the advantages, w * max(-rA, -clip(r)A) =
-        # max(-r(wA), -clip(r)(wA)) for w >= 0; tokens with w = 0 leave the kernel's mask, so
-        # they contribute exactly 0 whatever their values, and stay in verl's denominators.
-        weights = rollout_is_weights.detach().float()
-        kept = mask & (weights != 0)
-        scaled_adv = torch.where(kept, adv * weights, torch.zeros_like(adv))
-        # old as the "rollout" too: k = 1 always passes the kernel's gate; r = exp(lp - old).
-        # verl's dual clip caps w max(...) at -c (wA) = w (-cA): the kernel's cap on wA.
-        per_token, kernel_metrics = icepop_loss(
-            log_prob, old, scaled_adv, kept, old_logprobs=old, gate_low=0.0,
-            gate_high=1.0, eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
-            reduction="none", return_metrics=True)
-        n_masked = mask.sum().clamp(min=1).float()
-        pop_frac = (mask & (weights == 0)).sum().float() / n_masked
-        ratio_mean = torch.where(kept, weights, 0.0).sum() / kept.sum().clamp(min=1).float()
+        # Decoupled: verl's weights are the core op's token weights (0 = popped by verl's gate).
+        weights = rollout_is_weights.detach()
+        gate = dict(token_weights=weights, **common)
+        pg_loss, stats = policy_loss(log_prob, old, adv, mask, return_stats=True, **gate)
+        with torch.no_grad():
+            # Popped tokens have w = 0, so the sum over masked tokens is the sum over kept ones.
+            n_masked = mask.sum()
+            n_kept = (mask & (weights != 0)).sum()
+            stats["pop_frac"] = (n_masked - n_kept) / n_masked.clamp(min=1)
+            stats["icepop_ratio_mean"] = (torch.where(mask, weights.float(), 0.0).sum()
+                                          / n_kept.clamp(min=1))
+    # One host transfer for the metrics and the loss's finiteness (verl's .item()s sync too).
+    values = torch.stack([pg_loss.detach().float()] + [stats[key].float() for key in keys])
+    loss_value, *metric_values = values.tolist()
+    if not math.isfinite(loss_value):
+        pg_loss = _without_popped_inputs(log_prob, old, adv, mask, rollout_is_weights, gate)
+    return pg_loss, {f"actor/{key}": value for key, value in zip(keys, metric_values)}
 
-    global_batch_info = _field(config, "global_batch_info", None) or {}
-    pg_loss = core.agg_loss(loss_mat=per_token, loss_mask=mask, loss_agg_mode=loss_agg_mode,
-                            **global_batch_info)
 
-    with torch.no_grad():      # verl's own metric definitions (compute_policy_loss_vanilla)
-        log_ratio = (log_prob.detach().float() - old).clamp(-20.0, 20.0)
-        ratio = torch.exp(log_ratio)
-        loss1 = -adv * ratio
-        loss2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-        clipped_max = torch.maximum(loss1, loss2)
-        n = mask.sum().clamp(min=1).float()
-        masked_mean = lambda x: torch.where(mask, x.float(), 0.0).sum() / n   # noqa: E731
-        metrics = {
-            "actor/pg_clipfrac": masked_mean(loss2 > loss1).item(),
-            "actor/ppo_kl": masked_mean(-log_ratio).item(),
-            "actor/pg_clipfrac_lower": masked_mean((clipped_max > -adv * dual) & (adv < 0)).item(),
-            "actor/pop_frac": float(pop_frac),
-            "actor/icepop_ratio_mean": float(ratio_mean),
-        }
+def _without_popped_inputs(log_prob, old, adv, mask, rollout_is_weights, gate_kwargs):
+    """The loss again with the popped tokens' inputs set to 0: a popped token (weight 0, or
+    outside the coupled gate, or a NaN ratio) contributes exactly 0 to the loss and the
+    gradient even when its log-probs or advantage are inf or NaN (verl's vanilla loss turns
+    0 * NaN into a NaN loss; the core op multiplies by the weight). Runs only when the first
+    loss was not finite; a non-finite kept token still gives a non-finite loss."""
+    with torch.no_grad():
         if rollout_is_weights is None:
-            # Coupled: old_log_prob is the rollout's, so the kernel's train-inference mismatch
-            # metrics (same pass) are the engine drift. Decoupled: verl's rollout-correction
-            # step holds the rollout log-probs and reports its own mismatch metrics.
-            metrics.update({f"actor/{key}": float(kernel_metrics[key])
-                            for key in MISMATCH_KEYS})
-    return pg_loss, metrics
+            rho = torch.exp((log_prob.detach().float() - old.float()).clamp(
+                -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+            kept = (rho >= gate_kwargs["gate_low"]) & (rho <= gate_kwargs["gate_high"])
+        else:
+            kept = rollout_is_weights != 0
+        popped = mask & ~kept
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    clean = [torch.where(popped, zero.to(t.dtype), t) for t in (log_prob, old, adv)]
+    if rollout_is_weights is None:
+        gate_kwargs = {**gate_kwargs, "rollout_logprobs": clean[1]}
+    return policy_loss(*clean, mask, **gate_kwargs)
 
 
 if importlib.util.find_spec("verl") is not None:
     register()
+    register_all()

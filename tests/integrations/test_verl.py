@@ -11,6 +11,7 @@ import torch
 
 from glm_kernels.integrations import verl as plug
 from tests._compare import assert_close
+from tests.integrations._verl_actor import run_ppo_loss
 
 PIP = plug.INSTALL_HINT
 core = pytest.importorskip("verl.trainer.ppo.core_algos", reason=f"verl missing: {PIP}")
@@ -195,7 +196,7 @@ def test_gate_bounds_from_verl_config():
         plug.gate_bounds(actor_config(gate="a_b"))
 
 
-def test_popped_tokens_with_inf_nan_contribute_nothing():
+def test_popped_tokens_with_inf_nan_contribute_nothing(any_backend):
     lp, old, rollout, adv, mask = make_batch(5)
     w = verl_decoupled_weights(old, rollout, mask)
     popped = mask & (w == 0)
@@ -218,6 +219,27 @@ def test_popped_tokens_with_inf_nan_contribute_nothing():
                            "token-mean", cfg, w)[0])
 
 
+def test_coupled_popped_tokens_with_inf_nan_contribute_nothing(any_backend):
+    """Coupled: a NaN log-prob gives a NaN ratio, which the gate pops; an inf advantage on a
+    token outside the gate: both contribute 0, as the finite batch without them."""
+    lp, _, rollout, adv, mask = make_batch(5)
+    rho = torch.exp(lp - rollout)
+    popped = mask & ((rho < LO) | (rho > HI))
+    assert popped.sum() >= 2
+    idx = popped.nonzero()
+    lp_bad, adv_bad = lp.clone(), adv.clone()
+    lp_bad[idx[0, 0], idx[0, 1]] = float("nan")
+    adv_bad[idx[1, 0], idx[1, 1]] = float("inf")
+    cfg = actor_config()
+    clean = run(plug.icepop_policy_loss, lp, rollout, adv, mask, "seq-mean-token-mean", cfg, None)
+    dirty = run(plug.icepop_policy_loss, lp_bad, rollout, adv_bad, mask, "seq-mean-token-mean",
+                cfg, None)
+    assert torch.isfinite(dirty[0]) and torch.isfinite(dirty[1]).all()
+    assert_close(dirty[0], clean[0], tol=TOL, name="loss")
+    assert_close(dirty[1], clean[1], tol=TOL, name="grad")
+    assert (dirty[1][popped] == 0).all()
+
+
 @pytest.mark.parametrize("mode", plug.AGG_MODES)
 def test_empty_mask_and_global_batch_info(mode):
     lp, old, rollout, adv, mask = make_batch(6, edge=False, empty_row=False)
@@ -237,28 +259,14 @@ def test_verl_ppo_loss_dispatches_to_icepop():
     """verl's actor-side ``ppo_loss`` (verl/workers/utils/losses.py) on a batch laid out as its
     engine hands it (padded prompts/responses, packed per-position log-probs): it looks the
     loss up by ``config.policy_loss.loss_mode`` and calls it with its keyword arguments."""
-    losses = pytest.importorskip("verl.workers.utils.losses", reason=f"verl missing: {PIP}")
-    tu = pytest.importorskip("verl.utils.tensordict_utils", reason=f"verl missing: {PIP}")
+    pytest.importorskip("verl.workers.utils.losses", reason=f"verl missing: {PIP}")
     lp, old, rollout, adv, mask = make_batch(7, edge=False, empty_row=False)
-    b, t = lp.shape
-    prompt_len = 4
     w = verl_decoupled_weights(old, rollout, mask)
     cfg = actor_config()
-    x = lp.clone().requires_grad_(True)
-    # Position p of a sequence predicts token p + 1: the response log-probs sit one to the left.
-    stream = [torch.cat([x.new_zeros(prompt_len - 1), x[i], x.new_zeros(1)]) for i in range(b)]
-    data = tu.get_tensordict(
-        {"prompts": torch.ones(b, prompt_len, dtype=torch.long),
-         "responses": torch.ones(b, t, dtype=torch.long),
-         "attention_mask": torch.ones(b, prompt_len + t, dtype=torch.long),
-         "response_mask": mask.long(), "old_log_probs": old, "advantages": adv,
-         "rollout_is_weights": w},
-        {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None})
-    loss, metrics = losses.ppo_loss(cfg, {"log_probs": torch.cat(stream)}, data)
-    loss.backward()
+    loss, grad, metrics = run_ppo_loss(cfg, lp, old, adv, mask, w)
     ref = run(plug.icepop_policy_loss, lp, old, adv, mask, "token-mean", cfg, w)
-    assert_close(loss.detach(), ref[0], tol=TOL, name="ppo_loss")
-    assert_close(x.grad, ref[1], tol=TOL, name="ppo_loss grad")
+    assert_close(loss, ref[0], tol=TOL, name="ppo_loss")
+    assert_close(grad, ref[1], tol=TOL, name="ppo_loss grad")
     assert "actor/pop_frac" in metrics
 
 
