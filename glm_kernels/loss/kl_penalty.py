@@ -240,7 +240,7 @@ def kl_penalty_loss(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     (0.25, [[0.5, 0.5, 0.0]])
     """
     _check_log_probs(log_prob, ref_log_prob)
-    _checks.check_loss_mask(response_mask, "log_prob", log_prob)
+    _checks.check_loss_mask(response_mask, "log_prob", log_prob, name="response_mask")
     _dispatch.check_same_device(dict(log_prob=log_prob, ref_log_prob=ref_log_prob,
                                      response_mask=response_mask))
     kind_code, straight_through = parse_kl_penalty(kl_penalty)
@@ -257,9 +257,9 @@ def kl_penalty_loss(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                          f"loss_agg_mode={loss_agg_mode!r}")
     need_grad = bool(log_prob.requires_grad and torch.is_grad_enabled())
     loss, _, _ = _kl_loss_op(_rows(log_prob), _rows(ref_log_prob.detach()),
-                      _rows(response_mask), kind_code, straight_through, loss_agg_mode,
-                      dp_size, batch_num_tokens, global_batch_size, loss_scale_factor,
-                      need_grad)
+                             _rows(response_mask), kind_code, straight_through, loss_agg_mode,
+                             dp_size, batch_num_tokens, global_batch_size, loss_scale_factor,
+                             need_grad)
     return loss
 
 
@@ -301,5 +301,5 @@ def kl_penalty_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, *,
     _checks.check_bool("clamp", clamp)
     need_grad = bool(log_prob.requires_grad and torch.is_grad_enabled())
     terms, _ = _kl_terms_op(_rows(log_prob), _rows(ref_log_prob.detach()), kind_code,
-                    straight_through, clamp, need_grad)
+                            straight_through, clamp, need_grad)
     return terms.reshape(log_prob.shape)
