@@ -133,6 +133,8 @@ def kl_token_pass(lp, ref, mask, *, kind_code, straight_through, clamp, store_te
     and [0] when not asked for (``kl_penalty._token_pass`` documents the contract)."""
     import torch
     rows, seq_len = lp.shape
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)             # Triton loads bytes, not i1
     block_r, block_t, warps = tile_shape(rows, seq_len, interpret)
     new = lambda *shape: torch.empty(shape, dtype=torch.float32, device=lp.device)  # noqa
     terms = new(rows, seq_len) if store_terms else new(0)

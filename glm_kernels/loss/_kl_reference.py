@@ -59,16 +59,20 @@ def kl_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind_code: int,
         terms, grad = 0.5 * d * d, d
     elif kind_code == K3:
         x = -d
-        if clamp:
-            x_in = (x >= -LOG_RATIO_CLAMP) & (x <= LOG_RATIO_CLAMP)
-            x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        ratio = torch.exp(x)
-        terms = ratio - x - 1.0
-        grad = 1.0 - ratio
-        if clamp:
-            kld_in = (terms >= -K3_CLAMP) & (terms <= K3_CLAMP)
-            terms = terms.clamp(-K3_CLAMP, K3_CLAMP)
-            grad = torch.where(x_in & kld_in, grad, 0.0)
+        if not clamp:
+            ratio = torch.exp(x)
+            terms = (ratio - x).sub_(1.0)
+            grad = ratio.neg_().add_(1.0)
+        else:
+            x_clamped = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            ratio = torch.exp(x_clamped)
+            terms = (ratio - x_clamped).sub_(1.0)
+            grad = ratio.neg_().add_(1.0)
+            # torch.clamp's gradient passes where min <= input <= max (x == its clamp; NaN
+            # fails). The term is >= 0 up to rounding, so only its upper end can bind.
+            passes = (x == x_clamped).logical_and_(terms <= K3_CLAMP)
+            terms.clamp_(-K3_CLAMP, K3_CLAMP)
+            grad.masked_fill_(passes.logical_not_(), 0.0)
     else:
         raise ValueError(f"unknown kind code {kind_code}")
     if straight_through:
@@ -80,11 +84,17 @@ def masked_row_sums(terms: torch.Tensor, grad: Optional[torch.Tensor], mask: tor
                     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """[rows, T] terms and mask -> (S_b, N_b, gradient coefficient m * dl or None), fp32.
 
-    A masked-out token (m == 0) gives exactly 0 even when its term is inf or NaN."""
+    A masked-out token (m == 0) gives exactly 0 even when its term is inf or NaN. ``grad`` is
+    overwritten (it becomes the coefficient)."""
+    dropped = mask.logical_not()
+    kept_terms = terms.masked_fill(dropped, 0.0)
+    if mask.dtype == torch.bool:                   # weights are 1: no multiply
+        row_loss, row_count = kept_terms.sum(-1), mask.sum(-1, dtype=torch.float32)
+        coef = None if grad is None else grad.masked_fill_(dropped, 0.0)
+        return row_loss, row_count, coef
     m = mask.float()
-    keep = mask != 0
-    row_loss = (torch.where(keep, terms, 0.0) * m).sum(-1)
-    coef = None if grad is None else torch.where(keep, grad * m, 0.0)
+    row_loss = (kept_terms * m).sum(-1)
+    coef = None if grad is None else grad.mul_(m).masked_fill_(dropped, 0.0)
     return row_loss, m.sum(-1), coef
 
 

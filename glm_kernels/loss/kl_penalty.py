@@ -105,8 +105,7 @@ def _kl_loss_op(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mas
                 loss_scale_factor: Optional[float], need_grad: bool
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[rows, T] inputs -> (loss fp32 [], coef [rows, T] fp32 or [0], row_scale [rows] fp32)."""
-    mask = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask
-    _, coef, row_loss, row_count = _token_pass(log_prob, ref_log_prob, mask, kind_code,
+    _, coef, row_loss, row_count = _token_pass(log_prob, ref_log_prob, response_mask, kind_code,
                                                straight_through, True, False, need_grad, True)
     loss, row_scale = ref.aggregate_rows(row_loss, row_count, loss_agg_mode, dp_size,
                                          batch_num_tokens, global_batch_size,
