@@ -3,6 +3,7 @@ the installed verl), on both backends (torch; Triton kernel under the interprete
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,8 @@ KINDS = BASE_KINDS + tuple(k + "+" for k in BASE_KINDS)
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
          "seq-mean-token-mean")
 # verl's global_batch_info as a data-parallel rank sees it (dp_size > 1 needs the counts).
-DP_ARGS = ({}, dict(dp_size=4, batch_num_tokens=57, global_batch_size=11),
+DP_ARGS = ({}, dict(batch_num_tokens=40, global_batch_size=8, loss_scale_factor=3),
+           dict(dp_size=4, batch_num_tokens=57, global_batch_size=11),
            dict(dp_size=2, batch_num_tokens=30, global_batch_size=9, loss_scale_factor=64))
 
 
@@ -185,7 +187,8 @@ def test_no_grad_and_non_contiguous(any_backend):
     lp_t, ref_t, mask_t = lp.t(), ref.t(), mask.t()            # non-contiguous [6, 9]
     with torch.no_grad():
         loss = glm_kernels.kl_penalty_loss(log_prob=lp_t, ref_log_prob=ref_t,
-                                           response_mask=mask_t, loss_agg_mode="seq-mean-token-mean")
+                                           response_mask=mask_t,
+                                           loss_agg_mode="seq-mean-token-mean")
     want = _verl(lp_t.contiguous(), ref_t.contiguous(), mask_t, "low_var_kl",
                  "seq-mean-token-mean")
     assert_close(loss, want[0], tol=1e-5, name="loss")
@@ -211,36 +214,43 @@ def test_terms_match_verl_kl_penalty(any_backend, dtype):
         assert_close(x.grad.float(), y.grad, tol=TOLERANCES[dtype], name=f"{kind} grad")
 
 
-def _trl_per_token_kl_formula():
-    """TRL 1.16's per-token KL expression, read from its installed grpo_trainer.py (so a TRL
-    release that changes it fails here), or None when TRL is not installed."""
-    try:
-        import trl.trainer.grpo_trainer as grpo
-    except Exception:
-        return None
-    source = Path(grpo.__file__).read_text()
-    found = re.search(r"per_token_kl = \(\s*(torch\.exp\(ref_per_token_logps - per_token_logps\)"
-                      r" - \(ref_per_token_logps - per_token_logps\) - 1)\s*\)", source)
-    assert found, "TRL's per-token KL expression changed: re-derive kl_penalty_terms' TRL mode"
-    return found.group(1)
-
-
-def test_terms_trl_unclamped_k3(any_backend):
+def test_terms_unclamped_k3_is_the_hand_derived_k3(any_backend):
     lp, ref, _ = _batch((5, 12), seed=9)
     ref = ref.clamp(max=lp + 30)                     # e^30: finite in fp32
+    weights = torch.linspace(-1.0, 2.0, lp.numel(), device=DEVICE).reshape(lp.shape)
     x = lp.detach().clone().requires_grad_(True)
     terms = glm_kernels.kl_penalty_terms(x, ref, kl_penalty="k3", clamp=False)
-    weights = torch.linspace(-1.0, 2.0, lp.numel(), device=DEVICE).reshape(lp.shape)
     (terms * weights).sum().backward()
     y = lp.detach().clone().requires_grad_(True)
-    # Hand-derived k3 without clamps; TRL writes exactly this (checked against its source).
     want = torch.exp(ref - y) - (ref - y) - 1
     (want * weights).sum().backward()
     assert_close(terms, want, tol=1e-5, name="terms")
     assert_close(x.grad, y.grad, tol=1e-5, name="grad")
     assert terms.max() > 10                                   # beyond verl's clamp
-    if _trl_per_token_kl_formula() is None:
-        pytest.skip("TRL not installed: checked against the hand-derived k3 only")
+
+
+def test_terms_unclamped_k3_is_trls_per_token_kl(any_backend):
+    """TRL 1.16 writes its per-token KL inline in ``GRPOTrainer._compute_loss`` (no function
+    to import): the expression is read from the installed grpo_trainer.py and evaluated on
+    the same tensors, so a TRL release that changes it fails here."""
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    source = Path(grpo.__file__).read_text()
+    found = re.search(r"per_token_kl = \(\s*(torch\.exp\(ref_per_token_logps - per_token_logps"
+                      r"\)[^\n]*)\n\s*\)", source)
+    assert found, "TRL's per-token KL moved or changed: re-derive kl_penalty_terms' TRL mode"
+    trl_expression = compile(found.group(1).strip(), "trl per_token_kl", "eval")
+    lp, ref, _ = _batch((4, 9), seed=13)
+    ref = ref.clamp(max=lp + 30)
+    weights = torch.linspace(-1.0, 2.0, lp.numel(), device=DEVICE).reshape(lp.shape)
+    x = lp.detach().clone().requires_grad_(True)
+    terms = glm_kernels.kl_penalty_terms(x, ref, kl_penalty="k3", clamp=False)
+    (terms * weights).sum().backward()
+    y = lp.detach().clone().requires_grad_(True)
+    want = eval(trl_expression, {"torch": torch},
+                {"ref_per_token_logps": ref, "per_token_logps": y})
+    (want * weights).sum().backward()
+    assert_close(terms, want, tol=1e-5, name="terms")
+    assert_close(x.grad, y.grad, tol=1e-5, name="grad")
 
 
 # --------------------------------------------------------------------------- bad inputs
@@ -298,7 +308,7 @@ def test_positional_arguments_refused():
         glm_kernels.kl_penalty_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 4))
 
 
-@pytest.mark.parametrize("value", [1, 0, None, "no", 1.0])
+@pytest.mark.parametrize("value", [1, 0, None, "no", 1.0, np.bool_(True)])
 def test_clamp_takes_bool_only(value):
     with pytest.raises(TypeError, match="clamp"):
         glm_kernels.kl_penalty_terms(torch.zeros(3), torch.zeros(3), clamp=value)
