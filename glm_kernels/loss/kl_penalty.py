@@ -17,8 +17,10 @@ multiply. Registered as the custom ops ``glm_kernels::kl_penalty_loss`` and
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple
 
+import numpy
 import torch
 
 from .. import _dispatch
@@ -54,14 +56,18 @@ def _check_log_probs(log_prob, ref_log_prob) -> None:
 
 
 def _optional_positive(name: str, value) -> Optional[float]:
+    """None, or a finite number > 0 as a float (numpy scalars too: verl's counts may be)."""
     if value is None:
         return None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numpy.bool_)):
+        value = float(value)
     return _dispatch.check_finite_number(name, value, positive=True)
 
 
 def _check_dp_size(dp_size) -> int:
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int):
+    if isinstance(dp_size, (bool, numpy.bool_)) or not isinstance(dp_size, numbers.Integral):
         raise TypeError(f"dp_size must be an int, got {dp_size!r} ({type(dp_size).__name__})")
+    dp_size = int(dp_size)
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     return dp_size

@@ -303,6 +303,17 @@ def test_bad_arguments(kwargs, error, match):
         glm_kernels.kl_penalty_loss(**args)
 
 
+def test_numpy_counts_accepted():
+    lp, ref, mask = _batch((3, 5), seed=14)
+    args = dict(log_prob=lp, ref_log_prob=ref, response_mask=mask, loss_agg_mode="token-mean")
+    plain = glm_kernels.kl_penalty_loss(**args, dp_size=2, batch_num_tokens=12)
+    numpy_counts = glm_kernels.kl_penalty_loss(**args, dp_size=np.int64(2),
+                                               batch_num_tokens=np.int64(12))
+    assert torch.equal(plain, numpy_counts)
+    with pytest.raises(TypeError, match="dp_size"):
+        glm_kernels.kl_penalty_loss(**args, dp_size=np.bool_(True))
+
+
 def test_positional_arguments_refused():
     with pytest.raises(TypeError):
         glm_kernels.kl_penalty_loss(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 4))
