@@ -340,6 +340,14 @@ def test_kernel_writes_every_element(kernel_backend):
         assert not terms.isnan().any() and not coef.isnan().any()
         assert not partials.isnan().any()
         assert_close(partials.sum(1)[:, 1], mask.float().sum(-1), tol=0.0, name="row counts")
+        # kl_penalty_terms' launch: no mask, no row sums
+        terms.fill_(float("nan"))
+        coef.fill_(float("nan"))
+        _kl_kernels.kl_fwd(lp, ref, None, terms, coef, torch.empty(0, device=DEVICE),
+                           kind_code=kind, straight_through=True, clamp=False,
+                           block_r=block_r, block_t=block_t, num_warps=warps)
+        assert not terms.isnan().any()
+        assert torch.equal(coef, lp - ref)                   # straight-through: d
 
 
 def test_compiled_matches_eager(any_backend):
