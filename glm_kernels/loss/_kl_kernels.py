@@ -69,8 +69,10 @@ def _kl_fwd_kernel(
     STORE_ROW_SUMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Per-token KL term and gradient coefficient, and per-(row, column block) sums."""
-    pid_r = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    # One grid axis (2^31 programs): a second one would cap rows or column blocks at 65535.
+    pid = tl.program_id(0)
+    pid_r = pid // n_col_blocks
+    pid_t = pid % n_col_blocks
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
@@ -117,7 +119,7 @@ def kl_fwd(lp, ref, mask, terms_out, coef_out, partials_out, *, kind_code, strai
     if rows == 0 or seq_len == 0:
         return
     n_col_blocks = triton.cdiv(seq_len, block_t)
-    grid = (triton.cdiv(rows, block_r), n_col_blocks)
+    grid = (triton.cdiv(rows, block_r) * n_col_blocks,)
     _kl_fwd_kernel[grid](
         lp, ref, lp if mask is None else mask, terms_out, coef_out, partials_out,
         rows, seq_len, n_col_blocks,

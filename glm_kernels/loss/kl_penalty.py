@@ -86,7 +86,6 @@ def _token_pass(log_prob, ref_log_prob, mask, kind_code, straight_through, clamp
 
     coef = m * dl/dlp with the mask applied (0 where m == 0), or dl/dlp without a mask."""
     backend = _dispatch.select_backend("kl_penalty_loss", log_prob, ref_log_prob, mask)
-    rows, seq_len = log_prob.shape
     empty = log_prob.new_empty(0, dtype=torch.float32)
     if backend == "torch":
         terms, grad = ref.kl_terms(log_prob, ref_log_prob, kind_code, straight_through, clamp)
