@@ -226,7 +226,7 @@ def kl_penalty_loss(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     -----
     The per-token terms and sums are fp32 whatever the input dtype. A masked-out token
     contributes exactly 0 to the loss and the gradient even when its inputs are inf or NaN
-    (verl's ``masked_sum`` does the same for the token modes; its seq-mean modes multiply
+    (verl's token modes give the same loss through ``masked_sum``; its seq-mean modes multiply
     instead, so there a NaN/inf in padding makes verl's loss NaN). As in verl, token-mean
     with no masked token and no batch_num_tokens, or a seq-mean mode with no row holding a
     token and no global_batch_size, gives a NaN loss (0 / 0); its gradient is 0.

@@ -153,6 +153,13 @@ def test_masked_out_nonfinite_inputs_are_ignored(any_backend):
             want = _verl(lp, ref, mask, kind, mode)      # verl on the clean inputs
             _assert_matches(got, want, 1e-5, f"{kind} {mode}")
             assert (got[1][~mask] == 0).all()
+            # verl on the dirty inputs, as docs/kl_penalty.md says: its token modes give the
+            # same loss (masked_sum), its seq-mean modes NaN (they multiply by the mask).
+            verl_dirty = _verl(dirty_lp, dirty_ref, mask, kind, mode)[0]
+            if mode.startswith("token"):
+                assert_close(got[0], verl_dirty, tol=1e-5, name=f"{kind} {mode} dirty")
+            else:
+                assert torch.isnan(verl_dirty), f"{kind} {mode}"
 
 
 def test_all_masked_batch(any_backend):
@@ -197,7 +204,7 @@ def test_no_grad_and_non_contiguous(any_backend):
 
 
 # --------------------------------------------------------------------------- per-token terms
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 def test_terms_match_verl_kl_penalty(any_backend, dtype):
     lp, ref, _ = _batch((4, 11), dtype=torch.float32, seed=8)
     lp, ref = lp.to(dtype), ref.to(dtype)
