@@ -357,6 +357,25 @@ def test_kernel_writes_every_element(kernel_backend):
         assert torch.equal(coef, lp - ref)                   # straight-through: d
 
 
+def test_opcheck_custom_ops(any_backend):
+    from glm_kernels.loss import kl_penalty
+    lp, ref, mask = _batch((4, 7), seed=15)
+    lp.requires_grad_(True)
+    for args in ((lp, ref, mask, 4, False, "seq-mean-token-mean", 1, None, None, None, True),
+                 (lp, ref, mask.bool(), 3, True, "token-mean", 2, 30.0, None, None, True),
+                 (lp, ref, mask, 1, False, "seq-mean-token-sum-norm", 1, None, 5.0, 9.0, True)):
+        torch.library.opcheck(kl_penalty._kl_loss_op, args)
+    torch.library.opcheck(kl_penalty._kl_terms_op, (lp, ref, 4, False, False, True))
+    torch.library.opcheck(kl_penalty._kl_terms_op, (lp, ref, 2, True, True, True))
+    # Without need_grad there is no backward to check: schema and fake kernel only.
+    no_backward = ("test_schema", "test_faketensor")
+    torch.library.opcheck(kl_penalty._kl_loss_op, (lp.detach(), ref, mask, 4, False,
+                                                   "token-sum", 1, None, None, None, False),
+                          test_utils=no_backward)
+    torch.library.opcheck(kl_penalty._kl_terms_op, (lp.detach(), ref, 3, False, True, False),
+                          test_utils=no_backward)
+
+
 def test_compiled_matches_eager(any_backend):
     lp, ref, mask = _batch((5, 9), seed=12, mask_kind="bool")
     leaves = [lp, lp.bfloat16()]
