@@ -107,21 +107,20 @@ def aggregate_rows(row_loss: torch.Tensor, row_count: torch.Tensor, loss_agg_mod
     As in verl, an empty denominator (no masked token for token-mean, no row with a token for
     the seq-mean modes) without batch_num_tokens / global_batch_size gives a NaN loss; the
     gradient is then 0 (no token is masked in), so row_scale is 0 where it would be inf/NaN.
+    Given counts enter as Python numbers (no host-to-device copy: CUDA-graph capturable).
     """
     total = row_loss.double()
     if loss_agg_mode == "token-sum":
-        loss = total.sum() * dp_size
-        scale = torch.full_like(row_loss, float(dp_size))
-        return loss.float(), scale
+        return (total.sum() * dp_size).float(), torch.full_like(row_loss, float(dp_size))
     if loss_agg_mode == "token-mean":
-        denom = (row_count.double().sum() if batch_num_tokens is None
-                 else total.new_tensor(float(batch_num_tokens)))
+        if batch_num_tokens is not None:
+            loss = total.sum() / batch_num_tokens * dp_size
+            return loss.float(), torch.full_like(row_loss, dp_size / batch_num_tokens)
+        denom = row_count.double().sum()
         loss = total.sum() / denom * dp_size
         factor = torch.where(denom != 0, dp_size / denom, 0.0).float()
         return loss.float(), factor.expand(row_loss.shape).contiguous()
     valid = row_count > 0
-    denom = (valid.double().sum() if global_batch_size is None
-             else total.new_tensor(float(global_batch_size)))
     if loss_agg_mode == "seq-mean-token-mean":
         per_row = 1.0 / (row_count.double() + SEQ_MEAN_EPS)
     else:
@@ -130,6 +129,10 @@ def aggregate_rows(row_loss: torch.Tensor, row_count: torch.Tensor, loss_agg_mod
             per_row = per_row / float(seq_len if loss_scale_factor is None
                                       else loss_scale_factor)
     weights = torch.where(valid, per_row, 0.0)
+    if global_batch_size is not None:
+        loss = (total * weights).sum() / global_batch_size * dp_size
+        return loss.float(), (weights * (dp_size / global_batch_size)).float()
+    denom = valid.double().sum()
     loss = (total * weights).sum() / denom * dp_size
-    scale = torch.where(valid & (denom != 0), weights * dp_size / denom, 0.0)
+    scale = torch.where(denom != 0, weights * dp_size / denom, 0.0)
     return loss.float(), scale.float()
