@@ -100,7 +100,7 @@ def _token_pass(log_prob, ref_log_prob, mask, kind_code, straight_through, clamp
     return _kl_kernels.kl_token_pass(
         log_prob, ref_log_prob, mask, kind_code=kind_code, straight_through=straight_through,
         clamp=clamp, store_terms=store_terms, store_grad=store_grad,
-        store_row_sums=store_row_sums, interpret=backend == "interpret")
+        store_row_sums=store_row_sums)
 
 
 @torch.library.custom_op("glm_kernels::kl_penalty_loss", mutates_args=())

@@ -335,7 +335,7 @@ def test_clamp_takes_bool_only(value):
 # --------------------------------------------------------------------------- kernel, compile
 def test_kernel_writes_every_element(kernel_backend):
     lp, ref, mask = _batch((37, 29), seed=11)
-    block_r, block_t, warps = _kl_kernels.tile_shape(37, 29, interpret=DEVICE == "cpu")
+    block_r, block_t, warps = _kl_kernels.tile_shape(37, 29)
     n_col_blocks = -(-29 // block_t)
     for kind in (1, 2, 3, 4):
         terms = torch.full((37, 29), float("nan"), device=DEVICE)
