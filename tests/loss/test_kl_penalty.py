@@ -40,6 +40,9 @@ def _batch(shape=(7, 13), dtype=torch.float32, seed=0, mask_kind="int"):
     lengths.view(-1)[0] = 0                                     # an all-masked row
     if lengths.numel() > 1:
         lengths.view(-1)[1] = shape[-1]                         # a full row
+        if shape[-1] >= 3:                                      # in it, both k3 clamps
+            rows_lp, rows_ref = lp.view(-1, shape[-1]), ref.view(-1, shape[-1])
+            rows_ref[1, :3] = rows_lp[1, :3] + torch.tensor([25.0, -25.0, 3.0])
     mask = torch.arange(shape[-1]) < lengths.unsqueeze(-1)
     mask = {"bool": mask, "int": mask.long(), "float": mask.float()}[mask_kind]
     return lp.to(dtype).to(DEVICE), ref.to(dtype).to(DEVICE), mask.to(DEVICE)
@@ -73,6 +76,9 @@ def _assert_matches(got, want, tol, what):
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_verl_fp32(any_backend, kind):
     lp, ref, mask = _batch(seed=KINDS.index(kind))
+    x, masked = ref - lp, mask != 0
+    assert (masked & (x.abs() > 20)).any() and (masked & (x > 2.7)).any()    # both k3 clamps
+    assert (masked & (x.abs() < 2.5)).any()                                  # and neither
     for mode in MODES:
         for dp in DP_ARGS:
             _assert_matches(_ours(lp, ref, mask, kind, mode, **dp),
