@@ -389,11 +389,14 @@ def test_compiled_matches_eager(any_backend):
     def step(*lps):
         outs = []
         for x in lps:
-            for kind, mode in (("low_var_kl", "token-mean"), ("k3+", "seq-mean-token-mean"),
-                               ("abs", "seq-mean-token-sum-norm")):
+            for kind, mode, m in (("low_var_kl", "token-mean", mask),
+                                  ("k3+", "seq-mean-token-mean", mask.long()),
+                                  ("abs", "seq-mean-token-sum-norm", mask.float())):
                 outs.append(glm_kernels.kl_penalty_loss(
-                    log_prob=x, ref_log_prob=ref, response_mask=mask, kl_penalty=kind,
+                    log_prob=x, ref_log_prob=ref, response_mask=m, kl_penalty=kind,
                     loss_agg_mode=mode, dp_size=2, batch_num_tokens=20, global_batch_size=6))
+            outs.append(glm_kernels.kl_penalty_loss(log_prob=x, ref_log_prob=ref,
+                                                    response_mask=mask, kl_penalty="k2"))
             outs.append(glm_kernels.kl_penalty_terms(x, ref, clamp=False).mean())
         return (sum(outs),) + tuple(outs)
     torch._dynamo.reset()
