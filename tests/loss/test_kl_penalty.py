@@ -195,6 +195,18 @@ def test_empty(any_backend):
         assert terms.shape == shape
 
 
+def test_row_gradient_independent_of_the_batch(any_backend):
+    # With verl's global counts given, a row's gradient is its per-token coefficient times
+    # dp_size / batch_num_tokens (or its row's seq-mean weight): bitwise the same alone and in
+    # any batch (the tile shape changes with the row count; the per-token math does not).
+    lp, ref, mask = _batch((9, 300), seed=16)
+    dp = dict(dp_size=2, batch_num_tokens=700, global_batch_size=16)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        batch = _ours(lp, ref, mask, "k3", mode, **dp)[1]
+        alone = _ours(lp[3:4], ref[3:4], mask[3:4], "k3", mode, **dp)[1]
+        assert torch.equal(alone[0], batch[3]), mode
+
+
 def test_no_grad_and_non_contiguous(any_backend):
     lp, ref, mask = _batch((9, 6), seed=7)
     lp_t, ref_t, mask_t = lp.t(), ref.t(), mask.t()            # non-contiguous [6, 9]
