@@ -208,8 +208,10 @@ def _policy_token_kernel(
         lp, old, adv, ratio, log_ratio, sel, clip_low, clip_high, eps_low, eps_high, dual_clip,
         p0, p1, p2, p3, OBJECTIVE, HAS_DELTA, DUAL_CLIP)
     factor = factor * tw
-    terms = tl.where(keep, factor * loss, 0.0)
-    grad = tl.where(keep, factor * ((d_ratio * ratio + d_log_ratio) * in_range + d_lp), 0.0)
+    # factor 0 (popped, zero IS weight): exactly 0 in loss and gradient, whatever the inputs
+    live = keep & (factor != 0.0)
+    terms = tl.where(live, factor * loss, 0.0)
+    grad = tl.where(live, factor * ((d_ratio * ratio + d_log_ratio) * in_range + d_lp), 0.0)
     if STORE_LOSS:
         tl.store(loss_ptr + offs, terms, mask=valid)
     if STORE_GRAD:
@@ -328,7 +330,7 @@ def _policy_seq_kernel(
             loss, d_ratio, d_lp, d_log_ratio, clip, clip_lower = policy_objective(
                 lp, old, adv, ratio, log_ratio, tl.zeros_like(lp), clip_low, clip_high,
                 eps_low, eps_high, dual_clip, p0, p1, p2, p3, OBJECTIVE, HAS_DELTA, DUAL_CLIP)
-            acc_g += tl.where(keep, factor * tw * d_ratio, 0.0)
+            acc_g += tl.where(keep & (factor * tw != 0.0), factor * tw * d_ratio, 0.0)
         row_d_ratio = tl.sum(acc_g, axis=0) * ratio_val * d_seq / tl.maximum(count, 1.0)
 
     # Last phase: each token's loss, gradient and metric indicators.
@@ -376,11 +378,12 @@ def _policy_seq_kernel(
             if RATIO != 4 and OBJECTIVE != 0:
                 kl = -log_ratio
             weight = factor * tw
-            terms = tl.where(keep, weight * loss, 0.0)
+            live = keep & (weight != 0.0)     # factor 0: exactly 0, whatever the inputs
+            terms = tl.where(live, weight * loss, 0.0)
             own = tl.zeros_like(lp)
             if RATIO == 1:
                 own = d_ratio * ratio * d_seq
-            grad = tl.where(keep, weight * (own + d_log_ratio * in_range + d_lp), 0.0)
+            grad = tl.where(live, weight * (own + d_log_ratio * in_range + d_lp), 0.0)
             if RATIO == 2:
                 # The row's ratio reaches every masked token through the mean (popped too).
                 grad += tl.where(masked, row_d_ratio, 0.0)

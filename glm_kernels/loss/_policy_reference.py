@@ -219,6 +219,16 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
                      "pg_clipfrac_lower": masked_mean(is_clipped * (adv < 0).float(), mask_f),
                      "ppo_kl": masked_mean(-raw_log_ratio, mask_f)}
     else:
+        factor = weight if (tw is None or spec.objective == "vespo") else (
+            tw if weight is None else weight * tw)
+        live = mask if factor is None else mask & (factor != 0)
+        if factor is not None and spec.ratio != "sequence":
+            # A token of factor 0 (popped, zero IS weight) adds exactly 0 to the loss and the
+            # gradient whatever its inputs (inf / NaN): no gradient path through it at all.
+            # (TRL's sequence ratio keeps it: the token still moves its row's mean.)
+            lp32 = torch.where(live, lp32, lp32.detach())
+            raw_log_ratio = lp32 - old
+            log_ratio = _clamp(raw_log_ratio, spec.log_ratio_clamp)
         ratio = None
         if spec.ratio in ("token", "sequence_sum"):
             if spec.objective not in ("reinforce", "dro", "vespo"):
@@ -234,12 +244,10 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
         if spec.objective == "vespo":
             phi = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), tw, rows, params)
             loss_t, ind = -phi * adv * lp32, ({"kl": -log_ratio} if need_stats else {})
-            factor = weight
         else:
             loss_t, ind = token_objective(spec, lp32, old, adv, ratio, log_ratio, selection,
                                           eps_low, eps_high, dual_clip, params, need_stats)
-            factor = weight if tw is None else tw if weight is None else weight * tw
-        terms = torch.where(mask, loss_t if factor is None else loss_t * factor, 0.0)
+        terms = torch.where(live, loss_t if factor is None else loss_t * factor, 0.0)
         loss = reduce_tokens(terms, mask, rows, reduction, denominator, norm_length)
         if need_stats:
             if spec.ratio != "token" and spec.objective == "ppo":

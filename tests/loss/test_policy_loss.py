@@ -486,3 +486,30 @@ def test_bad_seq_is_names_the_argument(change, error, name):
     with pytest.raises(error, match=name):
         policy_loss(args.pop("logprobs"), args.pop("old_logprobs"), args.pop("advantages"),
                     args.pop("loss_mask"), **args)
+
+
+TOKEN_PRESETS = [n for n, s in POLICY_VARIANTS.items() if s.ratio == "token"]
+
+
+@pytest.mark.parametrize("name", TOKEN_PRESETS)
+def test_zero_factor_tokens_with_nonfinite_inputs_contribute_nothing(any_backend, name):
+    """A token whose weight is 0 (token_weights == 0, or popped by the gate) adds exactly 0 to
+    the loss and the gradient even with inf / NaN inputs (verl's IcePop weights zero popped
+    tokens; their log-probs may be anything)."""
+    batch = make_batch(61)
+    zero_w = torch.zeros_like(batch["mask"])
+    zero_w[0, 5:8] = zero_w[3, 1] = True
+    zero_w &= batch["mask"]
+    zero_w[0, 5] = zero_w[0, 6] = zero_w[0, 7] = True
+    batch["mask"][0, 5:8] = True
+    batch["weights"] = torch.where(zero_w, 0.0, batch["weights"])
+    clean = run(name, batch, reduction="token_mean", weights=True, gate="decoupled")
+    dirty = dict(batch)
+    for key, value in (("lp", float("nan")), ("old", float("inf")), ("adv", float("nan"))):
+        dirty[key] = batch[key].clone()
+        dirty[key][0, 5 + ("lp", "old", "adv").index(key)] = value
+    got = run(name, dirty, reduction="token_mean", weights=True, gate="decoupled")
+    assert torch.isfinite(got[0]) and torch.isfinite(got[1]).all()
+    assert_close(got[0], clean[0], tol=FP32, name="loss")
+    assert bool((got[1][0, 5:8] == 0).all())
+    assert_close(got[1], clean[1], tol=FP32, name="grad")
