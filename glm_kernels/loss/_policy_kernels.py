@@ -31,8 +31,8 @@ RATIO_CODES = {"token": 0, "sequence_stopgrad": 1, "sequence": 2, "geo_mean": 3,
 OBJECTIVE_CODES = {"ppo": 0, "cispo": 1, "sapo": 2, "reinforce": 3, "dppo_tv": 4,
                    "dppo_kl": 5, "dro": 6, "clip_cov": 7, "kl_cov": 8, "vespo": 9}
 GATE_CODES = {None: 0, "coupled": 1, "decoupled": 2}
-STAT_LOSS, STAT_MASKED, STAT_POPPED, STAT_CLIP, STAT_CLIP_LOWER, STAT_KL = range(6)
-NUM_STATS = 6
+STAT_LOSS, STAT_MASKED, STAT_POPPED, STAT_CLIP, STAT_CLIP_LOWER, STAT_KL, STAT_PHI = range(7)
+NUM_STATS = 7                 # STAT_PHI: VESPO's phi of the row (sequence kernel only)
 
 
 @triton.jit
@@ -220,7 +220,7 @@ def _policy_token_kernel(
         kl = tl.abs(log_ratio)
     else:
         kl = -log_ratio
-    _store_stats(stats_ptr + pid.to(tl.int64) * 6, tl.sum(terms, axis=0), masked, popped, clip,
+    _store_stats(stats_ptr + pid.to(tl.int64) * 7, tl.sum(terms, axis=0), masked, popped, clip,
                  clip_lower, kl)
 
 
@@ -304,6 +304,15 @@ def _policy_seq_kernel(
         seq_log_w = tl.clamp(sum_a + tl.sum(acc_d, axis=0), -18.420680743952367, 20.0)
         ratio_val = tl.exp(seq_log_w)
         d_seq = 0.0
+        # the row's phi for the stats (TRL's vespo/phi_seq_mean): the row's first advantage
+        if ADV_PER_SEQ:
+            first_adv = row_adv
+        else:
+            first_adv = tl.load(adv_ptr + start, mask=start < end, other=0.0).to(tl.float32)
+        row_nonneg = first_adv >= 0.0
+        row_lam = tl.maximum(tl.where(row_nonneg, p1, p3), 1e-4)
+        row_phi = tl.exp(row_lam + tl.where(row_nonneg, p0, p2) * seq_log_w - row_lam * ratio_val)
+        row_phi = tl.where(tl.abs(row_phi) < float("inf"), row_phi, 0.0)
     else:
         seq_log = sum_a / tl.maximum(count, 1.0)
         d_seq = 1.0
@@ -397,7 +406,7 @@ def _policy_seq_kernel(
         acc_clip += tl.where(masked, clip, 0.0)
         acc_lower += tl.where(masked, clip_lower, 0.0)
         acc_kl += tl.where(masked, kl, 0.0)
-    stats = stats_ptr + row.to(tl.int64) * 6
+    stats = stats_ptr + row.to(tl.int64) * 7
     if RATIO == 3:
         tl.store(loss_ptr + row, seq_loss)
         tl.store(stats + 0, seq_loss)
@@ -408,6 +417,8 @@ def _policy_seq_kernel(
     tl.store(stats + 3, tl.sum(acc_clip, axis=0))
     tl.store(stats + 4, tl.sum(acc_lower, axis=0))
     tl.store(stats + 5, tl.sum(acc_kl, axis=0))
+    if RATIO == 4:
+        tl.store(stats + 6, row_phi)
 
 
 def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selection, cu_seqlens,

@@ -120,7 +120,8 @@ def check_against_reference(name, batch, reduction, **kw):
             f"{name} {reduction}: {got_loss.item()} vs {ref_loss.item()}")
     assert torch.isfinite(got_grad).all()
     assert_close(got_grad, ref_grad, tol=FP32, name=f"{name} grad")
-    assert set(got_stats) == set(STATS_KEYS) == set(ref_stats)
+    extra = {"phi_mean"} if POLICY_VARIANTS[name].objective == "vespo" else set()
+    assert set(got_stats) == set(STATS_KEYS) | extra == set(ref_stats)
     for key, value in ref_stats.items():
         assert abs(got_stats[key].item() - value.item()) <= FP32 * max(1.0, abs(value.item())), (
             f"{name} {key}: {got_stats[key].item()} vs {value.item()}")
@@ -448,13 +449,16 @@ def test_vespo_weight_is_trls_gamma_weight(any_backend, weighted):
     batch = make_batch(41)
     batch["adv"] = batch["adv"][:, :1].expand(-1, 40).contiguous()
     is_ratio = batch["weights"] if weighted else None
-    loss = run("vespo", batch, reduction="none", weights=weighted)[0].cpu()
+    loss, _, stats = run("vespo", batch, reduction="none", weights=weighted)
+    loss = loss.cpu()
     phi = trl_grpo.GRPOTrainer.get_gamma_weights(
         advantages=batch["adv"][:, :1], log_ratio_per_token=batch["lp"] - batch["old"],
         mask=batch["mask"].float(), importance_sampling_ratio=is_ratio)
     expected = torch.where(batch["mask"], -phi * batch["adv"] * batch["lp"], 0.0)
     assert phi.unique().numel() > 2            # the rows' weights differ: a real comparison
     assert_close(loss, expected, tol=FP32, name="vespo per-token loss")
+    # TRL logs vespo/phi_seq_mean: the mean of phi over the rows (the empty row included)
+    assert abs(stats["phi_mean"].item() - phi.mean().item()) <= FP32 * phi.mean().item()
 
 
 @pytest.mark.parametrize("name", ["vanilla", "grpo_sequence", "geo_mean", "cispo"])
