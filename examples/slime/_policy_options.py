@@ -203,3 +203,68 @@ def check_options(loss_mod, slime_args, run_side, rel) -> int:
                   + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
                   + (f"  MISMATCH {bad}" if bad else ""))
     return failures
+
+
+# ---- context parallelism: the option sets whose slime code gathers whole responses ----------
+
+CP_OPTIONS = ("gspo dual clip", "opsm", "mis sequence mask", "mis token mask + rs + veto",
+              "cispo + vanilla tis + kl unbiased", "gspo + opsm + mis rs + kl + entropy")
+
+
+def _option_flags(name, **extra):
+    flags = dict(use_tis=False, custom_tis_function_path=None, kl_loss_type="k1",
+                 kl_loss_coef=0.0, use_unbiased_kl=False, opsm_delta=1e-4)
+    flags.update(dict(OPTIONS)[name])
+    flags.update(extra)
+    return flags
+
+
+def cp_option_case(h, loss_mod, data_mod, cp, rank, allgather, name):
+    """One rank's A (slime) and C (glm_kernels) for option set ``name``; ``h`` holds the main
+    script's rank_micro_batch, slime_args, run_side and rel."""
+    batch, logits = option_batch(len(name), 1.0)
+    micro, local, _ = h.rank_micro_batch(loss_mod, data_mod, batch, logits, allgather,
+                                         noise_seed=2000 + rank)
+    common = _option_flags(name, context_parallel_size=cp, allgather_cp=allgather)
+    a = h.run_side(loss_mod, h.slime_args(**common), micro, local)
+    c = h.run_side(loss_mod, h.slime_args(**dict(common, loss_type="custom_loss",
+                                                 custom_loss_function_path=OURS_LOSS)),
+                   micro, local)
+    return {"A": a[0], "C": c[0], "grad": h.rel(c[1], a[1]), "A metrics": a[2],
+            "C metrics": c[2]}
+
+
+def report_cp_options(cp, per_rank) -> int:
+    """Print one line per (CP mode, option set) from the ranks' results; the failures."""
+    failures = 0
+    for allgather in (False, True):
+        for name in CP_OPTIONS:
+            head = f"CP={cp} {'allgather-cp' if allgather else 'zigzag'} option {name}:"
+            results = [r.get(("option", allgather, name)) if r else None for r in per_rank]
+            broken = [rank for rank, r in enumerate(results) if r is None or "error" in r]
+            if broken:
+                failures += 1
+                detail = next((results[r]["error"].strip().splitlines()[-1] for r in broken
+                               if results[r]), "no result (the rank process died)")
+                print(f"{head} ERROR on ranks {broken}: {detail}  MISMATCH")
+                continue
+            # A rank's loss and metrics are partial sums: errors against sum_r |A_r| (>= 1).
+            scale = max(float(sum(abs(r["A"]) for r in results)), 1.0)
+            worst = {"C loss": max(float(abs(r["C"] - r["A"])) for r in results) / scale,
+                     "C grad": max(r["grad"] for r in results)}
+            keys = set(results[0]["A metrics"])
+            bad = [] if all(set(r["C metrics"]) == keys for r in results) else ["metric keys"]
+            metric_worst = 0.0
+            for key in keys & set(results[0]["C metrics"]):
+                key_scale = max(float(sum(abs(r["A metrics"][key]) for r in results)), 1.0)
+                err = max(float(abs(r["C metrics"][key] - r["A metrics"][key]))
+                          for r in results) / key_scale
+                metric_worst = max(metric_worst, err)
+                bad += [f"C {key}"] if not err <= TOL else []
+            worst["C metrics"] = metric_worst
+            bad += [k for k in ("C loss", "C grad") if not worst[k] <= TOL]
+            failures += bool(bad)
+            print(f"{head} loss over ranks {float(sum(r['A'] for r in results)):+.6f}; worst "
+                  f"rank: " + " ".join(f"{k} {v:.1e}" for k, v in worst.items())
+                  + (f"  MISMATCH {bad}" if bad else ""))
+    return failures

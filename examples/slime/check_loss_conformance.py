@@ -72,7 +72,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _slime_harness import load_data, load_loss, one_rank_gloo, set_parallel  # noqa: E402
-from _policy_options import check_options, load_mis  # noqa: E402
+from _policy_options import (CP_OPTIONS, check_options, cp_option_case, load_mis,  # noqa: E402
+                             report_cp_options)
 
 SLIME_ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 OURS_TIS = "glm_kernels.integrations.slime.icepop_tis_function"
@@ -197,6 +198,8 @@ def rank_micro_batch(loss_mod, data_mod, batch, logits, allgather, noise_seed):
                "rollout_mask_sums": torch.stack(batch["rollout_mask_sums"]),
                "rollout_log_probs": rank_part(batch["rollout_log_probs"]),
                "log_probs": rank_part(batch["log_probs"]),
+               **({"ref_log_probs": rank_part(batch["ref_log_probs"])}
+                  if batch.get("ref_log_probs") else {}),
                "rewards": [float(adv[0]) for adv in batch["advantages"]]}
     # GRPO: every response token of a sample gets its reward, on this rank's part (actor.train).
     loss_mod.compute_advantages_and_returns(slime_args(
@@ -241,7 +244,7 @@ def cp_case(loss_mod, data_mod, cp, rank, allgather, batch_kwargs, temperature, 
             "response_tokens": sum(int(x.numel()) for x in micro["rollout_log_probs"])}
 
 
-def cp_worker(rank, cp, slime_src, seeds, out_dir):
+def cp_worker(rank, cp, slime_src, seeds, out_dir, options=True):
     import warnings
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -265,16 +268,29 @@ def cp_worker(rank, cp, slime_src, seeds, out_dir):
                     results[(allgather, label)] = {"error": traceback.format_exc(limit=8)}
                 # After every case: a collective mismatch can abort this process later.
                 torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        if options:
+            load_mis(slime_src)
+            helpers = SimpleNamespace(rank_micro_batch=rank_micro_batch, slime_args=slime_args,
+                                      run_side=run_side, rel=rel)
+            for allgather in (False, True):
+                for name in CP_OPTIONS:
+                    key = ("option", allgather, name)
+                    try:
+                        results[key] = cp_option_case(helpers, loss_mod, data_mod, cp, rank,
+                                                      allgather, name)
+                    except Exception:
+                        results[key] = {"error": traceback.format_exc(limit=8)}
+                    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()          # nobody tears gloo down while a peer is in a collective
     finally:
         dist.destroy_process_group()
 
 
-def run_cp_ranks(cp, slime_src, seeds):
+def run_cp_ranks(cp, slime_src, seeds, options=True):
     """Per-rank result dicts of ``cp_worker``; None for a rank that left none (timeout)."""
     with tempfile.TemporaryDirectory() as out_dir:
         context = torch.multiprocessing.start_processes(
-            cp_worker, args=(cp, slime_src, seeds, out_dir), nprocs=cp, join=False,
+            cp_worker, args=(cp, slime_src, seeds, out_dir, options), nprocs=cp, join=False,
             start_method="spawn")
         deadline = time.monotonic() + CP_TIMEOUT_S
         try:
@@ -295,8 +311,8 @@ def run_cp_ranks(cp, slime_src, seeds):
     return per_rank
 
 
-def check_cp(cp, slime_src, seeds, references) -> int:
-    per_rank = run_cp_ranks(cp, slime_src, seeds)
+def check_cp(cp, slime_src, seeds, references, options=True) -> int:
+    per_rank = run_cp_ranks(cp, slime_src, seeds, options)
     failures = 0
     for allgather in (False, True):
         mode = "allgather-cp" if allgather else "zigzag"
@@ -328,6 +344,8 @@ def check_cp(cp, slime_src, seeds, references) -> int:
                   f"stream rows {rows}, response tokens {tokens}; worst rank: "
                   + " ".join(f"{k} {v:.1e}" for k, v in worst.items())
                   + (f"  MISMATCH {bad}" if bad else ""))
+    if options:
+        failures += report_cp_options(cp, per_rank)
     return failures
 
 
@@ -364,7 +382,8 @@ def main():
             load_mis(args.slime_src)
             failures += check_options(loss_mod, slime_args, run_side, rel)
     for cp in args.cp_sizes:
-        failures += check_cp(cp, args.slime_src, args.seeds, references)
+        failures += check_cp(cp, args.slime_src, args.seeds, references,
+                             options=not args.skip_options)
     print("conformance:", "PASS" if not failures else f"FAIL ({failures} cases)")
     return 1 if failures else 0
 
