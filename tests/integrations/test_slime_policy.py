@@ -235,3 +235,17 @@ def test_kl_loss_needs_ref_log_probs():
     with pytest.raises(ValueError, match="ref_log_probs"):
         plug.policy_loss_function(slime_args(use_kl_loss=True, kl_loss_coef=0.1), batch,
                                   logits, reducer(batch, False))
+
+
+def test_docs_mis_example_prints_what_it_says(capsys):
+    """docs/slime.md's slime_policy example runs as written; each print gives its comment."""
+    import os
+    import re
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "slime.md")).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S)
+                 if "slime_policy" in b)
+    exec(compile(block, "docs/slime.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    said = [line.split("# ", 1)[1].split(":")[0].strip() for line in block.splitlines()
+            if line.startswith("print(")]
+    assert printed == said
