@@ -60,6 +60,9 @@ OPTIONS = [
                                     tis_clip_low=0.6, tis_clip=1.5)),
     ("icepop hook", dict(use_tis=True, custom_tis_function_path=SLIME_ICEPOP,
                          tis_clip_low=0.5, tis_clip=2.0)),
+    ("glm_kernels icepop hook", dict(use_tis=True, tis_clip_low=0.5, tis_clip=2.0,
+                                     custom_tis_function_path="glm_kernels.integrations.slime."
+                                                              "icepop_tis_function")),
     ("mis token truncate", mis()),
     ("mis token clip", mis(tis_mode="clip")),
     ("mis token mask + rs + veto", mis(tis_mode="mask", use_rs=True,

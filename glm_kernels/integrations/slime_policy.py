@@ -62,7 +62,7 @@ from ..loss import kl_penalty_terms, policy_loss
 from ..loss._policy_spec import PolicyLossSpec
 from . import _slime_is
 from .slime import (_cat, _clip_eps, _context_parallel, _gate_bounds, _response_logprobs,
-                    icepop_gate_weights)
+                    icepop_gate_weights, icepop_tis_function)
 
 __all__ = ["policy_loss_function", "mis_tis_function", "SLIME_VARIANTS"]
 
@@ -163,6 +163,12 @@ def _importance_weights(args, kind, train, rollout, mask, layout
     """(token weights or None, rejection mask or None, per-token metrics), whole responses."""
     if kind == "vanilla":
         weights, metrics = _slime_is.vanilla_tis(args, train, rollout)
+        return weights, None, metrics
+    if kind == "icepop" and args.custom_tis_function_path == ICEPOP_HOOKS[1]:
+        # glm_kernels' own hook: its weights and its metric names (tis = w, tis_pop, tis_abs).
+        weights, _, metrics = icepop_tis_function(
+            args, pg_loss=torch.ones_like(train), train_log_probs=[train],
+            rollout_log_probs=[rollout], loss_masks=[mask])
         return weights, None, metrics
     if kind == "icepop":
         low, high = _gate_bounds(args)
