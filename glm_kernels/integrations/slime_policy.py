@@ -229,6 +229,8 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
     logprobs = torch.cat(lp_list)
     use_rollout = bool(getattr(args, "use_rollout_logprobs", False))
     if use_rollout:
+        if not batch.get("rollout_log_probs"):
+            raise ValueError("--use-rollout-logprobs needs batch['rollout_log_probs']")
         old_list = batch["rollout_log_probs"]
     else:
         old_list = batch.get("log_probs") or [lp.detach() for lp in lp_list]
@@ -294,8 +296,11 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
 
     pg_loss = pg_reducer(layout.local(per_token))
     entropy = torch.cat(entropy_list)
-    entropy_loss = reduce(entropy)
-    loss = pg_loss - float(getattr(args, "entropy_coef", 0.0)) * entropy_loss
+    entropy_coef = float(getattr(args, "entropy_coef", 0.0))
+    # Without the coefficient the entropy is a metric: no backward through it (slime's
+    # log-prob function also drops its entropy gradient then).
+    entropy_loss = reduce(entropy if entropy_coef else entropy.detach())
+    loss = pg_loss - entropy_coef * entropy_loss if entropy_coef else pg_loss
     metrics = {"pg_clipfrac": reduce(layout.local(clipfrac)),
                "ppo_kl": reduce(layout.local(ppo_kl))}
     if getattr(args, "use_kl_loss", False):
