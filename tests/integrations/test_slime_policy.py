@@ -140,7 +140,7 @@ def test_policy_loss_function_matches_reference(case, per_token, any_backend):
     loss.backward()
     assert float((loss.detach() - want_loss).abs()) <= 1e-5 * max(1.0, float(want_loss.abs()))
     assert float((logits.grad - want_grad).norm() / want_grad.norm()) <= 1e-5
-    assert float(metrics["loss"]) == float(loss)
+    assert float(metrics["loss"]) == float(loss.detach())
     keys = {"loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl",
             "train_rollout_logprob_abs_diff"}
     keys |= {"ois", "tis", "tis_clipfrac", "tis_abs"} if args.use_tis else set()
