@@ -3,7 +3,8 @@
 :func:`policy_loss_function` is slime's ``policy_loss_function`` (THUDM/slime 624b824,
 slime/backends/megatron_utils/loss.py) with its per-token pieces replaced: log-probs and
 entropy by ``selective_logprobs`` (one fused pass over the logits), the policy objective by
-``glm_kernels.policy_loss`` (the IS / OPSM factors as its ``token_weights``), the reference-KL
+``glm_kernels.policy_loss`` in one reduction (the IS / OPSM factors and the reducer's
+per-token coefficients as its ``token_weights``, ``reduction="sum"``), the reference-KL
 term by ``kl_penalty_terms``. Use it with every flag slime already takes::
 
     --loss-type custom_loss
@@ -38,8 +39,8 @@ slime flag                      glm_kernels.policy_loss / op
 --calculate-per-token-loss,     slime's own reducer (``sum_of_sample_mean``), as slime
   rollout_mask_sums denominators
 --use-rollout-logprobs          old = rollout log-probs
---custom-pg-loss-reducer-       called as slime calls it (it is the user's own code)
-  function-path
+--custom-pg-loss-reducer-       called as slime calls it (the user's own code; it must be
+  function-path                 linear in the per-token loss, as slime's reducers are)
 ==============================  =========================================================
 
 Refused with a ValueError naming the flag (nothing computed): ``--rollout-top-p`` != 1
@@ -156,6 +157,25 @@ class _Layout:
         parts = self.local_list(whole)
         return torch.cat(parts) if parts else whole[:0]
 
+    def scatter_local(self, local: torch.Tensor) -> torch.Tensor:
+        """A [N local] tensor put at its whole-response positions, 0 elsewhere."""
+        if not self.cp:
+            return local
+        n = int(self.cu_seqlens[-1])
+        where = self.local(torch.arange(n, device=self.device))
+        return torch.zeros(n, dtype=local.dtype, device=self.device).index_put_((where,), local)
+
+
+def _reducer_coefficients(reduce, n_local: int, device) -> torch.Tensor:
+    """d reduce(x) / d x [n_local] for slime's (linear) reducer: the weight it gives each token."""
+    x = torch.zeros(n_local, device=device, requires_grad=True)
+    with torch.enable_grad():
+        out = reduce(x)
+        if not (torch.is_tensor(out) and out.requires_grad):   # no samples: sum([]) == 0
+            return torch.zeros(n_local, device=device)
+        (grad,) = torch.autograd.grad(out, x, allow_unused=True)
+    return torch.zeros(n_local, device=device) if grad is None else grad.detach()
+
 
 def _importance_weights(args, kind, train, rollout, mask, layout
                         ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
@@ -264,11 +284,6 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
         weights = (1.0 - opsm) if weights is None else weights * (1.0 - opsm)
 
     eps_low, eps_high, dual_clip = _clip_eps(args)
-    per_token = policy_loss(
-        lp_w, old_w, adv_w, mask_w, variant=SLIME_VARIANTS[variant], eps_low=eps_low,
-        eps_high=eps_high, dual_clip=None if variant == "cispo" else dual_clip,
-        token_weights=weights, cu_seqlens=layout.cu_seqlens, reduction="none")
-
     # slime's per-token metrics (detached): the PPO log-ratio and its clip indicator.
     ppo_kl = seq_kl if variant == "gspo" else old_w - lp_w.detach()
     ratio = torch.exp(-ppo_kl)
@@ -294,7 +309,15 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
         pg_reducer = _load(custom_reducer)(batch["total_lengths"], batch["response_lengths"],
                                            masks, bool(args.calculate_per_token_loss))
 
-    pg_loss = pg_reducer(layout.local(per_token))
+    # The policy term in one fused pass: the reducer is linear in the per-token loss, so its
+    # per-token coefficients (m_t / max(D_i, 1), or m_t per token; 0 for tokens another CP rank
+    # reduces) join the importance / OPSM factors in token_weights and policy_loss sums.
+    coef = layout.scatter_local(_reducer_coefficients(pg_reducer, logprobs.numel(), device))
+    pg_loss = policy_loss(
+        lp_w, old_w, adv_w, mask_w, variant=SLIME_VARIANTS[variant], eps_low=eps_low,
+        eps_high=eps_high, dual_clip=None if variant == "cispo" else dual_clip,
+        token_weights=coef if weights is None else weights * coef,
+        cu_seqlens=layout.cu_seqlens, reduction="sum")
     entropy = torch.cat(entropy_list)
     entropy_coef = float(getattr(args, "entropy_coef", 0.0))
     # Without the coefficient the entropy is a metric: no backward through it (slime's

@@ -92,14 +92,19 @@ def expected(args, batch, logits, rows, targets, variant):
         n = torch.zeros(len(sizes)).index_add_(0, seg, mask).clamp(min=1)
         seq_kl = (torch.zeros(len(sizes)).index_add_(0, seg, (old - lp.detach()) * mask) / n)
         weights = weights * (1 - ((adv < 0) & (seq_kl[seg] > args.opsm_delta)).float())
+    # slime's reducer with per-sample denominators = the samples' mask sums (make_batch's
+    # rollout_mask_sums) is the core's seq_mean_token_mean with denominator 1 (a sum over the
+    # samples of their token means); per token, the masked sum.
+    per_token = args.calculate_per_token_loss
     with force_backend("torch"):
-        per_token = policy_loss(lp, old, adv, mask, variant=plug.SLIME_VARIANTS[variant],
-                                eps_low=args.eps_clip, eps_high=args.eps_clip_high,
-                                dual_clip=args.eps_clip_c, token_weights=weights,
-                                cu_seqlens=torch.nn.functional.pad(sizes.cumsum(0), (1, 0)),
-                                reduction="none")
-    reduce = reducer(batch, args.calculate_per_token_loss)
-    loss = reduce(per_token) - args.entropy_coef * reduce(entropy)
+        pg_loss = policy_loss(lp, old, adv, mask, variant=plug.SLIME_VARIANTS[variant],
+                              eps_low=args.eps_clip, eps_high=args.eps_clip_high,
+                              dual_clip=args.eps_clip_c, token_weights=weights,
+                              cu_seqlens=torch.nn.functional.pad(sizes.cumsum(0), (1, 0)),
+                              reduction="sum" if per_token else "seq_mean_token_mean",
+                              denominator=None if per_token else 1.0)
+    reduce = reducer(batch, per_token)
+    loss = pg_loss - args.entropy_coef * reduce(entropy)
     if args.use_kl_loss:          # low_var_kl, unbiased: ratio * (e^x - x - 1), x = ref - lp
         x = cat(batch["ref_log_probs"]) - lp
         kl = (torch.exp(lp - old) * (torch.exp(x) - x - 1)).clamp(-10, 10)
