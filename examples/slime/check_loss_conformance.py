@@ -17,7 +17,12 @@ temperature 1 and 0.7, with and without --calculate-per-token-loss. Then the OPD
 slime's ``compute_advantages_and_returns`` with ``--custom-advantage-function-path
 glm_kernels.integrations.slime.opd_log_ratio_advantages --use-opd --opd-kl-coef 0`` against
 slime's own OPD penalty on a zero outcome reward (``--opd-kl-coef 1``): both are
-A_t = log pi_teacher - log pi_student. All of that at TP = CP = 1 in this process.
+A_t = log pi_teacher - log pi_student. Then every loss option slime 624b824 ships
+(_policy_options.py: GSPO, CISPO, dual clip, OPSM, vanilla / IcePop / MIS importance sampling,
+KL loss, entropy, ...): slime's own policy loss against
+``glm_kernels.integrations.slime_policy.policy_loss_function`` (and mis.py against
+``mis_tis_function``), loss, gradient and every metric. All of that at TP = CP = 1 in this
+process.
 
 Then context parallelism (``--cp-sizes``, default 2 and 3), zigzag and ``--allgather-cp``: one
 gloo process per CP rank (slime's ``--allgather-cp`` log-probs go through an all-reduce over
@@ -40,7 +45,9 @@ Exit status 0 when every comparison is within 1e-5 relative (fp32), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -48,11 +55,25 @@ import traceback
 from datetime import timedelta
 from types import SimpleNamespace
 
-import torch
+# slime's compute_policy_loss / compute_approx_kl are torch.compile(dynamic=True)d. On torch
+# 2.13 (CPU) Inductor's FX-graph / AOT-autograd caches (on disk, and within one process) gave
+# back a graph compiled for other --eps-clip / --eps-clip-c values when the inputs need a
+# gradient (clip fraction 0 where eager clips). One slime run has one configuration; this
+# check runs many in a process, so slime's side compiles each without those caches, in a
+# private directory (set before torch loads; the CP rank processes inherit it).
+os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="slime-conformance-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _slime_harness import load_data, load_loss, one_rank_gloo, set_parallel  # noqa: E402
+from _policy_options import (CP_OPTIONS, check_options, cp_option_case, load_mis,  # noqa: E402
+                             report_cp_options)
 
 SLIME_ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 OURS_TIS = "glm_kernels.integrations.slime.icepop_tis_function"
@@ -177,6 +198,8 @@ def rank_micro_batch(loss_mod, data_mod, batch, logits, allgather, noise_seed):
                "rollout_mask_sums": torch.stack(batch["rollout_mask_sums"]),
                "rollout_log_probs": rank_part(batch["rollout_log_probs"]),
                "log_probs": rank_part(batch["log_probs"]),
+               **({"ref_log_probs": rank_part(batch["ref_log_probs"])}
+                  if batch.get("ref_log_probs") else {}),
                "rewards": [float(adv[0]) for adv in batch["advantages"]]}
     # GRPO: every response token of a sample gets its reward, on this rank's part (actor.train).
     loss_mod.compute_advantages_and_returns(slime_args(
@@ -221,7 +244,7 @@ def cp_case(loss_mod, data_mod, cp, rank, allgather, batch_kwargs, temperature, 
             "response_tokens": sum(int(x.numel()) for x in micro["rollout_log_probs"])}
 
 
-def cp_worker(rank, cp, slime_src, seeds, out_dir):
+def cp_worker(rank, cp, slime_src, seeds, out_dir, options=True):
     import warnings
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -245,16 +268,29 @@ def cp_worker(rank, cp, slime_src, seeds, out_dir):
                     results[(allgather, label)] = {"error": traceback.format_exc(limit=8)}
                 # After every case: a collective mismatch can abort this process later.
                 torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        if options:
+            load_mis(slime_src)
+            helpers = SimpleNamespace(rank_micro_batch=rank_micro_batch, slime_args=slime_args,
+                                      run_side=run_side, rel=rel)
+            for allgather in (False, True):
+                for name in CP_OPTIONS:
+                    key = ("option", allgather, name)
+                    try:
+                        results[key] = cp_option_case(helpers, loss_mod, data_mod, cp, rank,
+                                                      allgather, name)
+                    except Exception:
+                        results[key] = {"error": traceback.format_exc(limit=8)}
+                    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()          # nobody tears gloo down while a peer is in a collective
     finally:
         dist.destroy_process_group()
 
 
-def run_cp_ranks(cp, slime_src, seeds):
+def run_cp_ranks(cp, slime_src, seeds, options=True):
     """Per-rank result dicts of ``cp_worker``; None for a rank that left none (timeout)."""
     with tempfile.TemporaryDirectory() as out_dir:
         context = torch.multiprocessing.start_processes(
-            cp_worker, args=(cp, slime_src, seeds, out_dir), nprocs=cp, join=False,
+            cp_worker, args=(cp, slime_src, seeds, out_dir, options), nprocs=cp, join=False,
             start_method="spawn")
         deadline = time.monotonic() + CP_TIMEOUT_S
         try:
@@ -275,8 +311,8 @@ def run_cp_ranks(cp, slime_src, seeds):
     return per_rank
 
 
-def check_cp(cp, slime_src, seeds, references) -> int:
-    per_rank = run_cp_ranks(cp, slime_src, seeds)
+def check_cp(cp, slime_src, seeds, references, options=True) -> int:
+    per_rank = run_cp_ranks(cp, slime_src, seeds, options)
     failures = 0
     for allgather in (False, True):
         mode = "allgather-cp" if allgather else "zigzag"
@@ -308,6 +344,8 @@ def check_cp(cp, slime_src, seeds, references) -> int:
                   f"stream rows {rows}, response tokens {tokens}; worst rank: "
                   + " ".join(f"{k} {v:.1e}" for k, v in worst.items())
                   + (f"  MISMATCH {bad}" if bad else ""))
+    if options:
+        failures += report_cp_options(cp, per_rank)
     return failures
 
 
@@ -317,6 +355,8 @@ def main():
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--cp-sizes", type=int, nargs="*", default=[2, 3],
                         help="context-parallel sizes to check (none: CP = 1 only)")
+    parser.add_argument("--skip-options", action="store_true",
+                        help="skip the per-option checks of slime_policy.policy_loss_function")
     args = parser.parse_args()
     if any(cp < 2 for cp in args.cp_sizes):
         parser.error(f"--cp-sizes must be >= 2, got {args.cp_sizes}")
@@ -338,8 +378,12 @@ def main():
                   + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
                   + (f"  MISMATCH {sorted(bad)}" if bad else ""))
         failures += check_opd_advantage(loss_mod)
+        if not args.skip_options:
+            load_mis(args.slime_src)
+            failures += check_options(loss_mod, slime_args, run_side, rel)
     for cp in args.cp_sizes:
-        failures += check_cp(cp, args.slime_src, args.seeds, references)
+        failures += check_cp(cp, args.slime_src, args.seeds, references,
+                             options=not args.skip_options)
     print("conformance:", "PASS" if not failures else f"FAIL ({failures} cases)")
     return 1 if failures else 0
 

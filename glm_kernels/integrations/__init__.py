@@ -2,6 +2,10 @@
 
 * ``glm_kernels.integrations.slime``  -- loss / TIS / OPD-advantage plug-ins for slime's
   ``--custom-*-path`` flags.
+* ``glm_kernels.integrations.slime_policy`` -- slime's policy loss with every option slime
+  ships (GSPO, CISPO, dual clip, OPSM, TIS / IcePop / MIS, KL loss, entropy) on
+  ``glm_kernels.policy_loss``, and mis.py's TIS hook, for ``--custom-loss-function-path`` /
+  ``--custom-tis-function-path``.
 * ``glm_kernels.integrations.slime_delta`` -- ``install`` for ``--custom-megatron-init-path``:
   slime's ``--update-weight-mode delta`` diffs on the GPU (only changed bytes leave it).
 * ``glm_kernels.integrations.sglang`` -- an SGLang custom weight loader that applies delta

@@ -197,7 +197,8 @@ def icepop_loss_function(args, batch: Dict, logits: torch.Tensor,
     """
     if getattr(args, "use_kl_loss", False):
         raise ValueError("icepop_loss_function has no reference-KL term; for --use-kl-loss use "
-                         "--loss-type policy_loss with --custom-tis-function-path "
+                         "--custom-loss-function-path glm_kernels.integrations.slime_policy."
+                         "policy_loss_function with --use-tis --custom-tis-function-path "
                          "glm_kernels.integrations.slime.icepop_tis_function")
     for key in ("unconcat_tokens", "total_lengths", "response_lengths", "loss_masks",
                 "advantages", "rollout_log_probs"):
