@@ -2,7 +2,8 @@
 
 Public API (see README.md and the DESIGN contracts):
     losses      icepop_loss, icepop_loss_from_logits, fused_linear_icepop_loss,
-                selective_logprobs, reverse_kl_from_logits, group_advantages, opd_advantages,
+                selective_logprobs, fused_linear_logprobs (log-probs and entropy from hidden
+                states), reverse_kl_from_logits, group_advantages, opd_advantages,
                 mismatch_metrics (train-inference mismatch: k1, k3, chi2, log-ppl gap)
     Muon Split  newton_schulz, HeadSplit, muon_split_orthogonalize; glm_kernels.optim
     top-k       topk, moe_route (replay_ids=, return_mismatch=: rollout routing replay);
@@ -15,8 +16,8 @@ variable ``GLM_KERNELS_BACKEND``.
 from . import _dispatch  # first: sets TRITON_INTERPRET before any kernel module is imported
 from . import delta, optim, sync
 from ._dispatch import batch_invariant, batch_invariant_enabled, force_backend, select_backend
-from .loss import (fused_linear_icepop_loss, group_advantages, icepop_loss,
-                   icepop_loss_from_logits, mismatch_metrics, opd_advantages,
+from .loss import (fused_linear_icepop_loss, fused_linear_logprobs, group_advantages,
+                   icepop_loss, icepop_loss_from_logits, mismatch_metrics, opd_advantages,
                    reverse_kl_from_logits, selective_logprobs)
 from .muon import HeadSplit, muon_split_orthogonalize, newton_schulz
 # After this line ``glm_kernels.topk`` is the function; the subpackage stays importable as
@@ -25,6 +26,7 @@ from .topk import moe_route, topk
 
 __version__ = "0.1.0"
 __all__ = ["icepop_loss", "icepop_loss_from_logits", "fused_linear_icepop_loss",
+           "fused_linear_logprobs",
            "selective_logprobs", "reverse_kl_from_logits", "mismatch_metrics", "group_advantages",
            "opd_advantages", "newton_schulz", "HeadSplit", "muon_split_orthogonalize",
            "optim", "topk", "moe_route", "delta", "sync", "force_backend",

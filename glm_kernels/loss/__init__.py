@@ -3,10 +3,12 @@ from .advantages import group_advantages, opd_advantages
 from .from_logits import icepop_loss_from_logits
 from .fused_linear import fused_linear_icepop_loss
 from .icepop import icepop_loss
+from .linear_logprobs import fused_linear_logprobs
 from .mismatch import MISMATCH_KEYS, mismatch_metrics
 from .logprobs import selective_logprobs
 from .reverse_kl import reverse_kl_from_logits
 
 __all__ = ["icepop_loss", "group_advantages", "opd_advantages", "selective_logprobs",
-           "icepop_loss_from_logits", "fused_linear_icepop_loss", "reverse_kl_from_logits",
+           "icepop_loss_from_logits", "fused_linear_icepop_loss", "fused_linear_logprobs",
+           "reverse_kl_from_logits",
            "mismatch_metrics", "MISMATCH_KEYS"]

@@ -65,6 +65,67 @@ def make_fused_linear_config(n_tokens: int, vocab: int, dtype: torch.dtype, *,
     return FusedLinearConfig(int(max(min(chunk, n_tokens), 1)))
 
 
+def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor,
+                        token_ids: torch.Tensor) -> None:
+    """hidden [*S, H] fp32/bf16/fp16, weight [V, H] (V >= 1) of the same dtype, token_ids [*S]
+    int32/int64, all on one device."""
+    _dispatch.check_tensor("hidden", hidden, dtypes=(torch.float32, torch.bfloat16,
+                                                     torch.float16))
+    _dispatch.check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=(2,))
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [*S, H] with H = weight.shape[1] = {weight.shape[1]}, "
+                         f"got shape {tuple(hidden.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must be [V, H] with V >= 1, got shape "
+                         f"{tuple(weight.shape)}")
+    _dispatch.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
+    if token_ids.shape != hidden.shape[:-1]:
+        raise ValueError(f"token_ids must have shape hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}, got {tuple(token_ids.shape)}")
+    _dispatch.check_same_device({"hidden": hidden, "weight": weight, "token_ids": token_ids})
+
+
+def chunk_config(op: str, hidden: torch.Tensor, weight: torch.Tensor, *,
+                 chunk_size: Optional[int], memory_budget: Optional[int],
+                 torch_fp32_temporaries: int) -> FusedLinearConfig:
+    """The chunking of one call: the budget counts the torch backend's [C, V] fp32 buffers
+    (``torch_fp32_temporaries``) when ``op`` runs on that backend (the kernels hold none)."""
+    on_torch = _dispatch.select_backend(op, hidden) == "torch"
+    return make_fused_linear_config(
+        max(hidden.shape[:-1].numel(), 1), weight.shape[0], weight.dtype, chunk_size=chunk_size,
+        memory_budget=memory_budget, fp32_temporaries=torch_fp32_temporaries if on_torch else 0)
+
+
+def chunked_linear_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int,
+                        fused_pass, *, need_grad_hidden: bool, need_grad_weight: bool
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The chunk loop shared by the fused-linear ops; returns (dL/dhidden [N, H] or [0],
+    dL/dweight [V, H] or [0]).
+
+    Per chunk of rows ``part``: logits_c = hidden[part] @ weight^T into one reused [C, V]
+    buffer in the weight dtype, then ``fused_pass(part, logits_c)``, which reads logits_c and,
+    when a gradient is asked for, writes dL/dlogits_c over it; then GEMM 2 and 3 turn that
+    into the hidden and weight gradients.
+    """
+    n = hidden.shape[0]
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
+    grad_weight = (torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0))
+    chunk_buffer = torch.empty((min(chunk_size, n), weight.shape[0]), dtype=weight.dtype,
+                               device=hidden.device)
+    for start in range(0, n, chunk_size):
+        end = min(start + chunk_size, n)
+        part = slice(start, end)
+        hidden_c = hidden[part]
+        logits_c = chunk_buffer[: end - start]
+        _invariant.linear(hidden_c, weight, out=logits_c)
+        fused_pass(part, logits_c)
+        if need_grad_hidden:
+            _invariant.linear(logits_c, weight.t(), out=grad_hidden[part])
+        if need_grad_weight:
+            grad_weight.addmm_(logits_c.t(), hidden_c)
+    return grad_hidden, grad_weight
+
+
 def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
                        rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
                        mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
@@ -73,30 +134,20 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
                        need_grad_weight: bool, metrics: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor]:
-    n, _ = hidden.shape
-    v = weight.shape[0]
-    rows, lp = new_rows(n, metrics, hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
-    grad_weight = (torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0))
+    rows, lp = new_rows(hidden.shape[0], metrics, hidden.device)
     need_grad = need_grad_hidden or need_grad_weight
-    chunk_buffer = torch.empty((min(chunk_size, n), v), dtype=weight.dtype,
-                               device=hidden.device)
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
-        part = slice(start, end)
-        hidden_c = hidden[part]
-        logits_c = chunk_buffer[: end - start]
-        _invariant.linear(hidden_c, weight, out=logits_c)
-        pick = lambda t: None if t is None else t[part]   # noqa: E731
+    pick = lambda t, part: None if t is None else t[part]   # noqa: E731
+
+    def icepop_pass(part, logits_c):
         icepop_rows_into(
             logits_c if need_grad else None, logits_c, token_ids[part], rollout[part],
-            pick(old), adv[part], pick(mask), scale[part], rows[part],
+            pick(old, part), adv[part], pick(mask, part), scale[part], rows[part],
             lp[part] if metrics else None, inv_temp=inv_temp, gate_low=gate_low,
             gate_high=gate_high, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
-        if need_grad_hidden:
-            _invariant.linear(logits_c, weight.t(), out=grad_hidden[part])
-        if need_grad_weight:
-            grad_weight.addmm_(logits_c.t(), hidden_c)
+
+    grad_hidden, grad_weight = chunked_linear_pass(
+        hidden, weight, chunk_size, icepop_pass, need_grad_hidden=need_grad_hidden,
+        need_grad_weight=need_grad_weight)
     return loss_from_rows(rows, scale), grad_hidden, grad_weight, rows, lp
 
 
@@ -204,20 +255,7 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     >>> loss.backward(); hidden.grad.shape, weight.grad.shape
     (torch.Size([6, 16]), torch.Size([50, 16]))
     """
-    _dispatch.check_tensor("hidden", hidden, dtypes=(torch.float32, torch.bfloat16,
-                                                     torch.float16))
-    _dispatch.check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=(2,))
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden must be [*S, H] with H = weight.shape[1] = {weight.shape[1]}, "
-                         f"got shape {tuple(hidden.shape)}")
-    if weight.shape[0] == 0:
-        raise ValueError("weight must be [V, H] with V >= 1, got shape "
-                         f"{tuple(weight.shape)}")
-    _dispatch.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
-    if token_ids.shape != hidden.shape[:-1]:
-        raise ValueError(f"token_ids must have shape hidden.shape[:-1] = "
-                         f"{tuple(hidden.shape[:-1])}, got {tuple(token_ids.shape)}")
-    _dispatch.check_same_device({"hidden": hidden, "weight": weight, "token_ids": token_ids})
+    check_linear_inputs(hidden, weight, token_ids)
     if reduction == "none":
         raise ValueError("reduction='none' is not supported by fused_linear_icepop_loss (its "
                          "gradients are computed in forward for a scalar loss); use "
@@ -229,12 +267,9 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     dual = _checks.check_dual_clip(dual_clip)
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
-    n_tokens, vocab = shape.numel(), weight.shape[0]
-    on_torch = _dispatch.select_backend("icepop_loss_from_logits", hidden) == "torch"
-    config = make_fused_linear_config(
-        max(n_tokens, 1), vocab, weight.dtype, chunk_size=chunk_size,
-        memory_budget=memory_budget,
-        fp32_temporaries=TORCH_FP32_TEMPORARIES if on_torch else 0)
+    config = chunk_config("icepop_loss_from_logits", hidden, weight, chunk_size=chunk_size,
+                          memory_budget=memory_budget,
+                          torch_fp32_temporaries=TORCH_FP32_TEMPORARIES)
 
     rollout, adv, mask, old = flat_token_inputs(shape, rollout_logprobs, advantages, loss_mask,
                                                 old_logprobs)
