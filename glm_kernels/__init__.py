@@ -1,7 +1,8 @@
 """glm_kernels: fused kernels for GLM-5-style RL post-training.
 
 Public API (see README.md and the DESIGN contracts):
-    losses      icepop_loss, icepop_loss_from_logits, fused_linear_icepop_loss,
+    losses      policy_loss (every verl / TRL policy loss; PolicyLossSpec, POLICY_VARIANTS),
+                icepop_loss, icepop_loss_from_logits, fused_linear_icepop_loss,
                 selective_logprobs, fused_linear_logprobs (log-probs and entropy from hidden
                 states), reverse_kl_from_logits, group_advantages, opd_advantages,
                 mismatch_metrics (train-inference mismatch: k1, k3, chi2, log-ppl gap)
@@ -18,7 +19,8 @@ from . import delta, optim, sync
 from ._dispatch import batch_invariant, batch_invariant_enabled, force_backend, select_backend
 from .loss import (fused_linear_icepop_loss, fused_linear_logprobs, group_advantages,
                    icepop_loss, icepop_loss_from_logits, mismatch_metrics, opd_advantages,
-                   reverse_kl_from_logits, selective_logprobs)
+                   policy_loss, PolicyLossSpec, POLICY_VARIANTS, reverse_kl_from_logits,
+                   selective_logprobs)
 from .muon import HeadSplit, muon_split_orthogonalize, newton_schulz
 # After this line ``glm_kernels.topk`` is the function; the subpackage stays importable as
 # ``glm_kernels.topk.<module>`` (``from glm_kernels.topk import moe_route`` works too).
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 __all__ = ["icepop_loss", "icepop_loss_from_logits", "fused_linear_icepop_loss",
            "fused_linear_logprobs",
            "selective_logprobs", "reverse_kl_from_logits", "mismatch_metrics", "group_advantages",
-           "opd_advantages", "newton_schulz", "HeadSplit", "muon_split_orthogonalize",
+           "opd_advantages", "policy_loss", "PolicyLossSpec", "POLICY_VARIANTS", "newton_schulz", "HeadSplit", "muon_split_orthogonalize",
            "optim", "topk", "moe_route", "delta", "sync", "force_backend",
            "batch_invariant", "batch_invariant_enabled", "select_backend",
            "__version__"]

@@ -5,10 +5,12 @@ from .fused_linear import fused_linear_icepop_loss
 from .icepop import icepop_loss
 from .linear_logprobs import fused_linear_logprobs
 from .mismatch import MISMATCH_KEYS, mismatch_metrics
+from .policy import POLICY_VARIANTS, PolicyLossSpec, policy_loss
+from .policy_selection import clip_cov_selection, kl_cov_selection
 from .logprobs import selective_logprobs
 from .reverse_kl import reverse_kl_from_logits
 
 __all__ = ["icepop_loss", "group_advantages", "opd_advantages", "selective_logprobs",
            "icepop_loss_from_logits", "fused_linear_icepop_loss", "fused_linear_logprobs",
-           "reverse_kl_from_logits",
-           "mismatch_metrics", "MISMATCH_KEYS"]
+           "reverse_kl_from_logits", "mismatch_metrics", "MISMATCH_KEYS", "policy_loss",
+           "PolicyLossSpec", "POLICY_VARIANTS", "clip_cov_selection", "kl_cov_selection"]

@@ -20,6 +20,37 @@ def is_finite(x):
 
 
 @triton.jit
+def icepop_gate(gate_log_ratio, masked, train_ok, gate_low, gate_high, WEIGHTED: tl.constexpr):
+    """The IcePop gate on a tile (fp32): (keep, in_gate, gate_ratio, weight).
+
+    gate_ratio = exp(clamp(gate_log_ratio, -20, 20)); in_gate: gate_low <= ratio <= gate_high
+    (a NaN ratio fails both: popped); keep = masked & in_gate & train_ok. weight: the ratio
+    (decoupled, WEIGHTED) or 1 on kept tokens, exactly 0 elsewhere. Shared by every kernel that
+    composes the gate (IcePop's own and the policy-loss family's).
+    """
+    # A NaN log-ratio stays NaN through the clamp, as with torch.clamp (by default tl.clamp
+    # may return an end of the range for NaN).
+    gate_ratio = tl.exp(tl.clamp(gate_log_ratio, -20.0, 20.0, propagate_nan=tl.PropagateNan.ALL))
+    in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
+    keep = masked & in_gate & train_ok
+    if WEIGHTED:
+        weight = tl.where(keep, gate_ratio, 0.0)
+    else:
+        weight = tl.where(keep, 1.0, 0.0)
+    return keep, in_gate, gate_ratio, weight
+
+
+@triton.jit
+def ppo_clip_term(ratio, adv, clip_low, clip_high):
+    """PPO's clipped surrogate on a tile: (max(u, c), u, c, branch_cut) with u = -ratio A,
+    c = -clip(ratio, clip_low, clip_high) A and branch_cut = c > u (the clipped branch is
+    strictly active). Shared by IcePop's kernel and the policy-loss family's."""
+    unclipped = -ratio * adv
+    clipped_term = -tl.clamp(ratio, clip_low, clip_high) * adv
+    return tl.maximum(unclipped, clipped_term), unclipped, clipped_term, clipped_term > unclipped
+
+
+@triton.jit
 def icepop_token_math(lp, rollout, base, adv, masked, train_ok, gate_low, gate_high, clip_low,
                       clip_high, dual_clip, HAS_OLD: tl.constexpr, DUAL_CLIP: tl.constexpr):
     """IcePop for a tile of tokens (all fp32); shared by every kernel that fuses the loss.
@@ -38,24 +69,15 @@ def icepop_token_math(lp, rollout, base, adv, masked, train_ok, gate_low, gate_h
         gate_log_ratio = base - rollout
     else:
         gate_log_ratio = lp - rollout
-    # A NaN log-ratio stays NaN through the clamp, as with torch.clamp (by default tl.clamp
-    # may return an end of the range for NaN). NaN ratios fail both comparisons: popped.
-    gate_ratio = tl.exp(tl.clamp(gate_log_ratio, -20.0, 20.0, propagate_nan=tl.PropagateNan.ALL))
-    in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
-    keep = masked & in_gate & train_ok
+    keep, in_gate, gate_ratio, weight = icepop_gate(gate_log_ratio, masked, train_ok, gate_low,
+                                                    gate_high, HAS_OLD)
     # Popped tokens take zeros before any arithmetic: inf/NaN never reach loss or gradient.
     log_ratio = tl.where(keep, lp, 0.0) - tl.where(keep, base, 0.0)
     log_ratio_in_range = (log_ratio >= -20.0) & (log_ratio <= 20.0)
     ratio = tl.exp(tl.clamp(log_ratio, -20.0, 20.0))
     adv = tl.where(keep, adv, 0.0)
-    unclipped = -ratio * adv
-    clipped_term = -tl.clamp(ratio, clip_low, clip_high) * adv
-    branch_cut = clipped_term > unclipped
-    if HAS_OLD:
-        weight = tl.where(keep, gate_ratio, 0.0)
-    else:
-        weight = tl.where(keep, 1.0, 0.0)
-    ppo_term = tl.maximum(unclipped, clipped_term)
+    ppo_term, unclipped, clipped_term, branch_cut = ppo_clip_term(ratio, adv, clip_low,
+                                                                  clip_high)
     # Ties (ratio inside the clip band) take the unclipped branch's full gradient, as autograd
     # of max(u, c) does when c == u there; the clamp of the log-ratio passes its ends; a
     # capped term is a constant.
