@@ -3,6 +3,7 @@ from .advantages import group_advantages, opd_advantages
 from .from_logits import icepop_loss_from_logits
 from .fused_linear import fused_linear_icepop_loss
 from .icepop import icepop_loss
+from .kl_penalty import kl_penalty_loss, kl_penalty_terms
 from .linear_logprobs import fused_linear_logprobs
 from .mismatch import MISMATCH_KEYS, mismatch_metrics
 from .policy import POLICY_VARIANTS, PolicyLossSpec, policy_loss
@@ -13,4 +14,5 @@ from .reverse_kl import reverse_kl_from_logits
 __all__ = ["icepop_loss", "group_advantages", "opd_advantages", "selective_logprobs",
            "icepop_loss_from_logits", "fused_linear_icepop_loss", "fused_linear_logprobs",
            "reverse_kl_from_logits", "mismatch_metrics", "MISMATCH_KEYS", "policy_loss",
-           "PolicyLossSpec", "POLICY_VARIANTS", "clip_cov_selection", "kl_cov_selection"]
+           "PolicyLossSpec", "POLICY_VARIANTS", "clip_cov_selection", "kl_cov_selection",
+           "kl_penalty_loss", "kl_penalty_terms"]
