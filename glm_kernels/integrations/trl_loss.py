@@ -62,7 +62,7 @@ def policy_variant(loss_type: str, level: str, args) -> Tuple[Any, Dict[str, flo
         return PolicyLossSpec(ratio, "ppo", log_ratio_clamp=None), {"delta": args.delta}
     if loss_type == "cispo":      # TRL: sg(min(r, epsilon_high)), no lower bound
         return PolicyLossSpec(ratio, "cispo", log_ratio_clamp=None), \
-            {"cispo_min": 0.0, "cispo_max": None}
+            {"cispo_min": 0.0, "cispo_max": args.epsilon_high}
     if loss_type == "sapo":
         return PolicyLossSpec(ratio, "sapo", log_ratio_clamp=None), \
             {"tau_pos": args.sapo_temperature_pos, "tau_neg": args.sapo_temperature_neg}
@@ -78,6 +78,21 @@ def ratio_with_grad(logprobs, old, mask, level):
     if level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     return torch.exp(log_ratio)
+
+
+def vespo_phi_per_row(logprobs, old, advantages, mask, is_ratio, params):
+    """VESPO's phi [B, 1] (TRL's metric ``vespo/phi_seq_mean``), by the policy-loss family's
+    own reference function (policy_loss returns no per-row phi)."""
+    from ..loss._policy_reference import vespo_phi
+    b, t = logprobs.shape
+    log_ratio = torch.where(mask, (logprobs.detach().float() - old.float()).clamp(-20.0, 20.0),
+                            0.0)
+    adv = advantages.float().expand(b, t) if advantages.dim() == 2 else \
+        advantages.float().unsqueeze(1).expand(b, t)
+    rows = torch.arange(b, device=logprobs.device).repeat_interleave(t)
+    phi = vespo_phi(adv.reshape(-1), log_ratio.reshape(-1),
+                    None if is_ratio is None else is_ratio.reshape(-1), rows, b, params)
+    return phi.reshape(b, t)[:, :1]
 
 
 class FusedGRPOLoss:
@@ -195,31 +210,31 @@ class FusedGRPOLoss:
         old = lp.detach() if old is None else old
         base, gate_kwargs = self._gate(inputs, old)
 
-        # detached per-token weights, applied in TRL's order after the policy term
-        weights = torch.ones_like(maskf)
+        # TRL's vLLM IS ratio goes to policy_loss's token_weights (a multiplier; VESPO: inside
+        # phi); the off-policy and high-entropy masks multiply the per-token terms after it.
+        masks = torch.ones_like(maskf)
         if self.off_policy_mask_threshold is not None:
             sampling = inputs.get("sampling_per_token_logps", base)
-            weights = weights * self.get_off_policy_mask(
+            masks = masks * self.get_off_policy_mask(
                 advantages=advantages, per_token_logps=lp, sampling_per_token_logps=sampling,
                 mask=mask, off_policy_threshold=self.off_policy_mask_threshold)
         if entropy_mask is not None:
-            weights = weights * entropy_mask
+            masks = masks * entropy_mask
         is_ratio = self._is_weights(inputs)
-        variant_kwargs = {}
         if is_ratio is not None:
-            if self.loss_type == "vespo":        # inside phi, not a multiplier (TRL)
-                variant_kwargs["is_ratio"] = is_ratio
-            else:
-                weights = weights * is_ratio
+            is_ratio = is_ratio.float().expand_as(maskf).contiguous()
 
         spec, params = policy_variant(self.loss_type, self.importance_sampling_level, self.args)
-        if self.loss_type == "cispo":
+        if self.loss_type == "cispo":           # the trainer's, as TRL reads it
             params["cispo_max"] = self.epsilon_high
         adv = advantages.squeeze(1) if advantages.shape[1] == 1 else advantages
         per_token, stats = policy_loss(
             lp, base, adv, mask.bool(), variant=spec, eps_low=self.epsilon_low,
-            eps_high=self.epsilon_high, token_weights=weights.expand_as(maskf).contiguous(),
-            reduction="none", return_stats=True, **gate_kwargs, **params, **variant_kwargs)
+            eps_high=self.epsilon_high, token_weights=is_ratio, reduction="none",
+            return_stats=True, **gate_kwargs, **params)
+        per_token = per_token * masks
+        if self.loss_type == "vespo":
+            stats["phi"] = vespo_phi_per_row(lp, base, adv, mask.bool(), is_ratio, params)
 
         coef_1 = None
         if self.beta != 0.0:
