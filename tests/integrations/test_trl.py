@@ -388,15 +388,15 @@ def test_without_engine_logprobs_is_an_error(tmp_path):
         trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
 
 
-def _doc_example_and_output(path):
-    """The first ```python block of a docs page and the ```text block after it (what the
-    block prints, as the page shows it)."""
+def _doc_example_and_output(path, index=0):
+    """The ``index``-th ```python block of a docs page and the ```text block after it (what
+    the block prints, as the page shows it)."""
     import re
     with open(path) as f:
         text = f.read()
-    code = re.search(r"```python\n(.*?)```", text, re.S)
+    code = list(re.finditer(r"```python\n(.*?)```", text, re.S))[index]
     shown = re.compile(r"```text\n(.*?)```", re.S).search(text, code.end())
-    assert shown is not None, f"{path}: no ```text block after the first example"
+    assert shown is not None, f"{path}: no ```text block after example {index}"
     return code.group(1), shown.group(1)
 
 

@@ -333,3 +333,24 @@ def test_refuses_what_trl_refuses(tmp_path):
                     dict(off_policy_mask_threshold=0.0,
                          vllm_importance_sampling_mode="sequence_truncate")):
         assert build(gt.FusedGRPOTrainer, **options).fused_calls == 0
+
+
+def test_docs_fused_example_prints_what_the_page_shows(tmp_path, monkeypatch, capsys):
+    """docs/trl.md's FusedGRPOTrainer example (after the page's first example, whose names it
+    uses) runs as written -- a real TRL training loop with beta > 0 and TRL's reference
+    model -- and prints exactly the lines the page shows."""
+    from tests.integrations.test_trl import _doc_example_and_output
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    page = os.path.join(root, "docs", "trl.md")
+    first, _ = _doc_example_and_output(page, 0)
+    code, shown = _doc_example_and_output(page, 1)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(first, "docs/trl.md", "exec"), namespace)
+    capsys.readouterr()
+    exec(compile(code, "docs/trl.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    expected = shown.splitlines()
+    assert printed[-len(expected):] == expected, "\n".join(printed[-len(expected) - 2:])
+    trainer = namespace["trainer"]
+    assert isinstance(trainer, gt.FusedGRPOTrainer) and trainer.state.global_step == 2
