@@ -158,26 +158,32 @@ def assert_same_metrics(got, ref, tol=TOL):
                 assert abs(a - b) <= tol * max(1.0, abs(b)), (key, a, b)
 
 
-def compare(setup, loss_type, level, is_mode, options, *, tol=TOL, ours=None):
-    stock, ours = setup.stock, ours or setup.ours
-    for tr in (stock, ours):
-        configure(tr, loss_type, level, is_mode, options)
-    inputs = setup.inputs[is_mode]
-    ref = run(stock, inputs)
-    got = run(ours, inputs)
+def check_against_trl(stock, ours, stock_inputs, our_inputs, name, *, tol=TOL):
+    """One _compute_loss call of each on its inputs: loss, gradients, metrics (IcePop's
+    ``icepop/pop_frac`` aside, returned) equal."""
+    ref = run(stock, stock_inputs)
+    got = run(ours, our_inputs)
     # A mean over random-sign advantages cancels far below its terms: judge the loss
     # against the same loss over |A| (its fp32 summation order differs from TRL's).
     with torch.no_grad():
-        magnitude = stock._compute_loss(stock.model,
-                                        dict(inputs, advantages=inputs["advantages"].abs()))
+        magnitude = stock._compute_loss(
+            stock.model, dict(stock_inputs, advantages=stock_inputs["advantages"].abs()))
     stock._metrics["train"].clear()
-    name = f"{loss_type}/{level}/{is_mode}/{options}"
     assert torch.isfinite(ref[0]) and ref[1].abs().sum() > 0, name
     assert_sum_close(got[0], ref[0], magnitude.abs() + ref[0].abs(), tol=tol,
                      name=f"loss {name}")
     assert_close(got[1], ref[1], tol=tol, name=f"grad {name}")
+    pop_frac = got[2].pop("icepop/pop_frac", None)
     assert_same_metrics(got[2], ref[2], tol=10 * tol)
-    return ref
+    return pop_frac
+
+
+def compare(setup, loss_type, level, is_mode, options, *, tol=TOL):
+    for tr in (setup.stock, setup.ours):
+        configure(tr, loss_type, level, is_mode, options)
+    inputs = setup.inputs[is_mode]
+    check_against_trl(setup.stock, setup.ours, inputs, inputs,
+                      f"{loss_type}/{level}/{is_mode}/{options}", tol=tol)
 
 
 def combinations(loss_type):
@@ -273,26 +279,18 @@ def test_icepop_general_path_is_trls_token_mask(setup, tmp_path):
     sampled = inputs["sampling_per_token_logps"].clone()
     sampled[0, 1] = inputs["old_per_token_logps"][0, 1]
     finite["sampling_per_token_logps"] = sampled
-    setup.inputs["icepop"] = finite
-    try:
-        for loss_type, level, options in (("cispo", "token", {}),
-                                          ("grpo", "sequence", OPTION_SETS["all"]),
-                                          ("sapo", "token", OPTION_SETS["kl"]),
-                                          ("luspo", "sequence", OPTION_SETS["entropy"])):
-            configure(icepop, loss_type, level, None, options)
-            assert not icepop._single_pass()
-            for tr in (setup.stock, icepop):
-                configure(tr, loss_type, level, "token_mask", options)
-            icepop.vllm_importance_sampling_correction = False   # as its __init__ sets it
-            with glm_kernels.force_backend("torch"):
-                ref = run(setup.stock, finite)
-                got = run(icepop, finite)
-            assert_close(got[1], ref[1], tol=TOL, name=f"grad {loss_type}")
-            pop = got[2].pop("icepop/pop_frac")
-            assert pop[0] > 0
-            assert_same_metrics(got[2], ref[2], tol=10 * TOL)
-    finally:
-        del setup.inputs["icepop"]
+    for loss_type, level, options in (("cispo", "token", {}),
+                                      ("grpo", "sequence", OPTION_SETS["all"]),
+                                      ("sapo", "token", OPTION_SETS["kl"]),
+                                      ("luspo", "sequence", OPTION_SETS["entropy"])):
+        configure(icepop, loss_type, level, None, options)
+        assert not icepop._single_pass()
+        for tr in (setup.stock, icepop):
+            configure(tr, loss_type, level, "token_mask", options)
+        icepop.vllm_importance_sampling_correction = False       # as its __init__ sets it
+        with glm_kernels.force_backend("torch"):
+            pop_frac = check_against_trl(setup.stock, icepop, finite, finite, loss_type)
+        assert pop_frac[0] > 0
 
 
 def test_refuses_what_trl_refuses(tmp_path):
@@ -354,3 +352,37 @@ def test_docs_fused_example_prints_what_the_page_shows(tmp_path, monkeypatch, ca
     assert printed[-len(expected):] == expected, "\n".join(printed[-len(expected) - 2:])
     trainer = namespace["trainer"]
     assert isinstance(trainer, gt.FusedGRPOTrainer) and trainer.state.global_step == 2
+
+
+def test_icepop_coupled_general_path_is_trls_loss_on_the_rollout_base(setup, tmp_path):
+    """IcePopGRPOTrainer, coupled, options off the single pass: TRL's loss with
+    pi_old := the rollout log-probs and its IS weight := the gate
+    1[lo <= exp(logp - rollout) <= hi] (logp: TRL's own, current policy)."""
+    icepop = _build(gt.IcePopGRPOTrainer, tmp_path, make_tokenizer(),
+                    CraftedRollout(make_tokenizer()), make_model(), icepop_mode="coupled",
+                    icepop_gate_low=0.5, icepop_gate_high=2.0)
+    icepop.model.load_state_dict(setup.ours.model.state_dict())
+    inputs = dict(setup.inputs["token_mask"])
+    current = logprobs_of(setup.stock, inputs)
+    g = torch.Generator().manual_seed(3)
+    rollout = current + 0.5 * torch.randn(current.shape, generator=g)
+    for _ in range(3):         # keep every ratio away from the bounds (different kernels)
+        rho = torch.exp(current - rollout)
+        near = ((rho - 0.5).abs() < 1e-3) | ((rho - 2.0).abs() < 1e-3)
+        rollout = torch.where(near, rollout + 0.01, rollout)
+    rho = torch.exp(current - rollout)
+    gate = ((rho >= 0.5) & (rho <= 2.0)).float()
+    mask = inputs["completion_mask"].bool()
+    assert (gate[mask] == 0).any() and (gate[mask] == 1).any()
+    inputs["sampling_per_token_logps"] = rollout
+    trl_inputs = dict(inputs, old_per_token_logps=rollout, importance_sampling_ratio=gate)
+    for loss_type, level, options in (("cispo", "sequence", OPTION_SETS["all"]),
+                                      ("dr_grpo", "token", OPTION_SETS["delta_below"]),
+                                      ("sapo", "sequence", OPTION_SETS["entropy"])):
+        for tr in (setup.stock, icepop):
+            configure(tr, loss_type, level, "token_mask", options)
+        icepop.vllm_importance_sampling_correction = False       # as its __init__ sets it
+        assert not icepop._single_pass()
+        with glm_kernels.force_backend("torch"):
+            pop_frac = check_against_trl(setup.stock, icepop, trl_inputs, inputs, loss_type)
+        assert pop_frac[0] > 0
