@@ -8,6 +8,7 @@ from .linear_logprobs import fused_linear_logprobs
 from .mismatch import MISMATCH_KEYS, mismatch_metrics
 from .policy import POLICY_VARIANTS, PolicyLossSpec, policy_loss
 from .policy_selection import clip_cov_selection, kl_cov_selection
+from .sequence_is import sequence_is_weights
 from .logprobs import selective_logprobs
 from .reverse_kl import reverse_kl_from_logits
 
@@ -15,4 +16,4 @@ __all__ = ["icepop_loss", "group_advantages", "opd_advantages", "selective_logpr
            "icepop_loss_from_logits", "fused_linear_icepop_loss", "fused_linear_logprobs",
            "reverse_kl_from_logits", "mismatch_metrics", "MISMATCH_KEYS", "policy_loss",
            "PolicyLossSpec", "POLICY_VARIANTS", "clip_cov_selection", "kl_cov_selection",
-           "kl_penalty_loss", "kl_penalty_terms"]
+           "kl_penalty_loss", "kl_penalty_terms", "sequence_is_weights"]

@@ -1,9 +1,9 @@
 """Readable torch reference of every policy-loss variant (the test oracle; autograd gives its
 gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss`.
 
-Everything runs on a flat token layout: ``[N]`` tensors plus ``seg_id`` (the sequence of each
-token, ``[N]`` int64) and ``num_seqs``; a padded ``[B, T]`` batch is the flat layout with
-``seg_id = t // T``. Per-sequence sums are ``index_add`` over ``seg_id``: no host sync.
+Everything runs on a flat token layout: ``[N]`` tensors plus :class:`Rows`, the token ->
+sequence map (a padded ``[B, T]`` batch: a reshape; packed ``cu_seqlens``: ``index_add`` over
+each token's row found by ``searchsorted``). No host sync either way.
 Formulas: docs/policy_loss.md.
 """
 import math
@@ -17,9 +17,41 @@ _GATE_LOG_CLAMP = 20.0                 # the IcePop gate's log-ratio clamp (loss
 _VESPO_LOG_MIN = math.log(1e-8)        # TRL get_gamma_weights' lower clamp
 
 
-def seg_sum(values: torch.Tensor, seg_id: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """[num_seqs] sums of ``values`` [N] per sequence (differentiable)."""
-    return values.new_zeros(num_seqs).index_add(0, seg_id, values)
+class Rows:
+    """Token -> sequence map of the flat layout: padded rows of ``row_len`` tokens (reshape
+    and broadcast) or packed rows bounded by ``cu_seqlens`` (index_add and gather)."""
+
+    def __init__(self, num_tokens: int, num_rows: int, row_len: Optional[int],
+                 cu_seqlens: Optional[torch.Tensor], device):
+        self.num_tokens, self.num_rows, self.row_len = num_tokens, num_rows, row_len
+        self.cu_seqlens, self.device = cu_seqlens, device
+        self._seg_id = None
+
+    @property
+    def seg_id(self) -> torch.Tensor:
+        """[N] int64: each token's row (built on first use, on the device)."""
+        if self._seg_id is None:
+            if self.cu_seqlens is None:
+                self._seg_id = (torch.arange(self.num_tokens, device=self.device)
+                                // max(self.row_len, 1))
+            else:
+                positions = torch.arange(self.num_tokens, device=self.device,
+                                         dtype=self.cu_seqlens.dtype)
+                self._seg_id = torch.searchsorted(self.cu_seqlens[1:].contiguous(), positions,
+                                                  right=True)
+        return self._seg_id
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[rows] sums of per-token ``values`` [N] (differentiable)."""
+        if self.cu_seqlens is None:
+            return values.reshape(self.num_rows, self.row_len).sum(-1)
+        return values.new_zeros(self.num_rows).index_add(0, self.seg_id, values)
+
+    def spread(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[N]: each token's row value."""
+        if self.cu_seqlens is None:
+            return per_row[:, None].expand(self.num_rows, self.row_len).reshape(-1)
+        return per_row[self.seg_id]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -34,7 +66,7 @@ def gate_weights(lp, old, rollout, mask, gate: Optional[str], gate_low: float,
     coupled: 1[lo <= exp(lp - rollout) <= hi]; decoupled: k 1[lo <= k <= hi], k = exp(old -
     rollout). A NaN ratio is popped (fails both comparisons)."""
     if gate is None:
-        return torch.ones_like(lp), torch.zeros_like(mask)
+        return None, None
     log_ratio = (lp.detach() if gate == "coupled" else old) - rollout
     ratio = torch.exp(torch.clamp(log_ratio, -_GATE_LOG_CLAMP, _GATE_LOG_CLAMP))
     in_gate = (ratio >= gate_low) & (ratio <= gate_high)
@@ -47,28 +79,33 @@ def _clamp(x, bound):
 
 
 def token_objective(spec: PolicyLossSpec, lp, old, adv, ratio, log_ratio, selection, eps_low,
-                    eps_high, dual_clip, p) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """(per-token loss l_t, per-token metric indicators) for every objective but geo_mean."""
+                    eps_high, dual_clip, p, need_stats=True
+                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """(per-token loss l_t, per-token metric indicators) for every objective but geo_mean.
+    The indicators (clip, clip_lower, kl; absent = 0) are built only with ``need_stats``."""
     obj = spec.objective
-    zero = torch.zeros_like(lp)
-    ind = {"clip": zero, "clip_lower": zero, "kl": -log_ratio}
+    ind = {"kl": -log_ratio} if need_stats else {}
     if obj in ("ppo", "clip_cov"):
         capped = ratio if p.get("delta") is None else torch.clamp(ratio, max=p["delta"])
         pg1 = -adv * capped
         pg2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
         loss = torch.maximum(pg1, pg2)
-        ind["clip"] = (pg2 > (-adv * ratio)).float()
+        if need_stats:
+            ind["clip"] = (pg2 > (pg1 if capped is ratio else -adv * ratio)).float()
         if obj == "clip_cov":
-            loss = loss * (~selection).float()
-            ind["clip"] = selection.float()
+            loss = torch.where(selection, 0.0, loss)
+            if need_stats:
+                ind["clip"] = selection.float()
         elif dual_clip is not None:
             bound = -adv * dual_clip
-            ind["clip_lower"] = ((loss > bound) & (adv < 0)).float()
+            if need_stats:
+                ind["clip_lower"] = ((loss > bound) & (adv < 0)).float()
             loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
         return loss, ind
     if obj == "cispo":
         clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])
-        ind["clip"] = (ratio != clipped).float()
+        if need_stats:
+            ind["clip"] = (ratio != clipped).float()
         return -clipped.detach() * adv * lp, ind
     if obj == "sapo":
         tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
@@ -77,34 +114,37 @@ def token_objective(spec: PolicyLossSpec, lp, old, adv, ratio, log_ratio, select
         return -adv * lp, ind
     if obj in ("dppo_tv", "dppo_kl"):
         truncated = torch.clamp(ratio, max=p["ratio_cap"]).detach()
-        prob, old_prob = torch.exp(lp), torch.exp(old)
+        prob, old_prob = torch.exp(lp.detach()), torch.exp(old)
         if obj == "dppo_tv":
             valid_pos = (prob - old_prob) <= eps_high
             valid_neg = (prob - old_prob) >= -eps_low
         else:
-            binary_kl = old_prob * (old - lp) + (1 - old_prob) * torch.log(
+            binary_kl = old_prob * (old - lp.detach()) + (1 - old_prob) * torch.log(
                 (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
             valid_pos = (binary_kl <= eps_high) | (prob <= old_prob)
             valid_neg = (binary_kl <= eps_low) | (prob >= old_prob)
-        valid = torch.where(adv > 0, valid_pos, valid_neg).detach().float()
-        ind["clip"] = 1.0 - valid
-        ind["clip_lower"] = (ratio > p["ratio_cap"]).float() * valid
-        return -adv * truncated * lp * valid, ind
+        valid = torch.where(adv > 0, valid_pos, valid_neg)
+        if need_stats:
+            ind["clip"] = (~valid).float()
+            ind["clip_lower"] = ((ratio > p["ratio_cap"]) & valid).float()
+        return torch.where(valid, -adv * truncated * lp, 0.0), ind
     if obj == "dro":
         return -(lp * adv - 0.5 * p["dro_beta"] * log_ratio.square()), ind
     if obj == "kl_cov":
-        ind["kl"] = log_ratio.abs()
-        return -adv * ratio + selection.float() * p["ppo_kl_coef"] * log_ratio.abs(), ind
+        if need_stats:
+            ind["kl"] = log_ratio.abs()
+        return torch.where(selection, -adv * ratio + p["ppo_kl_coef"] * log_ratio.abs(),
+                           -adv * ratio), ind
     raise AssertionError(obj)
 
 
-def vespo_phi(adv, log_ratio, token_weights, seg_id, num_seqs, p):
+def vespo_phi(adv, log_ratio, token_weights, rows, p):
     """TRL's gamma weight phi(w) per token (detached): w = exp(clamp(sum of clamped log-ratios
     [+ sum of clamped log token weights], log 1e-8, 20)) of the token's sequence."""
     seq_log = log_ratio  # already clamped to [-20, 20] by the spec and masked by the caller
     if token_weights is not None:
         seq_log = seq_log + torch.clamp(torch.log(token_weights), _VESPO_LOG_MIN, 20.0)
-    log_w = torch.clamp(seg_sum(seq_log, seg_id, num_seqs), _VESPO_LOG_MIN, 20.0)[seg_id]
+    log_w = rows.spread(torch.clamp(rows.sum(seq_log), _VESPO_LOG_MIN, 20.0))
     nonneg = adv >= 0
     k = torch.where(nonneg, p["k_pos"], p["k_neg"])
     lam = torch.clamp(torch.where(nonneg, p["lambda_pos"], p["lambda_neg"]), min=1e-4)
@@ -112,17 +152,17 @@ def vespo_phi(adv, log_ratio, token_weights, seg_id, num_seqs, p):
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
 
 
-def reduce_tokens(terms, mask_f, seg_id, num_seqs, reduction, denominator, norm_length):
-    """verl's agg_loss over per-token terms already multiplied by the mask."""
+def reduce_tokens(terms, mask, rows, reduction, denominator, norm_length):
+    """verl's agg_loss over per-token terms already multiplied by the mask (bool [N])."""
     if reduction == "none":
         return terms
     if reduction == "sum":
         return terms.sum()
     if reduction == "token_mean":
-        denom = mask_f.sum().clamp(min=1.0) if denominator is None else denominator
+        denom = mask.sum().clamp(min=1).float() if denominator is None else denominator
         return terms.sum() / denom
-    seq_tokens = seg_sum(mask_f, seg_id, num_seqs)
-    seq_sums = seg_sum(terms, seg_id, num_seqs)
+    seq_tokens = rows.sum(mask.float())
+    seq_sums = rows.sum(terms)
     has_tokens = (seq_tokens > 0).float()
     if reduction == "seq_mean_token_mean":
         seq_sums = seq_sums / seq_tokens.clamp(min=1.0)
@@ -133,79 +173,85 @@ def reduce_tokens(terms, mask_f, seg_id, num_seqs, reduction, denominator, norm_
     return loss
 
 
-def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, seg_id, num_seqs, *,
+def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *,
                           eps_low, eps_high, dual_clip, token_weights, rollout, gate, gate_low,
                           gate_high, selection, reduction, denominator, norm_length,
-                          loss_scale, params) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """(loss, stats) on the flat layout; ``lp`` keeps its autograd graph. ``mask`` is bool [N],
-    ``adv`` per token [N]; the others as :func:`glm_kernels.policy_loss` documents them."""
+                          loss_scale, params, need_stats=True
+                          ) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
+    """(loss, stats or None) on the flat layout; ``lp`` keeps its autograd graph. ``mask`` is
+    bool [N], ``adv`` per token [N]; the others as :func:`glm_kernels.policy_loss` documents them.
+    Work a variant does not need (the gate, the ratio, the stats) is skipped, so that this
+    torch path costs about what the trainers' own functions cost."""
     lp32, old = lp.float(), old.float()
     adv = adv.float()
-    mask_f = mask.float()
     weight, popped = gate_weights(lp32, old, None if rollout is None else rollout.float(), mask,
                                   gate, gate_low, gate_high)
-    stats_mask = mask_f
     raw_log_ratio = lp32 - old
     log_ratio = _clamp(raw_log_ratio, spec.log_ratio_clamp)
+    tw = None if token_weights is None else token_weights.float()
+    stats = None
 
     if spec.ratio == "geo_mean":
+        mask_f = mask.float()
         # popped tokens leave the sequence; decoupled weights join the token weights.
         kept = mask_f * (weight > 0).float() if gate is not None else mask_f
-        tw = weight if gate == "decoupled" else None
-        if token_weights is not None:
-            tw = token_weights.float() if tw is None else tw * token_weights.float()
+        if gate == "decoupled":
+            tw = weight if tw is None else weight * tw
         sgn = torch.sign(adv)
         clipped = torch.clamp(log_ratio, -eps_low, eps_high)
         log_min = sgn * torch.minimum(sgn * log_ratio, sgn * clipped)
-        n = seg_sum(kept, seg_id, num_seqs)
-        seq_ratio = torch.exp(seg_sum(log_min * kept, seg_id, num_seqs) / (n + 1e-8))
-        seq_adv = seg_sum(adv * kept, seg_id, num_seqs) / (n + 1e-8)
+        n = rows.sum(kept)
+        seq_ratio = torch.exp(rows.sum(log_min * kept) / (n + 1e-8))
+        seq_adv = rows.sum(adv * kept) / (n + 1e-8)
         losses = -seq_adv * seq_ratio
         if tw is not None:
             losses = losses * torch.exp(
-                seg_sum(torch.log(tw + 1e-10) * kept, seg_id, num_seqs) / (n + 1e-8))
+                rows.sum(torch.log(tw + 1e-10) * kept) / (n + 1e-8))
         if reduction == "none":
             loss = losses
         elif reduction == "sum":
             loss = losses.sum()
         else:
-            loss = losses.sum() / (num_seqs if denominator is None else denominator)
-        is_clipped = (log_ratio != clipped).float()
-        stats = {"pg_clipfrac": masked_mean(is_clipped * (adv > 0).float(), stats_mask),
-                 "pg_clipfrac_lower": masked_mean(is_clipped * (adv < 0).float(), stats_mask),
-                 "ppo_kl": masked_mean(-raw_log_ratio, stats_mask)}
+            loss = losses.sum() / (max(rows.num_rows, 1) if denominator is None else denominator)
+        if need_stats:
+            is_clipped = (log_ratio != clipped).float()
+            stats = {"pg_clipfrac": masked_mean(is_clipped * (adv > 0).float(), mask_f),
+                     "pg_clipfrac_lower": masked_mean(is_clipped * (adv < 0).float(), mask_f),
+                     "ppo_kl": masked_mean(-raw_log_ratio, mask_f)}
     else:
-        if spec.ratio == "token":
-            ratio = torch.exp(log_ratio)
-        elif spec.ratio == "sequence_sum":
-            ratio = torch.exp(log_ratio)        # unused by vespo's loss; metrics only
+        ratio = None
+        if spec.ratio in ("token", "sequence_sum"):
+            if spec.objective not in ("reinforce", "dro", "vespo"):
+                ratio = torch.exp(log_ratio)
         else:
-            n = seg_sum(mask_f, seg_id, num_seqs).clamp(min=1.0)
-            seq_log = (seg_sum(raw_log_ratio * mask_f, seg_id, num_seqs) / n)[seg_id]
+            n = rows.sum(mask.float()).clamp(min=1.0)
+            seq_log = rows.spread(rows.sum(torch.where(mask, raw_log_ratio, 0.0)) / n)
             if spec.ratio == "sequence_stopgrad":
                 seq_log = lp32 - lp32.detach() + seq_log.detach()
             if spec.seq_log_ratio_max is not None:
                 seq_log = torch.clamp(seq_log, max=spec.seq_log_ratio_max)
             ratio = torch.exp(seq_log)
         if spec.objective == "vespo":
-            phi = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), token_weights,
-                            seg_id, num_seqs, params)
-            loss_t = -phi * adv * lp32
-            ind = {"clip": torch.zeros_like(lp32), "clip_lower": torch.zeros_like(lp32),
-                   "kl": -log_ratio}
+            phi = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), tw, rows, params)
+            loss_t, ind = -phi * adv * lp32, ({"kl": -log_ratio} if need_stats else {})
             factor = weight
         else:
             loss_t, ind = token_objective(spec, lp32, old, adv, ratio, log_ratio, selection,
-                                          eps_low, eps_high, dual_clip, params)
-            factor = weight if token_weights is None else weight * token_weights.float()
-        terms = torch.where(mask, loss_t * factor, 0.0)
-        loss = reduce_tokens(terms, mask_f, seg_id, num_seqs, reduction, denominator,
-                             norm_length)
-        if spec.ratio != "token" and spec.objective == "ppo":
-            ind["kl"] = -raw_log_ratio
-        stats = {"pg_clipfrac": masked_mean(ind["clip"], stats_mask),
-                 "pg_clipfrac_lower": masked_mean(ind["clip_lower"], stats_mask),
-                 "ppo_kl": masked_mean(ind["kl"], stats_mask)}
-    stats["pop_frac"] = popped.float().sum() / mask_f.sum().clamp(min=1.0)
-    stats = {k: v.detach().float() for k, v in stats.items()}
-    return loss * loss_scale, stats
+                                          eps_low, eps_high, dual_clip, params, need_stats)
+            factor = weight if tw is None else tw if weight is None else weight * tw
+        terms = torch.where(mask, loss_t if factor is None else loss_t * factor, 0.0)
+        loss = reduce_tokens(terms, mask, rows, reduction, denominator, norm_length)
+        if need_stats:
+            if spec.ratio != "token" and spec.objective == "ppo":
+                ind["kl"] = -raw_log_ratio
+            zero = torch.zeros((), device=lp.device)
+            denom = mask.sum() + 1e-8                     # verl's masked_mean denominator
+            mean = lambda key: (torch.where(mask, ind[key], 0.0).sum() / denom   # noqa: E731
+                                if key in ind else zero)
+            stats = {"pg_clipfrac": mean("clip"), "pg_clipfrac_lower": mean("clip_lower"),
+                     "ppo_kl": mean("kl")}
+    if need_stats:
+        stats["pop_frac"] = (torch.zeros((), device=lp.device) if popped is None else
+                             popped.float().sum() / mask.sum().clamp(min=1).float())
+        stats = {k: v.detach().float() for k, v in stats.items()}
+    return (loss if loss_scale == 1.0 else loss * loss_scale), stats
