@@ -14,13 +14,14 @@ from .. import _dispatch
 check_bool = _dispatch.check_bool     # one helper for every public flag
 
 
-def check_loss_mask(loss_mask, ref_name: str, ref: torch.Tensor) -> None:
-    """loss_mask: bool or 0/1 numbers of ``ref``'s shape."""
-    _dispatch.check_tensor("loss_mask", loss_mask)
+def check_loss_mask(loss_mask, ref_name: str, ref: torch.Tensor, *,
+                    name: str = "loss_mask") -> None:
+    """loss_mask: bool or 0/1 numbers of ``ref``'s shape (``name``: what the caller calls it)."""
+    _dispatch.check_tensor(name, loss_mask)
     if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
             or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
-        raise TypeError(f"loss_mask must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
-    _dispatch.check_same_shape("loss_mask", loss_mask, ref_name, ref)
+        raise TypeError(f"{name} must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
+    _dispatch.check_same_shape(name, loss_mask, ref_name, ref)
 
 
 def check_tp_group(tp_group) -> None:

@@ -13,11 +13,9 @@ import triton.language as tl
 
 from .._aot import AotSpec
 from .._dispatch import next_power_of_2
+from ._kl_reference import ABS, K1, K2, K3     # the constexpr KIND codes
 
-# Kind codes (constexpr KIND), as in _kl_reference.KIND_CODES.
-K1, ABS, K2, K3 = 1, 2, 3, 4
-_TILE_TOKENS_GPU, _WARPS_GPU = 4096, 8
-_TILE_TOKENS_INTERPRET = 4096
+_TILE_TOKENS, _WARPS = 4096, 8
 _MAX_BLOCK_T = 1024
 
 
@@ -28,17 +26,17 @@ def kl_token_math(lp, ref, KIND: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr,
     k3: clamp(e^xc - xc - 1, -10, 10) with xc = clamp(ref - lp, -20, 20) (CLAMP: both clamps,
     torch.clamp's gradient: passes where min <= input <= max); straight-through: grad = d."""
     d = lp - ref
-    if KIND == 1:
+    if KIND == 1:          # K1 (codes: _kl_reference.KIND_CODES)
         terms = d
         grad = tl.full(d.shape, 1.0, tl.float32)
-    elif KIND == 2:
+    elif KIND == 2:        # ABS
         terms = tl.abs(d)
         # torch.sign: -1, 0, 1, NaN for NaN
         grad = tl.where(d > 0.0, 1.0, tl.where(d < 0.0, -1.0, d * 0.0))
-    elif KIND == 3:
+    elif KIND == 3:        # K2
         terms = 0.5 * d * d
         grad = d
-    else:
+    else:                  # K3
         x = -d
         if CLAMP:
             x_in = (x >= -20.0) & (x <= 20.0)
@@ -69,8 +67,10 @@ def _kl_fwd_kernel(
     STORE_ROW_SUMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Per-token KL term and gradient coefficient, and per-(row, column block) sums."""
-    pid_r = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    # One grid axis (2^31 programs): a second one would cap rows or column blocks at 65535.
+    pid = tl.program_id(0)
+    pid_r = pid // n_col_blocks
+    pid_t = pid % n_col_blocks
     rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
@@ -100,12 +100,11 @@ def _kl_fwd_kernel(
         tl.store(partial + 1, tl.sum(m, axis=1), mask=row_ok)
 
 
-def tile_shape(rows: int, seq_len: int, interpret: bool):
+def tile_shape(rows: int, seq_len: int):
     """(BLOCK_R, BLOCK_T, num_warps): a tile of up to 4096 tokens, at most 1024 columns."""
-    tile = _TILE_TOKENS_INTERPRET if interpret else _TILE_TOKENS_GPU
     block_t = min(next_power_of_2(max(seq_len, 1)), _MAX_BLOCK_T)
-    block_r = min(max(tile // block_t, 1), next_power_of_2(max(rows, 1)))
-    warps = _WARPS_GPU if block_r * block_t >= 2048 else 4
+    block_r = min(max(_TILE_TOKENS // block_t, 1), next_power_of_2(max(rows, 1)))
+    warps = _WARPS if block_r * block_t >= 2048 else 4
     return block_r, block_t, warps
 
 
@@ -117,7 +116,7 @@ def kl_fwd(lp, ref, mask, terms_out, coef_out, partials_out, *, kind_code, strai
     if rows == 0 or seq_len == 0:
         return
     n_col_blocks = triton.cdiv(seq_len, block_t)
-    grid = (triton.cdiv(rows, block_r), n_col_blocks)
+    grid = (triton.cdiv(rows, block_r) * n_col_blocks,)
     _kl_fwd_kernel[grid](
         lp, ref, lp if mask is None else mask, terms_out, coef_out, partials_out,
         rows, seq_len, n_col_blocks,
@@ -128,12 +127,14 @@ def kl_fwd(lp, ref, mask, terms_out, coef_out, partials_out, *, kind_code, strai
 
 
 def kl_token_pass(lp, ref, mask, *, kind_code, straight_through, clamp, store_terms,
-                  store_grad, store_row_sums, interpret):
+                  store_grad, store_row_sums):
     """Allocate, launch, reduce the partials: (terms, coef, row_loss, row_count), each fp32
     and [0] when not asked for (``kl_penalty._token_pass`` documents the contract)."""
     import torch
     rows, seq_len = lp.shape
-    block_r, block_t, warps = tile_shape(rows, seq_len, interpret)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)             # Triton loads bytes, not i1
+    block_r, block_t, warps = tile_shape(rows, seq_len)
     new = lambda *shape: torch.empty(shape, dtype=torch.float32, device=lp.device)  # noqa
     terms = new(rows, seq_len) if store_terms else new(0)
     coef = new(rows, seq_len) if store_grad else new(0)
@@ -168,7 +169,7 @@ def _kl_aot_specs():
                     specs.append(AotSpec(
                         f"kl_penalty_fwd[{lp_dtype},{name}{'+' if straight_through else ''},"
                         f"{block_r}x{block_t}]", _kl_fwd_kernel, sig, constexprs,
-                        num_warps=_WARPS_GPU))
+                        num_warps=_WARPS))
     return specs
 
 

@@ -59,16 +59,20 @@ def kl_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind_code: int,
         terms, grad = 0.5 * d * d, d
     elif kind_code == K3:
         x = -d
-        if clamp:
-            x_in = (x >= -LOG_RATIO_CLAMP) & (x <= LOG_RATIO_CLAMP)
-            x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        ratio = torch.exp(x)
-        terms = ratio - x - 1.0
-        grad = 1.0 - ratio
-        if clamp:
-            kld_in = (terms >= -K3_CLAMP) & (terms <= K3_CLAMP)
-            terms = terms.clamp(-K3_CLAMP, K3_CLAMP)
-            grad = torch.where(x_in & kld_in, grad, 0.0)
+        if not clamp:
+            ratio = torch.exp(x)
+            terms = (ratio - x).sub_(1.0)
+            grad = ratio.neg_().add_(1.0)
+        else:
+            x_clamped = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            ratio = torch.exp(x_clamped)
+            terms = (ratio - x_clamped).sub_(1.0)
+            grad = ratio.neg_().add_(1.0)
+            # torch.clamp's gradient passes where min <= input <= max (x == its clamp; NaN
+            # fails). The term is >= 0 up to rounding, so only its upper end can bind.
+            passes = (x == x_clamped).logical_and_(terms <= K3_CLAMP)
+            terms.clamp_(-K3_CLAMP, K3_CLAMP)
+            grad.masked_fill_(passes.logical_not_(), 0.0)
     else:
         raise ValueError(f"unknown kind code {kind_code}")
     if straight_through:
@@ -80,11 +84,17 @@ def masked_row_sums(terms: torch.Tensor, grad: Optional[torch.Tensor], mask: tor
                     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """[rows, T] terms and mask -> (S_b, N_b, gradient coefficient m * dl or None), fp32.
 
-    A masked-out token (m == 0) gives exactly 0 even when its term is inf or NaN."""
+    A masked-out token (m == 0) gives exactly 0 even when its term is inf or NaN. ``grad`` is
+    overwritten (it becomes the coefficient)."""
+    dropped = mask.logical_not()
+    kept_terms = terms.masked_fill(dropped, 0.0)
+    if mask.dtype == torch.bool:                   # weights are 1: no multiply
+        row_loss, row_count = kept_terms.sum(-1), mask.sum(-1, dtype=torch.float32)
+        coef = None if grad is None else grad.masked_fill_(dropped, 0.0)
+        return row_loss, row_count, coef
     m = mask.float()
-    keep = mask != 0
-    row_loss = (torch.where(keep, terms, 0.0) * m).sum(-1)
-    coef = None if grad is None else torch.where(keep, grad * m, 0.0)
+    row_loss = (kept_terms * m).sum(-1)
+    coef = None if grad is None else grad.mul_(m).masked_fill_(dropped, 0.0)
     return row_loss, m.sum(-1), coef
 
 
@@ -97,21 +107,20 @@ def aggregate_rows(row_loss: torch.Tensor, row_count: torch.Tensor, loss_agg_mod
     As in verl, an empty denominator (no masked token for token-mean, no row with a token for
     the seq-mean modes) without batch_num_tokens / global_batch_size gives a NaN loss; the
     gradient is then 0 (no token is masked in), so row_scale is 0 where it would be inf/NaN.
+    Given counts enter as Python numbers (no host-to-device copy: CUDA-graph capturable).
     """
     total = row_loss.double()
     if loss_agg_mode == "token-sum":
-        loss = total.sum() * dp_size
-        scale = torch.full_like(row_loss, float(dp_size))
-        return loss.float(), scale
+        return (total.sum() * dp_size).float(), torch.full_like(row_loss, float(dp_size))
     if loss_agg_mode == "token-mean":
-        denom = (row_count.double().sum() if batch_num_tokens is None
-                 else total.new_tensor(float(batch_num_tokens)))
+        if batch_num_tokens is not None:
+            loss = total.sum() / batch_num_tokens * dp_size
+            return loss.float(), torch.full_like(row_loss, dp_size / batch_num_tokens)
+        denom = row_count.double().sum()
         loss = total.sum() / denom * dp_size
         factor = torch.where(denom != 0, dp_size / denom, 0.0).float()
         return loss.float(), factor.expand(row_loss.shape).contiguous()
     valid = row_count > 0
-    denom = (valid.double().sum() if global_batch_size is None
-             else total.new_tensor(float(global_batch_size)))
     if loss_agg_mode == "seq-mean-token-mean":
         per_row = 1.0 / (row_count.double() + SEQ_MEAN_EPS)
     else:
@@ -120,6 +129,10 @@ def aggregate_rows(row_loss: torch.Tensor, row_count: torch.Tensor, loss_agg_mod
             per_row = per_row / float(seq_len if loss_scale_factor is None
                                       else loss_scale_factor)
     weights = torch.where(valid, per_row, 0.0)
+    if global_batch_size is not None:
+        loss = (total * weights).sum() / global_batch_size * dp_size
+        return loss.float(), (weights * (dp_size / global_batch_size)).float()
+    denom = valid.double().sum()
     loss = (total * weights).sum() / denom * dp_size
-    scale = torch.where(valid & (denom != 0), weights * dp_size / denom, 0.0)
+    scale = torch.where(denom != 0, weights * dp_size / denom, 0.0)
     return loss.float(), scale.float()

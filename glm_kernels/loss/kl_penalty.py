@@ -17,8 +17,10 @@ multiply. Registered as the custom ops ``glm_kernels::kl_penalty_loss`` and
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple
 
+import numpy
 import torch
 
 from .. import _dispatch
@@ -54,14 +56,18 @@ def _check_log_probs(log_prob, ref_log_prob) -> None:
 
 
 def _optional_positive(name: str, value) -> Optional[float]:
+    """None, or a finite number > 0 as a float (numpy scalars too: verl's counts may be)."""
     if value is None:
         return None
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, numpy.bool_)):
+        value = float(value)
     return _dispatch.check_finite_number(name, value, positive=True)
 
 
 def _check_dp_size(dp_size) -> int:
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int):
+    if isinstance(dp_size, (bool, numpy.bool_)) or not isinstance(dp_size, numbers.Integral):
         raise TypeError(f"dp_size must be an int, got {dp_size!r} ({type(dp_size).__name__})")
+    dp_size = int(dp_size)
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     return dp_size
@@ -80,7 +86,6 @@ def _token_pass(log_prob, ref_log_prob, mask, kind_code, straight_through, clamp
 
     coef = m * dl/dlp with the mask applied (0 where m == 0), or dl/dlp without a mask."""
     backend = _dispatch.select_backend("kl_penalty_loss", log_prob, ref_log_prob, mask)
-    rows, seq_len = log_prob.shape
     empty = log_prob.new_empty(0, dtype=torch.float32)
     if backend == "torch":
         terms, grad = ref.kl_terms(log_prob, ref_log_prob, kind_code, straight_through, clamp)
@@ -95,7 +100,7 @@ def _token_pass(log_prob, ref_log_prob, mask, kind_code, straight_through, clamp
     return _kl_kernels.kl_token_pass(
         log_prob, ref_log_prob, mask, kind_code=kind_code, straight_through=straight_through,
         clamp=clamp, store_terms=store_terms, store_grad=store_grad,
-        store_row_sums=store_row_sums, interpret=backend == "interpret")
+        store_row_sums=store_row_sums)
 
 
 @torch.library.custom_op("glm_kernels::kl_penalty_loss", mutates_args=())
@@ -105,8 +110,7 @@ def _kl_loss_op(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mas
                 loss_scale_factor: Optional[float], need_grad: bool
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[rows, T] inputs -> (loss fp32 [], coef [rows, T] fp32 or [0], row_scale [rows] fp32)."""
-    mask = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask
-    _, coef, row_loss, row_count = _token_pass(log_prob, ref_log_prob, mask, kind_code,
+    _, coef, row_loss, row_count = _token_pass(log_prob, ref_log_prob, response_mask, kind_code,
                                                straight_through, True, False, need_grad, True)
     loss, row_scale = ref.aggregate_rows(row_loss, row_count, loss_agg_mode, dp_size,
                                          batch_num_tokens, global_batch_size,
@@ -222,7 +226,7 @@ def kl_penalty_loss(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     -----
     The per-token terms and sums are fp32 whatever the input dtype. A masked-out token
     contributes exactly 0 to the loss and the gradient even when its inputs are inf or NaN
-    (verl's ``masked_sum`` does the same for the token modes; its seq-mean modes multiply
+    (verl's token modes give the same loss through ``masked_sum``; its seq-mean modes multiply
     instead, so there a NaN/inf in padding makes verl's loss NaN). As in verl, token-mean
     with no masked token and no batch_num_tokens, or a seq-mean mode with no row holding a
     token and no global_batch_size, gives a NaN loss (0 / 0); its gradient is 0.
@@ -240,7 +244,7 @@ def kl_penalty_loss(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     (0.25, [[0.5, 0.5, 0.0]])
     """
     _check_log_probs(log_prob, ref_log_prob)
-    _checks.check_loss_mask(response_mask, "log_prob", log_prob)
+    _checks.check_loss_mask(response_mask, "log_prob", log_prob, name="response_mask")
     _dispatch.check_same_device(dict(log_prob=log_prob, ref_log_prob=ref_log_prob,
                                      response_mask=response_mask))
     kind_code, straight_through = parse_kl_penalty(kl_penalty)
@@ -257,9 +261,9 @@ def kl_penalty_loss(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                          f"loss_agg_mode={loss_agg_mode!r}")
     need_grad = bool(log_prob.requires_grad and torch.is_grad_enabled())
     loss, _, _ = _kl_loss_op(_rows(log_prob), _rows(ref_log_prob.detach()),
-                      _rows(response_mask), kind_code, straight_through, loss_agg_mode,
-                      dp_size, batch_num_tokens, global_batch_size, loss_scale_factor,
-                      need_grad)
+                             _rows(response_mask), kind_code, straight_through, loss_agg_mode,
+                             dp_size, batch_num_tokens, global_batch_size, loss_scale_factor,
+                             need_grad)
     return loss
 
 
@@ -301,5 +305,5 @@ def kl_penalty_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, *,
     _checks.check_bool("clamp", clamp)
     need_grad = bool(log_prob.requires_grad and torch.is_grad_enabled())
     terms, _ = _kl_terms_op(_rows(log_prob), _rows(ref_log_prob.detach()), kind_code,
-                    straight_through, clamp, need_grad)
+                            straight_through, clamp, need_grad)
     return terms.reshape(log_prob.shape)
