@@ -97,19 +97,22 @@ def chunk_config(op: str, hidden: torch.Tensor, weight: torch.Tensor, *,
 
 
 def chunked_linear_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int,
-                        fused_pass, *, need_grad_hidden: bool, need_grad_weight: bool
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+                        fused_pass, *, need_grad_hidden: bool, need_grad_weight: bool,
+                        fp32_weight_grad: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The chunk loop shared by the fused-linear ops; returns (dL/dhidden [N, H] or [0],
     dL/dweight [V, H] or [0]).
 
     Per chunk of rows ``part``: logits_c = hidden[part] @ weight^T into one reused [C, V]
     buffer in the weight dtype, then ``fused_pass(part, logits_c)``, which reads logits_c and,
     when a gradient is asked for, writes dL/dlogits_c over it; then GEMM 2 and 3 turn that
-    into the hidden and weight gradients.
+    into the hidden and weight gradients. The weight gradient sums over chunks in the weight
+    dtype, or with ``fp32_weight_grad`` in an fp32 [V, H] buffer rounded once at the end.
     """
     n = hidden.shape[0]
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0)
-    grad_weight = (torch.zeros_like(weight) if need_grad_weight else weight.new_empty(0))
+    accumulate_fp32 = need_grad_weight and fp32_weight_grad and weight.dtype != torch.float32
+    grad_weight = (torch.zeros_like(weight, dtype=torch.float32 if accumulate_fp32 else None)
+                   if need_grad_weight else weight.new_empty(0))
     chunk_buffer = torch.empty((min(chunk_size, n), weight.shape[0]), dtype=weight.dtype,
                                device=hidden.device)
     for start in range(0, n, chunk_size):
@@ -121,9 +124,20 @@ def chunked_linear_pass(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: 
         fused_pass(part, logits_c)
         if need_grad_hidden:
             _invariant.linear(logits_c, weight.t(), out=grad_hidden[part])
-        if need_grad_weight:
+        if accumulate_fp32:
+            _addmm_fp32(grad_weight, logits_c.t(), hidden_c)
+        elif need_grad_weight:
             grad_weight.addmm_(logits_c.t(), hidden_c)
-    return grad_hidden, grad_weight
+    return grad_hidden, grad_weight.to(weight.dtype) if accumulate_fp32 else grad_weight
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b into fp32 ``acc`` from bf16/fp16 a, b without rounding the product to
+    their dtype first (on CUDA, torch >= 2.8: the GEMM's own out_dtype; else upcast copies)."""
+    if acc.is_cuda and _dispatch.torch_version() >= (2, 8):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
 def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,

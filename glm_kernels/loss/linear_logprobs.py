@@ -18,8 +18,9 @@ logits are computed twice. Per chunk of C tokens (C from a memory budget)::
 
 so [tokens, V] never exists: the vocab-sized buffers are one [C, V] chunk and the [V, H]
 weight gradient. Saved for backward: hidden and weight (references), lse and H [N] fp32.
-The weight gradient accumulates over chunks in the weight's dtype (as in
-``fused_linear_icepop_loss``).
+The weight gradient of bf16 / fp16 weights sums over chunks in fp32 by default (one rounding
+at the end, as TRL's fused LM head does); ``fp32_weight_grad=False`` sums in the weight
+dtype, one rounding per chunk, as ``fused_linear_icepop_loss`` does.
 """
 
 from typing import Optional, Tuple
@@ -74,7 +75,7 @@ def _forward_fake(hidden, weight, token_ids, inv_temp, want_entropy, chunk_size)
 def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
                    lse: torch.Tensor, entropy: torch.Tensor, grad_lp: torch.Tensor,
                    grad_entropy: Optional[torch.Tensor], inv_temp: float, chunk_size: int,
-                   need_grad_hidden: bool, need_grad_weight: bool
+                   need_grad_hidden: bool, need_grad_weight: bool, fp32_weight_grad: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     def gradient_pass(part, logits_c):
         _grad_into(logits_c, logits_c, token_ids[part], lse[part],
@@ -83,35 +84,41 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.
 
     return chunked_linear_pass(hidden, weight, chunk_size, gradient_pass,
                                need_grad_hidden=need_grad_hidden,
-                               need_grad_weight=need_grad_weight)
+                               need_grad_weight=need_grad_weight,
+                               fp32_weight_grad=fp32_weight_grad)
 
 
 @torch.library.custom_op("glm_kernels::fused_linear_logprobs_backward", mutates_args=())
 def _backward_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
                  lse: torch.Tensor, entropy: torch.Tensor, grad_lp: torch.Tensor,
                  grad_entropy: Optional[torch.Tensor], inv_temp: float, chunk_size: int,
-                 need_grad_hidden: bool, need_grad_weight: bool
+                 need_grad_hidden: bool, need_grad_weight: bool, fp32_weight_grad: bool
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0]) for upstream gradients grad_lp
     [N] and grad_entropy [N] (None: the entropy was not asked for), logits recomputed."""
     return _backward_impl(hidden, weight, token_ids, lse, entropy, grad_lp, grad_entropy,
-                          inv_temp, chunk_size, need_grad_hidden, need_grad_weight)
+                          inv_temp, chunk_size, need_grad_hidden, need_grad_weight,
+                          fp32_weight_grad)
 
 
 @_backward_op.register_fake
 def _backward_fake(hidden, weight, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
-                   chunk_size, need_grad_hidden, need_grad_weight):
+                   chunk_size, need_grad_hidden, need_grad_weight, fp32_weight_grad):
     return (torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if need_grad_weight else weight.new_empty(0))
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, token_ids, inv_temp, want_entropy, chunk_size):
+    def forward(ctx, hidden, weight, token_ids, inv_temp, want_entropy, chunk_size,
+                fp32_weight_grad):
+        # An entropy kept for logging (or a log-prob left unused) gets no zero-filled upstream
+        # gradient: backward leaves its term out instead of computing it times 0.
+        ctx.set_materialize_grads(False)
         lp, entropy, lse = run_op(_forward_op, _forward_impl, hidden, weight, token_ids,
                                   inv_temp, want_entropy, chunk_size)
         ctx.save_for_backward(hidden, weight, token_ids, lse, entropy)
-        ctx.cfg = (inv_temp, want_entropy, chunk_size)
+        ctx.cfg = (inv_temp, want_entropy, chunk_size, fp32_weight_grad)
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
         return lp, entropy
@@ -119,21 +126,25 @@ class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
         hidden, weight, token_ids, lse, entropy = ctx.saved_tensors
-        inv_temp, want_entropy, chunk_size = ctx.cfg
+        inv_temp, want_entropy, chunk_size, fp32_weight_grad = ctx.cfg
         need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_lp = (torch.zeros_like(lse) if grad_lp is None
+                   else grad_lp.float().contiguous())
+        # A traced backward may hand the non-differentiable [0] entropy a gradient anyway.
+        grad_entropy = (grad_entropy.float().contiguous()
+                        if want_entropy and grad_entropy is not None else None)
         grad_hidden, grad_weight = run_op(
-            _backward_op, _backward_impl, hidden, weight, token_ids, lse, entropy,
-            grad_lp.float().contiguous(),
-            grad_entropy.float().contiguous() if want_entropy else None, inv_temp, chunk_size,
-            bool(need_hidden), bool(need_weight))
+            _backward_op, _backward_impl, hidden, weight, token_ids, lse, entropy, grad_lp,
+            grad_entropy, inv_temp, chunk_size, bool(need_hidden), bool(need_weight),
+            fp32_weight_grad)
         return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
                           *, temperature: float = 1.0, return_entropy: bool = False,
                           chunk_size: Optional[int] = None,
-                          memory_budget: Optional[int] = None):
+                          memory_budget: Optional[int] = None, fp32_weight_grad: bool = True):
     """Log-probs of the sampled tokens (and the entropy) of ``hidden @ weight.T``, without
     ever holding [tokens, V] logits.
 
@@ -154,6 +165,11 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids:
     memory_budget : int, optional
         Bytes allowed for the [chunk, V] logits chunk (default 512 MiB), and on the torch
         backend (CPU, no Triton) also for the fp32 [chunk, V] buffers its passes hold.
+    fp32_weight_grad : bool, default True
+        For bf16 / fp16 weights: sum the weight gradient over chunks in an fp32 [V, H] buffer
+        and round it once (as TRL's fused LM head does: a bf16 sum rounded after every chunk
+        loses accuracy as chunks add up). False sums in the weight dtype, no extra buffer, as
+        ``fused_linear_icepop_loss`` does.
 
     Returns
     -------
@@ -168,7 +184,8 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids:
       recomputes each chunk's logits: four GEMMs per step instead of three, for memory
       bounded by one [chunk, V] buffer instead of [tokens, V].
     * Memory beyond the inputs: one [chunk, V] buffer in the weight dtype, O(tokens) fp32
-      (lse and entropy saved for backward); backward adds the [*S, H] and [V, H] gradients.
+      (lse and entropy saved for backward); backward adds the [*S, H] and [V, H] gradients
+      (and the fp32 [V, H] sum of ``fp32_weight_grad`` for bf16 / fp16 weights).
     * No ``tp_group`` (a vocab-parallel output layer would need all-reduces per chunk).
     * Edge cases as in :func:`selective_logprobs` (ids outside [0, V): ValueError on CPU,
       device-side assert on CUDA).
@@ -189,13 +206,14 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids:
     check_linear_inputs(hidden, weight, token_ids)
     temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
     _checks.check_bool("return_entropy", return_entropy)
+    _checks.check_bool("fp32_weight_grad", fp32_weight_grad)
     config = chunk_config("selective_logprobs", hidden, weight, chunk_size=chunk_size,
                           memory_budget=memory_budget,
                           torch_fp32_temporaries=TORCH_FP32_TEMPORARIES)
     lp, entropy = _FusedLinearLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
         token_ids.reshape(-1).contiguous(), 1.0 / temperature, return_entropy,
-        config.chunk_size)
+        config.chunk_size, fp32_weight_grad)
     lp = lp.reshape(token_ids.shape)
     if not return_entropy:
         return lp
