@@ -72,6 +72,18 @@ def policy_variant(loss_type: str, level: str, args) -> Tuple[Any, Dict[str, flo
          "k_neg": args.vespo_k_neg, "lambda_neg": args.vespo_lambda_neg}
 
 
+def reduce_per_token(terms, maskf, reduction, denominator):
+    """policy_loss's reduction (the names and denominators it takes) of per-token terms
+    already multiplied by the mask [B, T]: for the KL term and VESPO's masked terms."""
+    if reduction == "token_mean":
+        return terms.sum() / (maskf.sum().clamp(min=1.0) if denominator is None
+                              else denominator)
+    row = terms.sum(-1)
+    if reduction == "seq_mean_token_mean":
+        row = row / maskf.sum(-1).clamp(min=1.0)
+    return row.sum() / denominator
+
+
 def ratio_with_grad(logprobs, old, mask, level):
     """TRL's coef_1: exp(lp - old) [B, T], or exp(masked mean) [B, 1] at sequence level."""
     log_ratio = logprobs - old
@@ -83,15 +95,15 @@ def ratio_with_grad(logprobs, old, mask, level):
 def vespo_phi_per_row(logprobs, old, advantages, mask, is_ratio, params):
     """VESPO's phi [B, 1] (TRL's metric ``vespo/phi_seq_mean``), by the policy-loss family's
     own reference function (policy_loss returns no per-row phi)."""
-    from ..loss._policy_reference import vespo_phi
+    from ..loss._policy_reference import Rows, vespo_phi
     b, t = logprobs.shape
     log_ratio = torch.where(mask, (logprobs.detach().float() - old.float()).clamp(-20.0, 20.0),
                             0.0)
     adv = advantages.float().expand(b, t) if advantages.dim() == 2 else \
         advantages.float().unsqueeze(1).expand(b, t)
-    rows = torch.arange(b, device=logprobs.device).repeat_interleave(t)
+    rows = Rows(b * t, b, t, None, logprobs.device)
     phi = vespo_phi(adv.reshape(-1), log_ratio.reshape(-1),
-                    None if is_ratio is None else is_ratio.reshape(-1), rows, b, params)
+                    None if is_ratio is None else is_ratio.reshape(-1), rows, params)
     return phi.reshape(b, t)[:, :1]
 
 
@@ -210,16 +222,17 @@ class FusedGRPOLoss:
         old = lp.detach() if old is None else old
         base, gate_kwargs = self._gate(inputs, old)
 
-        # TRL's vLLM IS ratio goes to policy_loss's token_weights (a multiplier; VESPO: inside
-        # phi); the off-policy and high-entropy masks multiply the per-token terms after it.
-        masks = torch.ones_like(maskf)
+        # Detached multipliers of each token's policy term, as TRL applies them: the
+        # off-policy sequence mask, the high-entropy mask, TRL's vLLM IS ratio (VESPO: the IS
+        # ratio enters phi instead, and the masks multiply its per-token terms).
+        masks = None
         if self.off_policy_mask_threshold is not None:
             sampling = inputs.get("sampling_per_token_logps", base)
-            masks = masks * self.get_off_policy_mask(
+            masks = self.get_off_policy_mask(
                 advantages=advantages, per_token_logps=lp, sampling_per_token_logps=sampling,
-                mask=mask, off_policy_threshold=self.off_policy_mask_threshold)
+                mask=mask, off_policy_threshold=self.off_policy_mask_threshold).float()
         if entropy_mask is not None:
-            masks = masks * entropy_mask
+            masks = entropy_mask.float() if masks is None else masks * entropy_mask
         is_ratio = self._is_weights(inputs)
         if is_ratio is not None:
             is_ratio = is_ratio.float().expand_as(maskf).contiguous()
@@ -228,62 +241,71 @@ class FusedGRPOLoss:
         if self.loss_type == "cispo":           # the trainer's, as TRL reads it
             params["cispo_max"] = self.epsilon_high
         adv = advantages.squeeze(1) if advantages.shape[1] == 1 else advantages
-        per_token, stats = policy_loss(
-            lp, base, adv, mask.bool(), variant=spec, eps_low=self.epsilon_low,
-            eps_high=self.epsilon_high, token_weights=is_ratio, reduction="none",
-            return_stats=True, **gate_kwargs, **params)
-        per_token = per_token * masks
+        mode = "train" if self.model.training else "eval"
+        reduction, denominator, scale = self._reduction(inputs, mode, lp.shape[0])
+        common = dict(variant=spec, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+                      return_stats=True, **gate_kwargs, **params)
         if self.loss_type == "vespo":
+            per_token, stats = policy_loss(lp, base, adv, mask.bool(), token_weights=is_ratio,
+                                           reduction="none", **common)
+            if masks is not None:
+                per_token = per_token * masks
+            loss = reduce_per_token(per_token, maskf, reduction, denominator) * scale
             stats["phi"] = vespo_phi_per_row(lp, base, adv, mask.bool(), is_ratio, params)
+        else:
+            weights = is_ratio
+            if masks is not None:
+                masks = masks.expand_as(maskf)
+                weights = masks.contiguous() if weights is None else weights * masks
+            loss, stats = policy_loss(lp, base, adv, mask.bool(), token_weights=weights,
+                                      reduction=reduction, denominator=denominator,
+                                      loss_scale=scale, **common)
 
-        coef_1 = None
+        per_token_kl = None
         if self.beta != 0.0:
             per_token_kl = kl_penalty_terms(lp, inputs["ref_per_token_logps"],
                                             kl_penalty="low_var_kl", clamp=False)
             if self.args.use_bias_correction_kl:
-                coef_1 = ratio_with_grad(lp, base, maskf, self.importance_sampling_level)
-                per_token_kl = per_token_kl * coef_1
-            per_token = per_token + self.beta * per_token_kl * maskf
+                per_token_kl = per_token_kl * ratio_with_grad(lp, base, maskf,
+                                                              self.importance_sampling_level)
+            loss = loss + self.beta * scale * reduce_per_token(per_token_kl * maskf, maskf,
+                                                               reduction, denominator)
 
-        mode = "train" if self.model.training else "eval"
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        loss, policy_loss_value = self._reduce(per_token, maskf, inputs, mode, accumulation)
         if self._entropy_bonus_enabled:
-            loss = self._entropy_bonus(loss, policy_loss_value, entropies, maskf, entropy_mask,
-                                       mode, accumulation)
+            loss = self._entropy_bonus(loss, (loss / scale).detach(), entropies, maskf,
+                                       entropy_mask, mode)
         with torch.no_grad():
             self._log_trl_metrics(mode, lp, base, advantages, maskf, entropies, stats,
-                                  per_token_kl.detach() if self.beta != 0.0 else None)
+                                  None if per_token_kl is None else per_token_kl.detach())
         self._after_loss(stats, mode)
         return loss
 
     def _after_loss(self, stats, mode):
         """Hook for subclasses (IcePop metrics)."""
 
-    def _reduce(self, per_token, maskf, inputs, mode, accumulation):
-        """TRL's loss_type normalisation of sum_t per_token (already x mask):
-        (loss, the unscaled policy loss TRL logs)."""
+    def _reduction(self, inputs, mode, rows):
+        """TRL's loss_type normalisation as policy_loss's (reduction, denominator,
+        loss_scale): the scale is TRL's gradient-accumulation division."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         lt = self.loss_type
-        if lt in ("grpo", "sapo"):
-            loss = (per_token.sum(-1) / maskf.sum(-1).clamp(min=1.0)).mean()
-        elif lt == "bnpo":
-            loss = per_token.sum() / maskf.sum().clamp(min=1.0)
-        elif lt == "dr_grpo":
-            loss = per_token.sum() / (per_token.size(0) * self.max_completion_length)
-        elif lt == "luspo":
-            loss = per_token.sum(-1).mean()
-        else:   # cispo, dapo, vespo: num_items_in_batch spans the generation batch
-            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / \
-                self.accelerator.num_processes
-            if mode == "train":
-                normalizer = normalizer * self.current_gradient_accumulation_steps / \
-                    self.args.steps_per_generation
-            loss = per_token.sum() / normalizer
-            return loss, loss.detach()
-        return loss / accumulation, loss.detach()
+        if lt in ("grpo", "sapo"):           # mean over ALL rows of each row's token mean
+            return "seq_mean_token_mean", float(rows), 1.0 / accumulation
+        if lt == "bnpo":
+            return "token_mean", None, 1.0 / accumulation
+        if lt == "dr_grpo":
+            return "token_mean", float(rows * self.max_completion_length), 1.0 / accumulation
+        if lt == "luspo":                    # mean over ALL rows of each row's token sum
+            return "seq_mean_token_sum", float(rows), 1.0 / accumulation
+        # cispo, dapo, vespo: num_items_in_batch spans the generation batch, so it is
+        # rescaled to one accumulation window (and the accumulation is inside it)
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / \
+            self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / \
+                self.args.steps_per_generation
+        return "token_mean", normalizer, 1.0
 
-    def _entropy_bonus(self, loss, policy_loss_value, entropies, maskf, entropy_mask, mode,
-                       accumulation):
+    def _entropy_bonus(self, loss, policy_loss_value, entropies, maskf, entropy_mask, mode):
         """loss - coef * (token mean of the entropy over the tokens the policy term acts on),
         with TRL's adaptive coefficient controller (updated at optimizer-step boundaries)."""
         effective = maskf if entropy_mask is None else maskf * entropy_mask
@@ -293,6 +315,7 @@ class FusedGRPOLoss:
                 else 0.0
         else:
             coef = self.entropy_coef
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss - coef * (entropy_mean / accumulation)
         self._metrics[mode]["policy_loss"].append(
             self.accelerator.gather(policy_loss_value).nanmean().item())
