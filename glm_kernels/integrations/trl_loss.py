@@ -9,17 +9,19 @@ logits never exist), then
   bonus has a gradient);
 * ``policy_loss`` -- the policy term of the ``loss_type`` (clip family with TRL's ``delta``,
   CISPO, SAPO, VESPO) at the ``importance_sampling_level`` (token, or the sequence ratio
-  exp(masked mean log-ratio) with the gradient through the mean), per token, times the
-  detached token weights TRL applies: its vLLM importance-sampling ratio (every
+  exp(masked mean log-ratio) with the gradient through the mean), each token's term times
+  the detached weights TRL applies: its vLLM importance-sampling ratio (every
   ``vllm_importance_sampling_mode``; VESPO takes it inside phi instead), the off-policy
   sequence mask (``off_policy_mask_threshold``) and the high-entropy mask
-  (``top_entropy_quantile``); the IcePop gate composes here (:class:`IcePopGRPOTrainer`);
+  (``top_entropy_quantile``), reduced by policy_loss with the ``loss_type``'s denominator
+  and TRL's gradient-accumulation scale; the IcePop gate composes here
+  (:class:`IcePopGRPOTrainer`);
 * ``kl_penalty_terms`` -- TRL's ``beta > 0`` reference KL, k3 without clamp,
   exp(ref - lp) - (ref - lp) - 1, times the (token or sequence) ratio with its gradient when
-  ``use_bias_correction_kl``;
-* the reduction of TRL's ``loss_type`` over the per-token sum (policy + beta * KL), the
-  gradient-accumulation scaling as TRL does it, and the entropy bonus
-  ``- entropy_coef * token-mean entropy`` (static or TRL's adaptive controller).
+  ``use_bias_correction_kl``,
+  reduced like the policy term (TRL adds it per token before the reduction);
+* the entropy bonus ``- entropy_coef * token-mean entropy`` (static or TRL's adaptive
+  controller).
 
 TRL's helpers are used for what is not the loss: ``get_high_entropy_mask`` (the entropy
 quantile across processes) and ``get_off_policy_mask`` (the OPSM keep-mask). Metrics: TRL's
@@ -37,9 +39,8 @@ from ..loss.linear_logprobs import fused_linear_logprobs
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-# The [chunk, V] logits chunk of the fused log-prob pass: at V = 151,936 the CPU (torch)
-# path's default (512 MiB) peaked above TRL's whole step (benchmarks/notes/trl.md); 64 MiB
-# still gives GEMMs of 110 (fp32) or 128 (bf16) tokens x V.
+# The [chunk, V] logits chunk of the fused passes: at V = 151,936 the CPU (torch) path's
+# default (512 MiB) peaked above TRL's whole step (benchmarks/notes/trl.md).
 DEFAULT_MEMORY_BUDGET = 64 << 20
 
 
@@ -54,7 +55,8 @@ def check_loss_options(args) -> None:
                          f". Possible values are 'token' and 'sequence'.")
 
 
-def policy_variant(loss_type: str, level: str, args) -> Tuple[Any, Dict[str, float]]:
+def policy_variant(loss_type: str, level: str, args, epsilon_high: float
+                   ) -> Tuple[Any, Dict[str, float]]:
     """(PolicyLossSpec, variant params) of TRL's policy term. TRL clamps no log-ratio."""
     from ..loss.policy import PolicyLossSpec
     ratio = "token" if level == "token" else "sequence"
@@ -62,7 +64,7 @@ def policy_variant(loss_type: str, level: str, args) -> Tuple[Any, Dict[str, flo
         return PolicyLossSpec(ratio, "ppo", log_ratio_clamp=None), {"delta": args.delta}
     if loss_type == "cispo":      # TRL: sg(min(r, epsilon_high)), no lower bound
         return PolicyLossSpec(ratio, "cispo", log_ratio_clamp=None), \
-            {"cispo_min": 0.0, "cispo_max": args.epsilon_high}
+            {"cispo_min": 0.0, "cispo_max": epsilon_high}
     if loss_type == "sapo":
         return PolicyLossSpec(ratio, "sapo", log_ratio_clamp=None), \
             {"tau_pos": args.sapo_temperature_pos, "tau_neg": args.sapo_temperature_neg}
@@ -237,9 +239,8 @@ class FusedGRPOLoss:
         if is_ratio is not None:
             is_ratio = is_ratio.float().expand_as(maskf).contiguous()
 
-        spec, params = policy_variant(self.loss_type, self.importance_sampling_level, self.args)
-        if self.loss_type == "cispo":           # the trainer's, as TRL reads it
-            params["cispo_max"] = self.epsilon_high
+        spec, params = policy_variant(self.loss_type, self.importance_sampling_level,
+                                      self.args, self.epsilon_high)
         adv = advantages.squeeze(1) if advantages.shape[1] == 1 else advantages
         mode = "train" if self.model.training else "eval"
         reduction, denominator, scale = self._reduction(inputs, mode, lp.shape[0])

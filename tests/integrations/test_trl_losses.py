@@ -33,7 +33,7 @@ from tests.conftest import KERNEL_BACKEND, skip_without_kernels
 
 trl = pytest.importorskip("trl", reason=f"TRL missing: {gt.INSTALL_HINT}")
 datasets = pytest.importorskip("datasets", reason=f"TRL missing: {gt.INSTALL_HINT}")
-from tests.integrations.test_trl import (COMPLETIONS, PROMPTS, T_MAX, CraftedRollout,  # noqa: E402
+from tests.integrations.test_trl import (COMPLETIONS, PROMPTS, CraftedRollout,  # noqa: E402
                                          config, digit_reward, length_reward, logprobs_of,
                                          make_model, make_tokenizer, perturb)
 
