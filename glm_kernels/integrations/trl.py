@@ -15,8 +15,8 @@ raises an ImportError naming the pip line.
 ``vllm_importance_sampling_mode``, ``off_policy_mask_threshold`` -- with TRL's loss, gradient
 and metrics (:mod:`glm_kernels.integrations.trl_loss`). It refuses what TRL refuses (an
 unknown ``loss_type`` or level already at construction), and, as model limits of the fused
-path: MoE auxiliary losses, vision-language models, an LM head with a bias, logit
-soft-capping.
+path: vision-language models, an LM head with a bias, logit soft-capping. A MoE model's
+load-balancing loss (``router_aux_loss_coef``) is added as TRL adds it.
 
 ``IcePopGRPOTrainer`` (``IcePopGRPOConfig``): the same loss with the IcePop gate composed on
 it, modes (``IcePopGRPOConfig.icepop_mode``):
@@ -39,7 +39,8 @@ it, modes (``IcePopGRPOConfig.icepop_mode``):
 Gate bounds: ``icepop_gate_low`` / ``icepop_gate_high``, default 1/``icepop_beta`` and
 ``icepop_beta`` (beta = 2). Every loss option of ``FusedGRPOTrainer`` composes with the gate.
 The default recipe (``loss_type`` grpo / bnpo / dr_grpo / dapo at token level, no KL, no
-entropy option, no off-policy mask, ``delta`` None or >= 1 + ``epsilon_high``) runs in one
+entropy option, no off-policy mask, no MoE auxiliary loss, ``delta`` None or
+>= 1 + ``epsilon_high``) runs in one
 fused pass (``fused_linear_icepop_loss``: log-probs, gate, clip and the gradients of the
 hidden states and the LM head together) and logs ``icepop/*`` metrics (pop / clip fractions,
 ratio range, the mismatch metrics); any other option goes through the general path
@@ -314,6 +315,7 @@ def _build_classes() -> None:
             (``fused_linear_icepop_loss``: the logits once, not twice)."""
             return (self.loss_type in SUPPORTED_LOSS_TYPES
                     and self.importance_sampling_level == "token" and self.beta == 0.0
+                    and not self.aux_loss_enabled
                     and self.top_entropy_quantile >= 1.0 and not self._entropy_bonus_enabled
                     and self.off_policy_mask_threshold is None
                     and (self.args.delta is None or self.args.delta >= 1 + self.epsilon_high))
@@ -360,7 +362,7 @@ def _build_classes() -> None:
             mask = completion_mask if "tool_mask" not in inputs else \
                 completion_mask * inputs["tool_mask"]
             mask = mask != 0
-            hidden, weight, temperature = self._last_hidden(model, inputs)
+            hidden, weight, temperature, _ = self._last_hidden(model, inputs)
             advantages = inputs["advantages"]
             if advantages.dim() == 2 and advantages.shape[1] == 1:
                 advantages = advantages.squeeze(1)

@@ -120,8 +120,6 @@ class FusedGRPOLoss:
     # ------------------------------------------------------------------ model
     def _check_fused_model(self):
         problems = []
-        if self.aux_loss_enabled:
-            problems.append("a MoE auxiliary loss (router_aux_loss_coef)")
         if getattr(self, "_is_vlm", False):
             problems.append("a vision-language model")
         model = self.accelerator.unwrap_model(self.model)
@@ -149,23 +147,27 @@ class FusedGRPOLoss:
         return weight, self.temperature / scale
 
     def _last_hidden(self, model, inputs):
-        """(hidden [B, T, H] predicting the completion tokens, LM head weight, temperature),
-        the head in the autocast dtype as in TRL."""
+        """(hidden [B, T, H] predicting the completion tokens, LM head weight, temperature,
+        the MoE load-balancing loss or None), the head in the autocast dtype as in TRL."""
         from .trl import _autocast_dtype
         completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = completion_ids.size(1)
         weight, temperature = self._head()
+        # MoE models return their load-balancing loss when asked for the router logits
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
         with self.accelerator.autocast():
             outputs = model(input_ids=input_ids, attention_mask=attention_mask,
-                            output_hidden_states=True, logits_to_keep=1, use_cache=False)
+                            output_hidden_states=True, logits_to_keep=1, use_cache=False,
+                            **router)
             last = outputs.hidden_states[-1]
             if not getattr(self, "_head_checked", False):
                 self._check_head(last, weight, outputs.logits)
             dtype = _autocast_dtype(last.device.type) or weight.dtype
         hidden = last[:, -t - 1:-1, :].to(dtype)            # position p predicts p + 1
-        return hidden, weight.to(dtype), temperature
+        aux_loss = outputs.aux_loss if self.aux_loss_enabled else None
+        return hidden, weight.to(dtype), temperature, aux_loss
 
     def _check_head(self, last, weight, logits):
         """Once: the LM head applied to hidden_states[-1] gives the model's own logits
@@ -184,14 +186,15 @@ class FusedGRPOLoss:
         self._head_checked = True
 
     def _fused_logprobs(self, model, inputs):
-        """(log pi_theta [B, T], entropy [B, T]) fp32, differentiable, no [B, T, V]."""
-        hidden, weight, temperature = self._last_hidden(model, inputs)
+        """(log pi_theta [B, T], entropy [B, T]) fp32, differentiable, no [B, T, V]; and the
+        MoE load-balancing loss (None without one)."""
+        hidden, weight, temperature, aux_loss = self._last_hidden(model, inputs)
         b, t, h = hidden.shape
         lp, entropy = fused_linear_logprobs(
             hidden.reshape(b * t, h), weight, inputs["completion_ids"].reshape(b * t),
             temperature=temperature, return_entropy=True, chunk_size=self.fused_chunk_size,
             memory_budget=self.fused_memory_budget)
-        return lp.reshape(b, t), entropy.reshape(b, t)
+        return lp.reshape(b, t), entropy.reshape(b, t), aux_loss
 
     # ------------------------------------------------------------------ loss
     def _gate(self, inputs, old):
@@ -210,7 +213,7 @@ class FusedGRPOLoss:
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else \
             completion_mask * inputs["tool_mask"]
-        lp, entropies = self._fused_logprobs(model, inputs)
+        lp, entropies, aux_loss = self._fused_logprobs(model, inputs)
         maskf = mask.to(lp.dtype)
 
         entropy_mask = None
@@ -275,6 +278,11 @@ class FusedGRPOLoss:
         if self._entropy_bonus_enabled:
             loss = self._entropy_bonus(loss, (loss / scale).detach(), entropies, maskf,
                                        entropy_mask, mode)
+        if aux_loss is not None:             # scaled for gradient accumulation, as TRL
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item())
         with torch.no_grad():
             self._log_trl_metrics(mode, lp, base, advantages, maskf, entropies, stats,
                                   None if per_token_kl is None else per_token_kl.detach())

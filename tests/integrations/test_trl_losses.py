@@ -79,9 +79,9 @@ class Setup:
     """Stock GRPOTrainer and FusedGRPOTrainer on copies of one model, and TRL's batch for
     every IS mode (generated before the policy step)."""
 
-    def __init__(self, tmp_path, bf16=False):
+    def __init__(self, tmp_path, bf16=False, model=None):
         tokenizer = make_tokenizer()
-        model = make_model()
+        model = make_model() if model is None else model
         rollout = CraftedRollout(tokenizer)
         self.stock = _build(trl.GRPOTrainer, tmp_path / "trl", tokenizer, rollout, model,
                             bf16=bf16)
@@ -242,6 +242,27 @@ def test_matches_trl_under_bf16_autocast(tmp_path):
     bf16 = Setup(tmp_path, bf16=True)
     with glm_kernels.force_backend("torch"):
         compare(bf16, "grpo", "sequence", "token_mask", OPTION_SETS["all"], tol=1e-2)
+
+
+def test_moe_load_balancing_loss_matches_trl(tmp_path):
+    """A MoE model with router_aux_loss_coef: TRL adds coef x the model's load-balancing loss
+    (and logs ``aux_loss``); so does the fused trainer, from its own forward."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=25, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None, router_aux_loss_coef=0.05)
+    moe = Setup(tmp_path, model=transformers.Qwen2MoeForCausalLM(cfg))
+    assert moe.stock.aux_loss_enabled and moe.ours.aux_loss_enabled
+    with glm_kernels.force_backend("torch"):
+        for loss_type, level, options in (("dapo", "token", {}),
+                                          ("grpo", "sequence", OPTION_SETS["all"])):
+            compare(moe, loss_type, level, "token_mask", options)
+    configure(moe.stock, "dapo", "token", "token_mask", {})
+    assert run(moe.stock, moe.inputs["token_mask"])[2]["aux_loss"][0] > 0
 
 
 def test_adaptive_entropy_controller_matches_trl(setup):
