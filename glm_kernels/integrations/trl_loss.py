@@ -26,7 +26,8 @@ logits never exist), then
 TRL's helpers are used for what is not the loss: ``get_high_entropy_mask`` (the entropy
 quantile across processes) and ``get_off_policy_mask`` (the OPSM keep-mask). Metrics: TRL's
 keys with TRL's values (``entropy``, ``kl``, ``clip_ratio/*``, ``cispo_clip_ratio``,
-``vespo/phi_seq_mean``, ``policy_loss`` and ``entropy_coef`` with the entropy bonus).
+``vespo/phi_seq_mean``, ``policy_loss`` and ``entropy_coef`` with the entropy bonus,
+``aux_loss`` for MoE models: their load-balancing loss is added as TRL adds it).
 """
 from __future__ import annotations
 
