@@ -203,7 +203,10 @@ class FusedGRPOLoss:
         return old, {}
 
     def _is_weights(self, inputs):
-        """TRL's vLLM importance-sampling ratio [B, T] or [B, 1] where TRL applies one."""
+        """TRL's vLLM importance-sampling ratio [B, T] or [B, 1] where TRL applies one (VESPO:
+        whenever the batch carries one, as TRL reads it)."""
+        if self.loss_type == "vespo":
+            return inputs.get("importance_sampling_ratio")
         if self.use_vllm and self.vllm_importance_sampling_correction:
             return inputs["importance_sampling_ratio"]
         return None
