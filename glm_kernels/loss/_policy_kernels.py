@@ -31,8 +31,8 @@ RATIO_CODES = {"token": 0, "sequence_stopgrad": 1, "sequence": 2, "geo_mean": 3,
 OBJECTIVE_CODES = {"ppo": 0, "cispo": 1, "sapo": 2, "reinforce": 3, "dppo_tv": 4,
                    "dppo_kl": 5, "dro": 6, "clip_cov": 7, "kl_cov": 8, "vespo": 9}
 GATE_CODES = {None: 0, "coupled": 1, "decoupled": 2}
-STAT_LOSS, STAT_MASKED, STAT_POPPED, STAT_CLIP, STAT_CLIP_LOWER, STAT_KL = range(6)
-NUM_STATS = 6
+STAT_LOSS, STAT_MASKED, STAT_POPPED, STAT_CLIP, STAT_CLIP_LOWER, STAT_KL, STAT_PHI = range(7)
+NUM_STATS = 7                 # STAT_PHI: VESPO's phi of the row (sequence kernel only)
 
 
 @triton.jit
@@ -208,8 +208,10 @@ def _policy_token_kernel(
         lp, old, adv, ratio, log_ratio, sel, clip_low, clip_high, eps_low, eps_high, dual_clip,
         p0, p1, p2, p3, OBJECTIVE, HAS_DELTA, DUAL_CLIP)
     factor = factor * tw
-    terms = tl.where(keep, factor * loss, 0.0)
-    grad = tl.where(keep, factor * ((d_ratio * ratio + d_log_ratio) * in_range + d_lp), 0.0)
+    # factor 0 (popped, zero IS weight): exactly 0 in loss and gradient, whatever the inputs
+    live = keep & (factor != 0.0)
+    terms = tl.where(live, factor * loss, 0.0)
+    grad = tl.where(live, factor * ((d_ratio * ratio + d_log_ratio) * in_range + d_lp), 0.0)
     if STORE_LOSS:
         tl.store(loss_ptr + offs, terms, mask=valid)
     if STORE_GRAD:
@@ -218,7 +220,7 @@ def _policy_token_kernel(
         kl = tl.abs(log_ratio)
     else:
         kl = -log_ratio
-    _store_stats(stats_ptr + pid.to(tl.int64) * 6, tl.sum(terms, axis=0), masked, popped, clip,
+    _store_stats(stats_ptr + pid.to(tl.int64) * 7, tl.sum(terms, axis=0), masked, popped, clip,
                  clip_lower, kl)
 
 
@@ -302,6 +304,15 @@ def _policy_seq_kernel(
         seq_log_w = tl.clamp(sum_a + tl.sum(acc_d, axis=0), -18.420680743952367, 20.0)
         ratio_val = tl.exp(seq_log_w)
         d_seq = 0.0
+        # the row's phi for the stats (TRL's vespo/phi_seq_mean): the row's first advantage
+        if ADV_PER_SEQ:
+            first_adv = row_adv
+        else:
+            first_adv = tl.load(adv_ptr + start, mask=start < end, other=0.0).to(tl.float32)
+        row_nonneg = first_adv >= 0.0
+        row_lam = tl.maximum(tl.where(row_nonneg, p1, p3), 1e-4)
+        row_phi = tl.exp(row_lam + tl.where(row_nonneg, p0, p2) * seq_log_w - row_lam * ratio_val)
+        row_phi = tl.where(tl.abs(row_phi) < float("inf"), row_phi, 0.0)
     else:
         seq_log = sum_a / tl.maximum(count, 1.0)
         d_seq = 1.0
@@ -328,7 +339,7 @@ def _policy_seq_kernel(
             loss, d_ratio, d_lp, d_log_ratio, clip, clip_lower = policy_objective(
                 lp, old, adv, ratio, log_ratio, tl.zeros_like(lp), clip_low, clip_high,
                 eps_low, eps_high, dual_clip, p0, p1, p2, p3, OBJECTIVE, HAS_DELTA, DUAL_CLIP)
-            acc_g += tl.where(keep, factor * tw * d_ratio, 0.0)
+            acc_g += tl.where(keep & (factor * tw != 0.0), factor * tw * d_ratio, 0.0)
         row_d_ratio = tl.sum(acc_g, axis=0) * ratio_val * d_seq / tl.maximum(count, 1.0)
 
     # Last phase: each token's loss, gradient and metric indicators.
@@ -376,11 +387,12 @@ def _policy_seq_kernel(
             if RATIO != 4 and OBJECTIVE != 0:
                 kl = -log_ratio
             weight = factor * tw
-            terms = tl.where(keep, weight * loss, 0.0)
+            live = keep & (weight != 0.0)     # factor 0: exactly 0, whatever the inputs
+            terms = tl.where(live, weight * loss, 0.0)
             own = tl.zeros_like(lp)
             if RATIO == 1:
                 own = d_ratio * ratio * d_seq
-            grad = tl.where(keep, weight * (own + d_log_ratio * in_range + d_lp), 0.0)
+            grad = tl.where(live, weight * (own + d_log_ratio * in_range + d_lp), 0.0)
             if RATIO == 2:
                 # The row's ratio reaches every masked token through the mean (popped too).
                 grad += tl.where(masked, row_d_ratio, 0.0)
@@ -394,7 +406,7 @@ def _policy_seq_kernel(
         acc_clip += tl.where(masked, clip, 0.0)
         acc_lower += tl.where(masked, clip_lower, 0.0)
         acc_kl += tl.where(masked, kl, 0.0)
-    stats = stats_ptr + row.to(tl.int64) * 6
+    stats = stats_ptr + row.to(tl.int64) * 7
     if RATIO == 3:
         tl.store(loss_ptr + row, seq_loss)
         tl.store(stats + 0, seq_loss)
@@ -405,6 +417,8 @@ def _policy_seq_kernel(
     tl.store(stats + 3, tl.sum(acc_clip, axis=0))
     tl.store(stats + 4, tl.sum(acc_lower, axis=0))
     tl.store(stats + 5, tl.sum(acc_kl, axis=0))
+    if RATIO == 4:
+        tl.store(stats + 6, row_phi)
 
 
 def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selection, cu_seqlens,

@@ -47,6 +47,18 @@ class Rows:
             return values.reshape(self.num_rows, self.row_len).sum(-1)
         return values.new_zeros(self.num_rows).index_add(0, self.seg_id, values)
 
+    def first(self, values: torch.Tensor) -> torch.Tensor:
+        """[rows]: each row's first token's value (0 for a row without tokens)."""
+        if self.cu_seqlens is None:
+            if self.row_len == 0:
+                return values.new_zeros(self.num_rows)
+            return values.reshape(self.num_rows, self.row_len)[:, 0]
+        if self.num_tokens == 0:
+            return values.new_zeros(self.num_rows)
+        starts = self.cu_seqlens[:-1]
+        first = values[starts.clamp(max=self.num_tokens - 1)]
+        return torch.where(self.cu_seqlens[1:] > starts, first, 0.0)
+
     def spread(self, per_row: torch.Tensor) -> torch.Tensor:
         """[N]: each token's row value."""
         if self.cu_seqlens is None:
@@ -138,18 +150,27 @@ def token_objective(spec: PolicyLossSpec, lp, old, adv, ratio, log_ratio, select
     raise AssertionError(obj)
 
 
-def vespo_phi(adv, log_ratio, token_weights, rows, p):
-    """TRL's gamma weight phi(w) per token (detached): w = exp(clamp(sum of clamped log-ratios
-    [+ sum of clamped log token weights], log 1e-8, 20)) of the token's sequence."""
-    seq_log = log_ratio  # already clamped to [-20, 20] by the spec and masked by the caller
-    if token_weights is not None:
-        seq_log = seq_log + torch.clamp(torch.log(token_weights), _VESPO_LOG_MIN, 20.0)
-    log_w = rows.spread(torch.clamp(rows.sum(seq_log), _VESPO_LOG_MIN, 20.0))
+def _gamma_weight(adv, log_w, p):
+    """TRL's phi(w) = e^lam w^k e^(-lam w) in log space; (k, lam) by the advantage's sign."""
     nonneg = adv >= 0
     k = torch.where(nonneg, p["k_pos"], p["k_neg"])
     lam = torch.clamp(torch.where(nonneg, p["lambda_pos"], p["lambda_neg"]), min=1e-4)
     log_phi = lam + k * log_w - lam * torch.exp(log_w)
-    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).detach()
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo_phi(adv, log_ratio, token_weights, rows, p):
+    """(phi per token [N] detached, mean of phi over the rows): TRL's gamma weight of the
+    token's sequence, w = exp(clamp(sum of clamped log-ratios [+ sum of clamped log token
+    weights], log 1e-8, 20)). The row mean (TRL's ``vespo/phi_seq_mean``) takes each row's
+    first advantage (rows without tokens: A = 0, w = 1)."""
+    seq_log = log_ratio  # already clamped to [-20, 20] by the spec and masked by the caller
+    if token_weights is not None:
+        seq_log = seq_log + torch.clamp(torch.log(token_weights), _VESPO_LOG_MIN, 20.0)
+    row_log_w = torch.clamp(rows.sum(seq_log), _VESPO_LOG_MIN, 20.0)
+    phi = _gamma_weight(adv, rows.spread(row_log_w), p).detach()
+    phi_rows = _gamma_weight(rows.first(adv), row_log_w, p)
+    return phi, phi_rows.sum().detach() / max(rows.num_rows, 1)
 
 
 def reduce_tokens(terms, mask, rows, reduction, denominator, norm_length):
@@ -219,6 +240,16 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
                      "pg_clipfrac_lower": masked_mean(is_clipped * (adv < 0).float(), mask_f),
                      "ppo_kl": masked_mean(-raw_log_ratio, mask_f)}
     else:
+        factor = weight if (tw is None or spec.objective == "vespo") else (
+            tw if weight is None else weight * tw)
+        live = mask if factor is None else mask & (factor != 0)
+        if factor is not None and spec.ratio != "sequence":
+            # A token of factor 0 (popped, zero IS weight) adds exactly 0 to the loss and the
+            # gradient whatever its inputs (inf / NaN): no gradient path through it at all.
+            # (TRL's sequence ratio keeps it: the token still moves its row's mean.)
+            lp32 = torch.where(live, lp32, lp32.detach())
+            raw_log_ratio = lp32 - old
+            log_ratio = _clamp(raw_log_ratio, spec.log_ratio_clamp)
         ratio = None
         if spec.ratio in ("token", "sequence_sum"):
             if spec.objective not in ("reinforce", "dro", "vespo"):
@@ -232,14 +263,13 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
                 seq_log = torch.clamp(seq_log, max=spec.seq_log_ratio_max)
             ratio = torch.exp(seq_log)
         if spec.objective == "vespo":
-            phi = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), tw, rows, params)
+            phi, phi_mean = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), tw, rows,
+                                      params)
             loss_t, ind = -phi * adv * lp32, ({"kl": -log_ratio} if need_stats else {})
-            factor = weight
         else:
             loss_t, ind = token_objective(spec, lp32, old, adv, ratio, log_ratio, selection,
                                           eps_low, eps_high, dual_clip, params, need_stats)
-            factor = weight if tw is None else tw if weight is None else weight * tw
-        terms = torch.where(mask, loss_t if factor is None else loss_t * factor, 0.0)
+        terms = torch.where(live, loss_t if factor is None else loss_t * factor, 0.0)
         loss = reduce_tokens(terms, mask, rows, reduction, denominator, norm_length)
         if need_stats:
             if spec.ratio != "token" and spec.objective == "ppo":
@@ -250,6 +280,8 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
                                 if key in ind else zero)
             stats = {"pg_clipfrac": mean("clip"), "pg_clipfrac_lower": mean("clip_lower"),
                      "ppo_kl": mean("kl")}
+            if spec.objective == "vespo":
+                stats["phi_mean"] = phi_mean
     if need_stats:
         stats["pop_frac"] = (torch.zeros((), device=lp.device) if popped is None else
                              popped.float().sum() / mask.sum().clamp(min=1).float())

@@ -41,7 +41,7 @@ _DEFAULT_GATE = (0.5, 2.0)
 _BLOCK_GPU, _WARPS_GPU = 2048, 8
 _BLOCK_SEQ_GPU = 1024            # a sequence program's chunk: registers for ~8 tile values
 _BLOCK_INTERPRET = 256
-_NUM_STATS = 6
+_NUM_STATS = 7                  # _policy_kernels.NUM_STATS
 
 
 def _layout(logprobs, cu_seqlens):
@@ -171,7 +171,7 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
                has_delta: bool, has_dual: bool, num_rows: int, row_len: int,
                need_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                          torch.Tensor]:
-    """Flat inputs -> (loss, d unit / d lp [N] fp32 or [0], backward scale, stats [6]).
+    """Flat inputs -> (loss, d unit / d lp [N] fp32 or [0], backward scale, stats [7]).
 
     gate '' = none; floats: log-ratio clamp
     (0 = none), sequence log-ratio cap (nan = none), gate_low, gate_high, eps_low, eps_high,
@@ -331,7 +331,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         penalty. See :func:`clip_cov_selection`, :func:`kl_cov_selection`.
     return_stats : bool
         Also return detached fp32 0-d tensors ``pg_clipfrac``, ``pg_clipfrac_lower``,
-        ``ppo_kl`` (verl's definitions for the objective) and ``pop_frac`` (the gate's).
+        ``ppo_kl`` (verl's definitions for the objective) and ``pop_frac`` (the gate's);
+        vespo adds ``phi_mean`` (TRL's ``vespo/phi_seq_mean``: phi over the B rows, each with
+        its first advantage; rows without tokens count with w = 1).
     seq_is, seq_is_high, seq_is_low : optional
         Sequence-level IS on ``rollout_logprobs`` (verl ``rollout_is="sequence"``, slime /
         TRL sequence TIS / MIS): every token of sequence b is weighted by
@@ -446,13 +448,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             0 if row_len is None else row_len,
             bool(logprobs.requires_grad and torch.is_grad_enabled()))
         stats = _stats_from_sums(sums)
+        if spec.objective == "vespo":
+            stats["phi_mean"] = sums[6] / max(num_seqs, 1)
     if reduction == "none" and spec.ratio != "geo_mean":
         loss = loss.reshape(logprobs.shape)
     return (loss, stats) if return_stats else loss
 
 
 def _stats_from_sums(sums: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The kernel's stats [6] -> verl's masked means (sum / (masked + 1e-8)) and pop_frac."""
+    """The kernel's stats [7] -> verl's masked means (sum / (masked + 1e-8)) and pop_frac."""
     masked = sums[1]
     return {"pg_clipfrac": sums[3] / (masked + 1e-8),
             "pg_clipfrac_lower": sums[4] / (masked + 1e-8),

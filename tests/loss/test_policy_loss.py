@@ -120,7 +120,8 @@ def check_against_reference(name, batch, reduction, **kw):
             f"{name} {reduction}: {got_loss.item()} vs {ref_loss.item()}")
     assert torch.isfinite(got_grad).all()
     assert_close(got_grad, ref_grad, tol=FP32, name=f"{name} grad")
-    assert set(got_stats) == set(STATS_KEYS) == set(ref_stats)
+    extra = {"phi_mean"} if POLICY_VARIANTS[name].objective == "vespo" else set()
+    assert set(got_stats) == set(STATS_KEYS) | extra == set(ref_stats)
     for key, value in ref_stats.items():
         assert abs(got_stats[key].item() - value.item()) <= FP32 * max(1.0, abs(value.item())), (
             f"{name} {key}: {got_stats[key].item()} vs {value.item()}")
@@ -448,13 +449,16 @@ def test_vespo_weight_is_trls_gamma_weight(any_backend, weighted):
     batch = make_batch(41)
     batch["adv"] = batch["adv"][:, :1].expand(-1, 40).contiguous()
     is_ratio = batch["weights"] if weighted else None
-    loss = run("vespo", batch, reduction="none", weights=weighted)[0].cpu()
+    loss, _, stats = run("vespo", batch, reduction="none", weights=weighted)
+    loss = loss.cpu()
     phi = trl_grpo.GRPOTrainer.get_gamma_weights(
         advantages=batch["adv"][:, :1], log_ratio_per_token=batch["lp"] - batch["old"],
         mask=batch["mask"].float(), importance_sampling_ratio=is_ratio)
     expected = torch.where(batch["mask"], -phi * batch["adv"] * batch["lp"], 0.0)
     assert phi.unique().numel() > 2            # the rows' weights differ: a real comparison
     assert_close(loss, expected, tol=FP32, name="vespo per-token loss")
+    # TRL logs vespo/phi_seq_mean: the mean of phi over the rows (the empty row included)
+    assert abs(stats["phi_mean"].item() - phi.mean().item()) <= FP32 * phi.mean().item()
 
 
 @pytest.mark.parametrize("name", ["vanilla", "grpo_sequence", "geo_mean", "cispo"])
@@ -486,3 +490,30 @@ def test_bad_seq_is_names_the_argument(change, error, name):
     with pytest.raises(error, match=name):
         policy_loss(args.pop("logprobs"), args.pop("old_logprobs"), args.pop("advantages"),
                     args.pop("loss_mask"), **args)
+
+
+TOKEN_PRESETS = [n for n, s in POLICY_VARIANTS.items() if s.ratio == "token"]
+
+
+@pytest.mark.parametrize("name", TOKEN_PRESETS)
+def test_zero_factor_tokens_with_nonfinite_inputs_contribute_nothing(any_backend, name):
+    """A token whose weight is 0 (token_weights == 0, or popped by the gate) adds exactly 0 to
+    the loss and the gradient even with inf / NaN inputs (verl's IcePop weights zero popped
+    tokens; their log-probs may be anything)."""
+    batch = make_batch(61)
+    zero_w = torch.zeros_like(batch["mask"])
+    zero_w[0, 5:8] = zero_w[3, 1] = True
+    zero_w &= batch["mask"]
+    zero_w[0, 5] = zero_w[0, 6] = zero_w[0, 7] = True
+    batch["mask"][0, 5:8] = True
+    batch["weights"] = torch.where(zero_w, 0.0, batch["weights"])
+    clean = run(name, batch, reduction="token_mean", weights=True, gate="decoupled")
+    dirty = dict(batch)
+    for key, value in (("lp", float("nan")), ("old", float("inf")), ("adv", float("nan"))):
+        dirty[key] = batch[key].clone()
+        dirty[key][0, 5 + ("lp", "old", "adv").index(key)] = value
+    got = run(name, dirty, reduction="token_mean", weights=True, gate="decoupled")
+    assert torch.isfinite(got[0]) and torch.isfinite(got[1]).all()
+    assert_close(got[0], clean[0], tol=FP32, name="loss")
+    assert bool((got[1][0, 5:8] == 0).all())
+    assert_close(got[1], clean[1], tol=FP32, name="grad")
