@@ -93,7 +93,7 @@ def _kl_fwd_kernel(
     if STORE_TERMS:
         tl.store(terms_ptr + offs, terms, mask=in_bounds)
     if STORE_GRAD:
-        tl.store(coef_ptr + offs, coef, mask=in_bounds)
+        tl.store(coef_ptr + offs, coef.to(coef_ptr.dtype.element_ty), mask=in_bounds)
     if STORE_ROW_SUMS:
         partial = partial_ptr + (rows * n_col_blocks + pid_t) * 2
         tl.store(partial, tl.sum(weighted, axis=1), mask=row_ok)
@@ -127,9 +127,9 @@ def kl_fwd(lp, ref, mask, terms_out, coef_out, partials_out, *, kind_code, strai
 
 
 def kl_token_pass(lp, ref, mask, *, kind_code, straight_through, clamp, store_terms,
-                  store_grad, store_row_sums):
-    """Allocate, launch, reduce the partials: (terms, coef, row_loss, row_count), each fp32
-    and [0] when not asked for (``kl_penalty._token_pass`` documents the contract)."""
+                  store_grad, store_row_sums, coef_dtype):
+    """Allocate, launch, reduce the partials: (terms, coef, row_loss, row_count), fp32 but
+    coef (``coef_dtype``), [0] when not asked for (``kl_penalty._token_pass``'s contract)."""
     import torch
     rows, seq_len = lp.shape
     if mask is not None and mask.dtype == torch.bool:
@@ -137,7 +137,8 @@ def kl_token_pass(lp, ref, mask, *, kind_code, straight_through, clamp, store_te
     block_r, block_t, warps = tile_shape(rows, seq_len)
     new = lambda *shape: torch.empty(shape, dtype=torch.float32, device=lp.device)  # noqa
     terms = new(rows, seq_len) if store_terms else new(0)
-    coef = new(rows, seq_len) if store_grad else new(0)
+    coef = torch.empty((rows, seq_len) if store_grad else (0,), dtype=coef_dtype,
+                       device=lp.device)
     n_col_blocks = -(-seq_len // block_t)
     partials = new(rows, n_col_blocks, 2) if store_row_sums else new(0)
     kl_fwd(lp, ref, mask, terms, coef, partials, kind_code=kind_code,
@@ -160,7 +161,8 @@ def _kl_aot_specs():
             for straight_through in (False, True):
                 # Short responses (T <= 256) share a tile: 16 x 256; long ones 4 x 1024.
                 for block_r, block_t in ((16, 256), (4, 1024)):
-                    sig = dict(signature, lp_ptr=f"*{lp_dtype}", ref_ptr=f"*{lp_dtype}")
+                    sig = dict(signature, lp_ptr=f"*{lp_dtype}", ref_ptr=f"*{lp_dtype}",
+                               coef_ptr=f"*{lp_dtype}")
                     constexprs = dict(KIND=kind, STRAIGHT_THROUGH=straight_through, CLAMP=True,
                                       HAS_MASK=True, STORE_TERMS=False, STORE_GRAD=True,
                                       STORE_ROW_SUMS=True, BLOCK_R=block_r, BLOCK_T=block_t)

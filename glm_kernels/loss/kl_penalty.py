@@ -80,9 +80,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _token_pass(log_prob, ref_log_prob, mask, kind_code, straight_through, clamp, store_terms,
-                store_grad, store_row_sums):
+                store_grad, store_row_sums, coef_dtype=torch.float32):
     """(terms [rows, T] or [0], coef [rows, T] or [0], row_loss [rows] or [0],
-    row_count [rows] or [0]), all fp32, from [rows, T] inputs; ``mask`` None = all ones.
+    row_count [rows] or [0]) from [rows, T] inputs; ``mask`` None = all ones. All fp32 but
+    coef, in ``coef_dtype``.
 
     coef = m * dl/dlp with the mask applied (0 where m == 0), or dl/dlp without a mask."""
     backend = _dispatch.select_backend("kl_penalty_loss", log_prob, ref_log_prob, mask)
@@ -94,13 +95,13 @@ def _token_pass(log_prob, ref_log_prob, mask, kind_code, straight_through, clamp
                     empty, empty)
         row_loss, row_count, coef = ref.masked_row_sums(terms, grad if store_grad else None,
                                                         mask)
-        return (terms if store_terms else empty, coef if store_grad else empty,
-                row_loss, row_count)
+        return (terms if store_terms else empty,
+                coef.to(coef_dtype) if store_grad else empty, row_loss, row_count)
     from . import _kl_kernels
     return _kl_kernels.kl_token_pass(
         log_prob, ref_log_prob, mask, kind_code=kind_code, straight_through=straight_through,
         clamp=clamp, store_terms=store_terms, store_grad=store_grad,
-        store_row_sums=store_row_sums)
+        store_row_sums=store_row_sums, coef_dtype=coef_dtype)
 
 
 @torch.library.custom_op("glm_kernels::kl_penalty_loss", mutates_args=())
@@ -109,9 +110,12 @@ def _kl_loss_op(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mas
                 batch_num_tokens: Optional[float], global_batch_size: Optional[float],
                 loss_scale_factor: Optional[float], need_grad: bool
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[rows, T] inputs -> (loss fp32 [], coef [rows, T] fp32 or [0], row_scale [rows] fp32)."""
+    """[rows, T] inputs -> (loss fp32 [], coef [rows, T] in log_prob's dtype or [0],
+    row_scale [rows] fp32). The coefficient is rounded once to log_prob's dtype, the dtype the
+    gradient is written in: a bf16 step reads and writes 2 B a token for it, not 4."""
     _, coef, row_loss, row_count = _token_pass(log_prob, ref_log_prob, response_mask, kind_code,
-                                               straight_through, True, False, need_grad, True)
+                                               straight_through, True, False, need_grad, True,
+                                               log_prob.dtype)
     loss, row_scale = ref.aggregate_rows(row_loss, row_count, loss_agg_mode, dp_size,
                                          batch_num_tokens, global_batch_size,
                                          loss_scale_factor, log_prob.shape[-1])
@@ -123,7 +127,8 @@ def _kl_loss_fake(log_prob, ref_log_prob, response_mask, kind_code, straight_thr
                   loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
                   loss_scale_factor, need_grad):
     new = lambda *shape: log_prob.new_empty(shape, dtype=torch.float32)  # noqa: E731
-    return new(), (new(*log_prob.shape) if need_grad else new(0)), new(log_prob.shape[0])
+    coef = log_prob.new_empty(log_prob.shape if need_grad else (0,))
+    return new(), coef, new(log_prob.shape[0])
 
 
 def _kl_loss_setup(ctx, inputs, output):

@@ -100,11 +100,12 @@ def test_matches_verl_bf16(any_backend, kind):
     for mode in MODES:
         got, want = _ours(lp, ref, mask, kind, mode), _verl(lp, ref, mask, kind, mode)
         _assert_matches(got, want, TOLERANCES[torch.bfloat16], mode)
-        # Against verl on the same bf16 values in fp32: the gradient's only rounding is the
-        # final cast to bf16.
+        # Against verl on the same bf16 values in fp32: the loss is fp32 math; the gradient is
+        # rounded twice to bf16 (the saved coefficient, then coefficient x scale), each within
+        # bf16's unit roundoff 2^-8 (relative).
         exact = _verl(lp.float(), ref.float(), mask, kind, mode)
         assert_close(got[0], exact[0], tol=1e-5, name=f"{mode} loss vs fp32 verl")
-        assert_close(got[1].float(), exact[1], tol=2 ** -8, name=f"{mode} grad vs fp32 verl")
+        assert_close(got[1].float(), exact[1], tol=2 ** -7, name=f"{mode} grad vs fp32 verl")
 
 
 @pytest.mark.parametrize("mask_kind", ("bool", "int", "float"))
