@@ -95,21 +95,6 @@ def ratio_with_grad(logprobs, old, mask, level):
     return torch.exp(log_ratio)
 
 
-def vespo_phi_per_row(logprobs, old, advantages, mask, is_ratio, params):
-    """VESPO's phi [B, 1] (TRL's metric ``vespo/phi_seq_mean``), by the policy-loss family's
-    own reference function (policy_loss returns no per-row phi)."""
-    from ..loss._policy_reference import Rows, vespo_phi
-    b, t = logprobs.shape
-    log_ratio = torch.where(mask, (logprobs.detach().float() - old.float()).clamp(-20.0, 20.0),
-                            0.0)
-    adv = advantages.float().expand(b, t) if advantages.dim() == 2 else \
-        advantages.float().unsqueeze(1).expand(b, t)
-    rows = Rows(b * t, b, t, None, logprobs.device)
-    phi = vespo_phi(adv.reshape(-1), log_ratio.reshape(-1),
-                    None if is_ratio is None else is_ratio.reshape(-1), rows, params)
-    return phi.reshape(b, t)[:, :1]
-
-
 class FusedGRPOLoss:
     """``_compute_loss`` of TRL's GRPOTrainer on glm_kernels' ops (module docstring). Mixed
     into a ``trl.GRPOTrainer`` subclass; reads the trainer's own attributes, as TRL's loss
@@ -259,7 +244,6 @@ class FusedGRPOLoss:
             if masks is not None:
                 per_token = per_token * masks
             loss = reduce_per_token(per_token, maskf, reduction, denominator) * scale
-            stats["phi"] = vespo_phi_per_row(lp, base, adv, mask.bool(), is_ratio, params)
         else:
             weights = is_ratio
             if masks is not None:
@@ -386,5 +370,8 @@ class FusedGRPOLoss:
         elif self.loss_type == "cispo":
             clipped = ((ratio > self.epsilon_high) & (advantages > 0)).float()
             record["cispo_clip_ratio"].append(self._global_mean(clipped, maskf))
-        elif self.loss_type == "vespo":
-            record["vespo/phi_seq_mean"].append(self._global_mean(stats["phi"], maskf))
+        elif self.loss_type == "vespo":     # policy_loss's mean of phi over the B rows
+            rows = float(maskf.shape[0])
+            local = torch.stack([stats["phi_mean"] * rows, torch.tensor(rows, device=lp.device)])
+            totals = self.accelerator.reduce(local, reduction="sum")
+            record["vespo/phi_seq_mean"].append((totals[0] / totals[1].clamp(min=1.0)).item())
