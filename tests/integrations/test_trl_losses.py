@@ -407,3 +407,26 @@ def test_icepop_coupled_general_path_is_trls_loss_on_the_rollout_base(setup, tmp
         with glm_kernels.force_backend("torch"):
             pop_frac = check_against_trl(setup.stock, icepop, trl_inputs, inputs, loss_type)
         assert pop_frac[0] > 0
+
+
+def test_icepop_real_run_on_the_general_path(tmp_path):
+    """TRL's own training loop with IcePopGRPOTrainer (coupled) on options off the single pass
+    (SAPO at sequence level, entropy mask and bonus, OPSM): every step runs the general path,
+    logs TRL's keys and icepop/pop_frac, and moves the weights."""
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    args = config(gt.IcePopGRPOConfig, tmp_path, max_steps=2, learning_rate=1e-2,
+                  loss_type="sapo", importance_sampling_level="sequence",
+                  top_entropy_quantile=0.5, entropy_coef=0.01, off_policy_mask_threshold=0.5)
+    trainer = gt.IcePopGRPOTrainer(model=make_model(), reward_funcs=digit_reward, args=args,
+                                   train_dataset=ds, processing_class=make_tokenizer(),
+                                   rollout_func=gt.generate_with_logprobs)
+    assert not trainer._single_pass()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.icepop_calls == 2 and trainer.state.global_step == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert {"entropy", "policy_loss", "entropy_coef", "icepop/pop_frac"} <= set(h), h
+    assert logs[0]["icepop/pop_frac"] == 0.0          # on-policy first step: nothing popped
