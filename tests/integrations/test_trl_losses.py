@@ -15,7 +15,10 @@ option set (none; beta > 0 with and without use_bias_correction_kl; delta below 
 1 + epsilon_high; top_entropy_quantile < 1 with an entropy bonus; off_policy_mask_threshold;
 all of them) and every vLLM IS mode (none, token_mask, token_truncate, sequence_mask,
 sequence_truncate; vespo with the token modes only, as TRL) -- see ``combinations``. On the
-kernels (interpreter on CPU): one combination per loss_type with every option on.
+kernels (interpreter on CPU): one combination per loss_type with every option on. Also: bf16
+autocast, TRL's adaptive entropy controller, a MoE model's load-balancing loss, IcePop's
+general path (coupled and decoupled) against TRL, TRL's refusals, the docs page's example
+(a real run with beta > 0) and a real IcePop run on the general path.
 """
 import copy
 import math
