@@ -1,4 +1,5 @@
-"""One GRPO optimizer step in TRL: TRL's GRPOTrainer vs IcePopGRPOTrainer decoupled / coupled.
+"""One GRPO optimizer step in TRL: TRL's GRPOTrainer vs IcePopGRPOTrainer decoupled / coupled
+vs FusedGRPOTrainer, and (``--loss-types``) TRL vs FusedGRPOTrainer per loss_type.
 
 Same model, same batch, V = 151,936 (the Qwen vocabulary), 1K-4K completion tokens. A step is
 what the trainer does per batch after generation:
@@ -9,6 +10,12 @@ what the trainer does per batch after generation:
 * ``decoupled`` -- IcePopGRPOTrainer, icepop_mode="decoupled": the same old-log-prob forward,
                    then the fused IcePop loss from hidden states + LM head, backward, step.
 * ``coupled``   -- IcePopGRPOTrainer, icepop_mode="coupled" (TITO): no old-log-prob forward.
+* ``fused``     -- FusedGRPOTrainer (TRL's loss, every option; no gate), token_mask IS as
+                   ``trl``: the old-log-prob forward, then log-probs + entropy from hidden
+                   states + LM head (fused_linear_logprobs), policy_loss, backward, step.
+
+``--loss-types cispo sapo ...`` adds one ``trl`` and one ``fused`` row per loss_type (at the
+first ``--tokens`` value); the other rows use loss_type dapo.
 
 Peak memory is the step's high-water mark above what was live before it: on CUDA
 ``max_memory_allocated``; on CPU the process's peak RSS (VmHWM, reset through
@@ -21,6 +28,7 @@ timed (the batch is random token ids).
     python benchmarks/bench_trl.py              # GPU: hidden 2048, 4 layers, bf16
     python benchmarks/bench_trl.py --cpu        # CPU: hidden 256, 2 layers, fp32
     python benchmarks/bench_trl.py --cpu --tokens 1024 --repeats 1
+    python benchmarks/bench_trl.py --cpu --tokens 512 --repeats 1 --loss-types grpo cispo vespo
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 import _common  # noqa: E402
 
-VARIANTS = ("trl", "decoupled", "coupled")
+VARIANTS = ("trl", "decoupled", "coupled", "fused")
 QWEN_VOCAB = 151_936
 PROMPT_LEN = 64
 COMPLETION_LEN = 256              # tokens per completion; the batch size sets the total
@@ -113,15 +121,15 @@ def build(variant: str, args, workdir: str):
     common = dict(output_dir=workdir, per_device_train_batch_size=batch, num_generations=batch,
                   max_completion_length=COMPLETION_LEN, report_to="none", bf16=False,
                   use_cpu=not device.startswith("cuda"), save_strategy="no", seed=0,
-                  disable_tqdm=True, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
+                  disable_tqdm=True, loss_type=args.loss_type, epsilon=0.2, epsilon_high=0.28,
                   vllm_importance_sampling_mode="token_mask",
                   vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
     ds = Dataset.from_dict({"prompt": ["1 2 3"] * batch})
     reward = lambda completions, **kw: [0.0] * len(completions)   # noqa: E731 (not called)
-    if variant == "trl":
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward,
-                                  args=trl.GRPOConfig(**common), train_dataset=ds,
-                                  processing_class=tokenizer)
+    if variant in ("trl", "fused"):
+        cls = trl.GRPOTrainer if variant == "trl" else gt.FusedGRPOTrainer
+        trainer = cls(model=model, reward_funcs=reward, args=trl.GRPOConfig(**common),
+                      train_dataset=ds, processing_class=tokenizer)
         trainer.use_vllm = True      # its token_mask IS is applied on the vLLM path
     else:
         trainer = gt.IcePopGRPOTrainer(
@@ -151,7 +159,7 @@ def build(variant: str, args, workdir: str):
 def one_step(variant: str, trainer, optimizer, inputs):
     import torch
     batch = dict(inputs)
-    if variant in ("trl", "decoupled"):
+    if variant in ("trl", "decoupled", "fused"):
         # The old-log-prob forward, by TRL's own scorer, as TRL runs it while scoring.
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
@@ -160,7 +168,7 @@ def one_step(variant: str, trainer, optimizer, inputs):
                 trainer.model, ids, attention, batch["completion_ids"].size(1),
                 batch_size=ids.size(0))[0]
         batch["old_per_token_logps"] = old
-        if variant == "trl":         # TRL's token_mask weights (grpo_trainer.py, IS block)
+        if variant in ("trl", "fused"):   # TRL's token_mask weights (grpo_trainer.py, IS block)
             diff = torch.nan_to_num((old - batch["sampling_per_token_logps"])
                                     * batch["completion_mask"], nan=0.0)
             ratio = torch.exp(diff)
@@ -196,7 +204,7 @@ def worker(args) -> dict:
     return {"step_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
 
 
-def run_variant(variant: str, tokens: int, args) -> dict:
+def run_variant(variant: str, tokens: int, args, loss_type: str = "dapo") -> dict:
     """Time and memory of one variant, each in a fresh process (memory: glibc serves blocks
     over 64 KiB by mmap, so the RSS follows the live tensors; slower, so not timed)."""
     out = {}
@@ -204,7 +212,8 @@ def run_variant(variant: str, tokens: int, args) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--measure",
                measure, "--tokens", str(tokens), "--vocab", str(args.vocab), "--hidden",
                str(args.hidden), "--layers", str(args.layers), "--dtype", args.dtype,
-               "--repeats", str(args.repeats), "--device", args.device]
+               "--repeats", str(args.repeats), "--device", args.device,
+               "--loss-type", loss_type]
         env = dict(os.environ, PYTHONPATH=ROOT)
         if measure == "memory" and not args.device.startswith("cuda"):
             env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -214,7 +223,7 @@ def run_variant(variant: str, tokens: int, args) -> dict:
             raise RuntimeError(f"{variant} ({measure}) at {tokens} tokens failed:\n"
                                f"{proc.stderr[-3000:]}")
         out.update(json.loads(lines[-1][len("RESULT "):]))
-        print(f"  {variant:9s} {tokens:5d} tokens {measure}: {out}", flush=True)
+        print(f"  {variant:9s} {loss_type:7s} {tokens:5d} tokens {measure}: {out}", flush=True)
     return out
 
 
@@ -229,6 +238,8 @@ def _parse(argv=None):
         parser.add_argument("--repeats", type=int)
         parser.add_argument("--device")
         parser.add_argument("--measure", choices=("time", "memory"), default="time")
+        parser.add_argument("--loss-type", default="dapo")
+        parser.add_argument("--loss-types", nargs="*", default=[])
     args = _common.bench_args(__doc__, hook, argv)
     gpu = not args.cpu and _common.default_device() == "cuda"
     args.device = args.device or ("cuda" if gpu else "cpu")
@@ -268,6 +279,19 @@ def _table(args) -> dict:
                          "mem_vs_trl": r["peak_bytes"] / max(base["peak_bytes"], 1),
                          "time_vs_decoupled": r["step_s"] / results["decoupled"]["step_s"],
                          "cpu_vs_decoupled": r["cpu_s"] / results["decoupled"]["cpu_s"]})
+    for loss_type in args.loss_types:
+        n = tokens[0]
+        results = {v: run_variant(v, n, args, loss_type) for v in ("trl", "fused")}
+        base = results["trl"]
+        for v in ("trl", "fused"):
+            r = results[v]
+            rows.append({"tokens": n, "variant": f"{v}:{loss_type}",
+                         "step_ms": r["step_s"] * 1e3, "cpu_ms": r["cpu_s"] * 1e3,
+                         "peak_MiB": r["peak_bytes"] / 2**20,
+                         "time_vs_trl": r["step_s"] / base["step_s"],
+                         "cpu_vs_trl": r["cpu_s"] / base["cpu_s"],
+                         "mem_vs_trl": r["peak_bytes"] / max(base["peak_bytes"], 1),
+                         "time_vs_decoupled": float("nan"), "cpu_vs_decoupled": float("nan")})
     where = "GPU" if args.device.startswith("cuda") else "CPU (not measured on GPU)"
     _common.print_table(
         f"GRPO optimizer step, V={args.vocab}, hidden {args.hidden}, {args.layers} layers, "

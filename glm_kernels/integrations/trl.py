@@ -1,19 +1,25 @@
-"""TRL plug-in: ``IcePopGRPOTrainer``, a ``trl.GRPOTrainer`` whose policy loss is IcePop
-computed by glm_kernels in one pass from the last hidden states and the LM head.
+"""TRL plug-in: ``FusedGRPOTrainer`` and ``IcePopGRPOTrainer``, ``trl.GRPOTrainer`` subclasses
+whose loss is computed by glm_kernels from the last hidden states and the LM head.
 
-Checked against TRL 1.16.0. The trainer overrides two hooks of ``GRPOTrainer`` and nothing
-else: ``_compute_loss`` (the loss) and ``_generate_and_score_completions`` (to check the
-generation engine's log-probs are there, and to compute pi_old in decoupled mode). The
-classes are built on first access, so ``import glm_kernels.integrations.trl`` works without
-TRL; touching ``IcePopGRPOTrainer`` or ``IcePopGRPOConfig`` without TRL raises an
-ImportError naming the pip line.
+Checked against TRL 1.16.0. The trainers override ``_compute_loss`` (the loss) and, for
+IcePop, ``_generate_and_score_completions`` (to check the generation engine's log-probs are
+there, and to compute pi_old in decoupled mode); generation, rewards, advantages, logging and
+distribution stay TRL's. The classes are built on first access, so
+``import glm_kernels.integrations.trl`` works without TRL; touching a class without TRL
+raises an ImportError naming the pip line.
 
-Loss (``fused_linear_icepop_loss``): the trainer runs the model once for the hidden states
-(``output_hidden_states=True``, ``logits_to_keep=1``: the [B, T, V] logits never exist), then
-computes log-probs, the IcePop gate, the PPO clip and the gradients of the hidden states and
-the LM head in one chunked pass over the vocabulary.
+``FusedGRPOTrainer`` (any ``GRPOConfig``): TRL's loss for every loss option TRL 1.16 accepts
+-- every ``loss_type``, ``importance_sampling_level`` token / sequence, ``beta > 0``,
+``epsilon`` / ``epsilon_high``, ``delta`` (any value), ``top_entropy_quantile``,
+``entropy_coef`` / ``use_adaptive_entropy``, the vLLM IS correction in every
+``vllm_importance_sampling_mode``, ``off_policy_mask_threshold`` -- with TRL's loss, gradient
+and metrics (:mod:`glm_kernels.integrations.trl_loss`). It refuses what TRL refuses (an
+unknown ``loss_type`` or level already at construction), and, as model limits of the fused
+path: vision-language models, an LM head with a bias, logit soft-capping. A MoE model's
+load-balancing loss (``router_aux_loss_coef``) is added as TRL adds it.
 
-Modes (``IcePopGRPOConfig.icepop_mode``):
+``IcePopGRPOTrainer`` (``IcePopGRPOConfig``): the same loss with the IcePop gate composed on
+it, modes (``IcePopGRPOConfig.icepop_mode``):
 
 * ``"coupled"`` (default; GLM-5's TITO): the ratio's base is the generation engine's own
   log-prob of each sampled token (``sampling_per_token_logps``: vLLM's, or a
@@ -27,22 +33,23 @@ Modes (``IcePopGRPOConfig.icepop_mode``):
   ``vllm_importance_sampling_mode``: ``"token_mask"`` is the IcePop gate
   ``w = k * 1[gate_low <= k <= gate_high]`` (TRL's token_mask with C_min/C_max = the gate),
   ``"token_truncate"`` is TIS ``w = clamp(k, C_min, C_max)`` with TRL's
-  ``vllm_importance_sampling_clip_min/max``. Sequence-level modes are refused.
+  ``vllm_importance_sampling_clip_min/max``. The sequence-level modes are TRL's sequence
+  IS correction, which the token gate replaces: use ``FusedGRPOTrainer`` for them.
 
 Gate bounds: ``icepop_gate_low`` / ``icepop_gate_high``, default 1/``icepop_beta`` and
-``icepop_beta`` (beta = 2). Clip: TRL's ``epsilon`` / ``epsilon_high``. Reductions follow
-TRL's ``loss_type`` exactly: ``bnpo`` = token mean of the micro-batch, ``grpo`` = mean over
-all sequences of their token means, ``dr_grpo`` = sum / (B * max_completion_length),
-``dapo`` = sum / TRL's ``num_items_in_batch`` normaliser; gradient-accumulation scaling as
-TRL does it. Not supported (clear error at construction): loss types cispo / sapo / luspo /
-vespo, ``beta != 0`` (the reference-KL term needs per-token log-probs with gradient),
-sequence-level importance sampling, ``top_entropy_quantile < 1``, an entropy bonus,
-``off_policy_mask_threshold``, ``delta`` below ``1 + epsilon_high`` (from there TRL's
-two-sided clipping is the loss's ``dual_clip``), MoE auxiliary losses, vision-language models,
-an LM head with a bias or logit soft-capping.
+``icepop_beta`` (beta = 2). Every loss option of ``FusedGRPOTrainer`` composes with the gate.
+The default recipe (``loss_type`` grpo / bnpo / dr_grpo / dapo at token level, no KL, no
+entropy option, no off-policy mask, no MoE auxiliary loss, ``delta`` None or
+>= 1 + ``epsilon_high``) runs in one
+fused pass (``fused_linear_icepop_loss``: log-probs, gate, clip and the gradients of the
+hidden states and the LM head together) and logs ``icepop/*`` metrics (pop / clip fractions,
+ratio range, the mismatch metrics); any other option goes through the general path
+(``fused_linear_logprobs`` then ``policy_loss``), which logs TRL's metric keys and
+``icepop/pop_frac``.
 
 Differences from TRL's own token_mask loss, by design (DESIGN 3.1): a token whose rollout
-log-prob is NaN is popped (TRL gives it ratio 1); log-ratios are clamped to [-20, 20].
+log-prob is NaN is popped (TRL gives it ratio 1); log-ratios are clamped to [-20, 20] on the
+single-pass path.
 """
 from __future__ import annotations
 
@@ -55,18 +62,17 @@ import torch
 
 from ..loss import fused_linear_icepop_loss
 from ..loss.mismatch import MISMATCH_KEYS
+from .trl_loss import DEFAULT_MEMORY_BUDGET, LOSS_TYPES, FusedGRPOLoss, check_loss_options
 
-__all__ = ["IcePopGRPOTrainer", "IcePopGRPOConfig", "generate_with_logprobs", "INSTALL_HINT",
-           "SUPPORTED_LOSS_TYPES"]
+__all__ = ["FusedGRPOTrainer", "IcePopGRPOTrainer", "IcePopGRPOConfig", "generate_with_logprobs",
+           "INSTALL_HINT", "LOSS_TYPES", "SUPPORTED_LOSS_TYPES"]
 
 INSTALL_HINT = "pip install 'trl==1.16.0' 'transformers==5.10.4'"
+# The loss types of IcePop's single fused pass (loss and gradient in one pass over the
+# vocabulary); every other option goes through trl_loss's path (log-probs, then the loss).
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 MODES = ("coupled", "decoupled")
 DECOUPLED_IS_MODES = ("token_mask", "token_truncate")
-# The [chunk, V] logits chunk of the fused loss. fused_linear_icepop_loss's own default is
-# 512 MiB; at V = 151,936 the CPU (torch) path then peaked above TRL's whole step (measured,
-# benchmarks/notes/trl.md); 64 MiB still gives GEMMs of 110 (fp32) or 128 (bf16) tokens x V.
-DEFAULT_MEMORY_BUDGET = 64 << 20
 
 _classes: Dict[str, type] = {}
 
@@ -90,7 +96,7 @@ def _trl_disable_gradient_checkpointing():
 
 
 def __getattr__(name: str):
-    if name in ("IcePopGRPOTrainer", "IcePopGRPOConfig"):
+    if name in ("FusedGRPOTrainer", "IcePopGRPOTrainer", "IcePopGRPOConfig"):
         if not _classes:
             _build_classes()
         return _classes[name]
@@ -239,71 +245,42 @@ def _build_classes() -> None:
                     else float(self.icepop_gate_high))
             return low, high
 
-    class IcePopGRPOTrainer(GRPOTrainer):
-        """``trl.GRPOTrainer`` with the IcePop loss of glm_kernels (module docstring).
+    class FusedGRPOTrainer(FusedGRPOLoss, GRPOTrainer):
+        """``trl.GRPOTrainer`` whose loss is computed by glm_kernels (log-probs and entropy
+        from the hidden states and the LM head, the policy term, the KL and the entropy
+        bonus: :mod:`glm_kernels.integrations.trl_loss`) for every loss option of
+        ``GRPOConfig``, equal to TRL's own loss. Arguments: ``GRPOTrainer``'s.
+        ``fused_calls`` counts the loss calls."""
 
-        ``args`` must be an :class:`IcePopGRPOConfig`; every other argument is
-        ``GRPOTrainer``'s. ``icepop_calls`` counts the fused loss calls.
-        """
+        def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
+            if args is not None:
+                check_loss_options(args)
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+            self._check_fused_model()
+            self._head_checked = False
+            self.fused_calls = 0
+
+        def _compute_loss(self, model, inputs):
+            self.fused_calls += 1
+            return FusedGRPOLoss._compute_loss(self, model, inputs)
+
+    class IcePopGRPOTrainer(FusedGRPOTrainer):
+        """``trl.GRPOTrainer`` with the IcePop gate of glm_kernels on TRL's loss (module
+        docstring). ``args`` must be an :class:`IcePopGRPOConfig`; every other argument is
+        ``GRPOTrainer``'s. ``icepop_calls`` counts the loss calls."""
 
         def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
             if not isinstance(args, IcePopGRPOConfig):
                 raise TypeError(f"args must be an IcePopGRPOConfig (GRPOConfig plus the IcePop "
                                 f"fields), got {type(args).__name__}")
-            self._check_args(args)
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
             self.icepop_config = args
-            self._check_model()
-            # The loss applies the IS correction itself, from the raw log-probs; TRL's own
-            # (and the old-log-prob forward it triggers) is turned off.
+            self.fused_chunk_size = args.icepop_chunk_size
+            self.fused_memory_budget = args.icepop_memory_budget
+            # The gate is the IS correction, from the raw log-probs; TRL's own (and the
+            # old-log-prob forward it triggers) is turned off.
             self.vllm_importance_sampling_correction = False
             self.icepop_calls = 0
-            self._head_checked = False
-
-        @staticmethod
-        def _check_args(args):
-            """Refuse, before TRL builds anything, what the fused IcePop loss cannot do."""
-            problems = []
-            if args.loss_type not in SUPPORTED_LOSS_TYPES:
-                problems.append(f"loss_type={args.loss_type!r} (supported: "
-                                f"{list(SUPPORTED_LOSS_TYPES)})")
-            if args.beta != 0.0:
-                problems.append(f"beta={args.beta} (the reference-KL term needs per-token "
-                                "log-probs with gradient; set beta=0.0)")
-            if args.importance_sampling_level != "token":
-                problems.append(f"importance_sampling_level={args.importance_sampling_level!r}"
-                                " (IcePop is token level)")
-            if args.top_entropy_quantile < 1.0:
-                problems.append(f"top_entropy_quantile={args.top_entropy_quantile} (needs "
-                                "per-token entropies)")
-            if args.entropy_coef != 0.0 or getattr(args, "use_adaptive_entropy", False):
-                problems.append("an entropy bonus (entropy_coef / use_adaptive_entropy)")
-            if args.off_policy_mask_threshold is not None:
-                problems.append("off_policy_mask_threshold")
-            delta = getattr(args, "delta", None)
-            epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-            if delta is not None and not delta >= 1.0 + epsilon_high:
-                problems.append(f"delta={delta} below 1 + epsilon_high = {1 + epsilon_high} "
-                                "(two-sided clipping is the kernel's dual clip only from "
-                                "there; TRL recommends delta > 1 + epsilon)")
-            if problems:
-                raise ValueError("IcePopGRPOTrainer does not support: " + "; ".join(problems))
-
-        def _check_model(self):
-            problems = []
-            if self.aux_loss_enabled:
-                problems.append("a MoE auxiliary loss (router_aux_loss_coef)")
-            if getattr(self, "_is_vlm", False):
-                problems.append("a vision-language model")
-            model = self.accelerator.unwrap_model(self.model)
-            text_config = model.config.get_text_config()
-            if getattr(text_config, "final_logit_softcapping", None) is not None:
-                problems.append("final_logit_softcapping")
-            head = model.get_output_embeddings()
-            if head is None or getattr(head, "bias", None) is not None:
-                problems.append("an LM head with a bias (or none)")
-            if problems:
-                raise ValueError("IcePopGRPOTrainer does not support: " + "; ".join(problems))
 
         # ------------------------------------------------------------------ generation
         def _generate_and_score_completions(self, inputs):
@@ -332,48 +309,66 @@ def _build_classes() -> None:
             return old
 
         # ------------------------------------------------------------------ loss
-        def _head(self):
-            model = self.accelerator.unwrap_model(self.model)
-            weight = model.get_output_embeddings().weight
-            if hasattr(weight, "full_tensor"):          # FSDP2 DTensor, as TRL's fused head
-                weight = weight.full_tensor()
-            text_config = model.config.get_text_config()
-            scale = getattr(text_config, "logit_scale", None)
-            if scale is None:
-                scale = getattr(text_config, "output_multiplier", None)
-            scale = 1.0 if scale is None else float(scale)
-            if not scale > 0:
-                raise ValueError(f"logit scale {scale} must be > 0")
-            return weight, self.temperature / scale
+        def _single_pass(self) -> bool:
+            """The default recipe (token-level clip, no KL, no entropy option, no OPSM, no
+            delta below 1 + epsilon_high): one fused pass computes the loss and its gradient
+            (``fused_linear_icepop_loss``: the logits once, not twice)."""
+            return (self.loss_type in SUPPORTED_LOSS_TYPES
+                    and self.importance_sampling_level == "token" and self.beta == 0.0
+                    and not self.aux_loss_enabled
+                    and self.top_entropy_quantile >= 1.0 and not self._entropy_bonus_enabled
+                    and self.off_policy_mask_threshold is None
+                    and (self.args.delta is None or self.args.delta >= 1 + self.epsilon_high))
 
         def _compute_loss(self, model, inputs):
+            self.icepop_calls += 1
+            if self._single_pass():
+                return self._single_pass_loss(model, inputs)
+            return FusedGRPOLoss._compute_loss(self, model, inputs)
+
+        def _gate(self, inputs, old):
             cfg = self.icepop_config
-            prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+            low, high = cfg.icepop_gate()
+            rollout = inputs["sampling_per_token_logps"].float()
+            if cfg.icepop_mode == "coupled":
+                return rollout, dict(rollout_logprobs=rollout, gate="coupled", gate_low=low,
+                                     gate_high=high)
+            if cfg.vllm_importance_sampling_mode == "token_mask":
+                return old, dict(rollout_logprobs=rollout, gate="decoupled", gate_low=low,
+                                 gate_high=high)
+            return old, {}                        # token_truncate: TIS weights (_is_weights)
+
+        def _is_weights(self, inputs):
+            cfg = self.icepop_config
+            if cfg.icepop_mode == "decoupled" and \
+                    cfg.vllm_importance_sampling_mode == "token_truncate":
+                return self._tis_weights(inputs)
+            return None
+
+        def _tis_weights(self, inputs):
+            """TIS: w = clamp(k, C_min, C_max), k = exp(old - rollout) (TRL's clip bounds)."""
+            k = torch.exp((inputs["old_per_token_logps"].float()
+                           - inputs["sampling_per_token_logps"].float()).clamp(-20.0, 20.0))
+            return k.clamp(min=self.vllm_importance_sampling_clip_min,
+                           max=self.vllm_importance_sampling_clip_max)
+
+        def _after_loss(self, stats, mode):
+            value = self.accelerator.gather(stats["pop_frac"].reshape(1)).float()
+            self._metrics[mode]["icepop/pop_frac"].append(value.nanmean().item())
+
+        def _single_pass_loss(self, model, inputs):
+            cfg = self.icepop_config
             completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-            t = completion_ids.size(1)
             mask = completion_mask if "tool_mask" not in inputs else \
                 completion_mask * inputs["tool_mask"]
             mask = mask != 0
-            weight, temperature = self._head()
-            with self.accelerator.autocast():
-                outputs = model(input_ids=input_ids, attention_mask=attention_mask,
-                                output_hidden_states=True, logits_to_keep=1, use_cache=False)
-                last = outputs.hidden_states[-1]
-                if not self._head_checked:
-                    self._check_head(last, weight, outputs.logits)
-                # Under mixed precision the LM head runs in the autocast dtype, as in TRL.
-                dtype = _autocast_dtype(last.device.type) or weight.dtype
-            hidden = last[:, -t - 1:-1, :].to(dtype)            # position p predicts p + 1
-            weight = weight.to(dtype)
-
+            hidden, weight, temperature, _ = self._last_hidden(model, inputs)
             advantages = inputs["advantages"]
             if advantages.dim() == 2 and advantages.shape[1] == 1:
                 advantages = advantages.squeeze(1)
             rollout = inputs["sampling_per_token_logps"].float()
             # TRL's two-sided clipping: -min(min(r, delta) A, clip(r) A) caps a negative-
-            # advantage token at -delta A, the dual clip (delta >= 1 + epsilon_high, checked).
+            # advantage token at -delta A, the dual clip (delta >= 1 + epsilon_high here).
             kwargs = dict(temperature=temperature, eps_low=self.epsilon_low,
                           eps_high=self.epsilon_high, dual_clip=self.args.delta,
                           chunk_size=cfg.icepop_chunk_size,
@@ -385,40 +380,21 @@ def _build_classes() -> None:
                 old = inputs["old_per_token_logps"].float()
                 if cfg.vllm_importance_sampling_mode == "token_mask":
                     base = rollout
-                else:   # token_truncate (TIS): w = clamp(k, C_min, C_max), folded into A
-                    k = torch.exp((old - rollout).clamp(-20.0, 20.0))
-                    w = k.clamp(min=self.vllm_importance_sampling_clip_min,
-                                max=self.vllm_importance_sampling_clip_max)
+                else:   # token_truncate (TIS): w folded into A, gate always open
+                    w = self._tis_weights(inputs)
                     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
                     advantages = torch.where(mask, adv * w, torch.zeros_like(w))
                     base, gate_low, gate_high = old, 0.0, 1.0     # k' = 1: always kept
 
-            reduction, factor = self._reduction(inputs, mask)
+            reduction, factor = self._single_pass_reduction(inputs, mask)
             loss, metrics = fused_linear_icepop_loss(
                 hidden, weight, completion_ids, base, advantages, mask, old_logprobs=old,
                 gate_low=gate_low, gate_high=gate_high, reduction=reduction, **kwargs)
             loss = loss * factor
-            self.icepop_calls += 1
-            self._log_icepop(metrics, loss)
+            self._log_icepop(metrics)
             return loss
 
-        def _check_head(self, last, weight, logits):
-            """Once: the LM head applied to hidden_states[-1] gives the model's own logits
-            (so hidden_states[-1] is the head's input, after the final norm)."""
-            with torch.no_grad():     # inside the forward's autocast: the same GEMM dtype
-                ours = torch.nn.functional.linear(last[:, -1], weight).float()
-                theirs = logits[:, -1].float()
-                err = (ours - theirs).norm() / theirs.norm().clamp(min=1e-12)
-            tol = 1e-5 if logits.dtype == torch.float32 else 1e-2
-            if not err <= tol:
-                raise ValueError(
-                    f"the LM head applied to hidden_states[-1] does not reproduce the model's "
-                    f"logits (relative error {float(err):.2e}): this architecture post-processes "
-                    f"its logits or its last hidden state, which IcePopGRPOTrainer does not "
-                    f"support")
-            self._head_checked = True
-
-        def _reduction(self, inputs, mask):
+        def _single_pass_reduction(self, inputs, mask):
             """(fused reduction, scalar factor) reproducing TRL's loss_type normalisation."""
             train = self.model.training
             accumulation = self.current_gradient_accumulation_steps if train else 1.0
@@ -440,7 +416,7 @@ def _build_classes() -> None:
                     self.args.steps_per_generation
             return "sum", 1.0 / normalizer
 
-        def _log_icepop(self, metrics, loss):
+        def _log_icepop(self, metrics):
             mode = "train" if self.model.training else "eval"
             # MISMATCH_KEYS: train (or the recomputed old) vs the engine's log-probs, same pass.
             for key in ("pop_frac", "clip_frac", "ratio_mean", "ratio_max",
@@ -448,7 +424,6 @@ def _build_classes() -> None:
                 value = self.accelerator.gather(metrics[key].reshape(1)).float()
                 self._metrics[mode][f"icepop/{key}"].append(value.nanmean().item())
 
-    IcePopGRPOConfig.__module__ = __name__
-    IcePopGRPOTrainer.__module__ = __name__
-    _classes["IcePopGRPOConfig"] = IcePopGRPOConfig
-    _classes["IcePopGRPOTrainer"] = IcePopGRPOTrainer
+    for cls in (IcePopGRPOConfig, FusedGRPOTrainer, IcePopGRPOTrainer):
+        cls.__module__ = __name__
+        _classes[cls.__name__] = cls
