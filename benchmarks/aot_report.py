@@ -189,9 +189,6 @@ def main(argv=None) -> int:
     parser.add_argument("--only", help="compile only specs whose name contains this")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
                         help="compile in this many processes (default: CPUs, at most 4)")
-    parser.add_argument("--known-spill", action="append", default=[], metavar="NAME",
-                        help="a configuration (exact name) known to spill on this Triton: "
-                             "reported, not failed; any other problem still fails")
     args = parser.parse_args(argv)
 
     specs = _load_specs(args.only)
@@ -217,14 +214,8 @@ def main(argv=None) -> int:
                   f"{ldg:>8s} {stg:>8s}"
                   + (f"   <- {'; '.join(row['problems'])}" if row["problems"] else ""))
         rows.append(row)
-        known = row["name"] in args.known_spill and all(
-            p.startswith("spills") for p in row["problems"])
-        if row["problems"] and not known:
+        if row["problems"]:
             failures.append(row)
-    unseen = set(args.known_spill) - {row["name"] for row in rows if row["problems"]}
-    if unseen:     # a listed spill that went away (or a misspelt name) must be unlisted
-        print(f"--known-spill names no spilling configuration: {sorted(unseen)}")
-        failures.extend({"name": n} for n in unseen)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target": "sm_90", "triton": triton.__version__, "rows": rows}, f, indent=1)
