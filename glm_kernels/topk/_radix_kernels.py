@@ -289,7 +289,7 @@ def _topk_radix_kernel(
 #   168 = 86016 > the 65536-register file: such a launch fails), so it runs at most 8 warps.
 # * Triton 3.4 as 3.6 (tiled: 196-227 registers uncapped at 8 warps; direct: 166-168 capped
 #   at 168), with 2048-entry tiles: a 4096 tile needs more than 255 registers there
-#   (topk.radix_wide_tile).
+#   (topk.radix_wide_tile; on 3.6 the direct launch's 4096 tile spills at 168, so it too).
 RADIX_MAXNREG_8_WARPS = 128
 _TRITON_3_6_DIRECT_MAXNREG = 168
 
@@ -324,11 +324,12 @@ def _radix_aot_specs():
     # (dtype, lengths, k_pow2, direct, sorted, tile, warps): the heuristic's DSA launches
     # (many rows: tile 2048 / 8 warps; fewer rows than SMs: tile 4096 / 16 warps) and its
     # direct ones (64-bit keys; 16 warps for k > SORT_IN_KERNEL_MAX or fewer rows than SMs).
-    wide = radix_wide_tile()
     for dtype, lengths, k_pow2, direct, is_sorted, tile, warps in (
-            ("fp32", True, 2048, False, True, 2048, 8), ("fp32", False, 2048, False, True, wide, 16),
+            ("fp32", True, 2048, False, True, 2048, 8),
+            ("fp32", False, 2048, False, True, radix_wide_tile(False), 16),
             ("fp32", False, 2048, False, False, 2048, 8), ("bf16", True, 2048, False, True, 2048, 8),
-            ("i64", False, 1, True, False, 2048, 8), ("i64", False, 1, True, False, wide, 16),
+            ("i64", False, 1, True, False, 2048, 8),
+            ("i64", False, 1, True, False, radix_wide_tile(True), 16),
             ("fp32", True, 1, True, True, 2048, 16)):
         ptr, fill, key_bits = types[dtype]
         signature = {"x_ptr": ptr, "lengths_ptr": "*i32", "values_ptr": ptr,
