@@ -20,5 +20,3 @@ class AotSpec:
     num_stages: int = 3
     expects_hgmma: bool = False            # a matmul kernel: missing wgmma fails the report
     maxnreg: Optional[int] = None          # register cap the launch passes (None: ptxas's)
-    min_triton: tuple = (0,)               # oldest Triton whose compiler builds it (older:
-                                           # the launcher runs the torch reference instead)

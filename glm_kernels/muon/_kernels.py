@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .._aot import AotSpec
+from .._dispatch import triton_version
 
 
 @triton.jit
@@ -257,6 +258,16 @@ def _gram_fused_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
+def sym_block_max() -> int:
+    """Largest triangle-product tile the heuristic picks on the installed Triton.
+
+    Triton < 3.6's sm_90 code for 128 x 128 tiles with fp32 operands (S S^T + D, R R + Q)
+    needs more than 255 registers a thread and spills 112-136 B to the stack (3.6 and 3.9:
+    none), so triangles are tiled 64 x 64 there (4 warps, 216-220 registers, no spill).
+    """
+    return 128 if triton_version() >= (3, 6) else 64
+
+
 def sym_product(tiles, dims, src_off, out_off, s1, s2, d, out, out2, *, alpha, beta, shift,
                 dot_dtype, upcast, input_precision, block, block_k, num_warps, num_stages):
     """Launch one program per row of ``tiles`` (None for d / out2 switches them off)."""
@@ -295,6 +306,8 @@ def _muon_aot_specs():
                                          ("mm", True, True)):
                 if op_name == "bf16" and has_out2:
                     continue                      # the standard method never writes C2
+                if block > sym_block_max():
+                    continue                      # not launched on this Triton
                 s_type = f"*{op_name}" if src == "x" else "*fp32"
                 sig = dict(table, src_off_ptr="*i64", out_off_ptr="*i64", s1_ptr=s_type,
                            s2_ptr=s_type, d_ptr="*fp32", out_ptr="*fp32", out2_ptr="*fp32",

@@ -90,7 +90,9 @@ class _Launch:
 
 
 def _resolve(config: NSConfig, method: str, steps: int, ms: Sequence[int],
-             interpret: bool) -> _Launch:
+             interpret: bool, sym_block_max: int) -> _Launch:
+    """``sym_block_max``: the largest triangle tile the heuristic may pick on this Triton
+    (``_kernels.sym_block_max``); an explicit ``config.block`` stands."""
     operand = config.operand_dtype or (torch.float16 if method == "gram" else torch.bfloat16)
     if interpret:
         # The interpreter runs every program in numpy (a fixed cost per operation): few,
@@ -100,7 +102,7 @@ def _resolve(config: NSConfig, method: str, steps: int, ms: Sequence[int],
         # Triangle products: 64-row tiles skip more of the upper triangle for per-head
         # blocks (m <= 512); left products: 128-row tiles once every block has 128 rows.
         padded = [_ceil(m, _PAD) for m in ms] or [128]
-        block = 128 if max(padded) > _LARGE_M else 64
+        block = min(128 if max(padded) > _LARGE_M else 64, sym_block_max)
         block_m = 128 if min(padded) >= 128 else 64
         block_n, block_k = 128, 64
     block, block_m = config.block or block, config.block_m or block_m
@@ -253,7 +255,8 @@ def _orthogonalize_triton(sources, schedule, method, eps, config, interpret):
     import triton.language as tl
 
     shapes = tuple((s.shape[0], min(s.shape[-2:]), max(s.shape[-2:])) for s in sources)
-    run = _resolve(config, method, len(schedule), [m for _, m, _ in shapes], interpret)
+    run = _resolve(config, method, len(schedule), [m for _, m, _ in shapes], interpret,
+                   _kernels.sym_block_max())
     plan = _plan(shapes, run.block, run.block_m, run.block_n, run.fused_max_m,
                  sources[0].device)
     storage = run.operand_dtype

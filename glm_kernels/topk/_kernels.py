@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._aot import AotSpec
+from .._dispatch import triton_version
 from .._triton_compat import constexpr_function
 
 PAD = tl.constexpr(-(2 ** 63))     # packed key of an empty slot
@@ -334,6 +335,17 @@ def topk_short(x2d, lengths, values, indices, *, k, fill, is_float, key_bits, la
         K_POW2=triton.next_power_of_2(k), num_warps=num_warps)
 
 
+# Triton < 3.6's sm_90 code for replay with the mismatch check, sizes divisible by 16, settles
+# on 128 registers and spills 8 B to the stack (3.6, 3.9: no spill); capped at 168 it takes
+# 142 (168 without the divisibility) and spills nothing; 4 warps x 168 fit the register file.
+_TRITON_3_4_MISMATCH_MAXNREG = 168
+
+
+def moe_route_maxnreg(mismatch: bool):
+    """The register cap a moe_route launch passes (None: ptxas's choice)."""
+    return _TRITON_3_4_MISMATCH_MAXNREG if mismatch and triton_version() < (3, 6) else None
+
+
 def moe_route(logits2d, bias, replay_ids, weights, ids, mismatch, *, k, softmax, n_group,
               topk_group, renormalize, scaling_factor, eps, rows_per_program, num_warps):
     """replay_ids: [tokens, k] contiguous, or None; mismatch: uint8 [tokens] (written only
@@ -350,7 +362,8 @@ def moe_route(logits2d, bias, replay_ids, weights, ids, mismatch, *, k, softmax,
         REPLAY=replay_ids is not None, MISMATCH=mismatch is not None,
         N_GROUP=n_group, ROWS=rows_per_program, BLOCK_E=triton.next_power_of_2(n_experts),
         BLOCK_G=triton.next_power_of_2(n_group), K_POW2=triton.next_power_of_2(k),
-        EXACT_BLOCK=n_experts == triton.next_power_of_2(n_experts), num_warps=num_warps)
+        EXACT_BLOCK=n_experts == triton.next_power_of_2(n_experts), num_warps=num_warps,
+        maxnreg=moe_route_maxnreg(mismatch is not None))
 
 
 # --------------------------------------------------------------------------- AOT specs
@@ -394,7 +407,7 @@ def _topk_aot_specs():
         specs.append(AotSpec(f"moe_route[256 experts,{n_group} groups,"
                              f"{'softmax' if softmax else 'sigmoid'},8 tokens{mode}]",
                              _moe_route_kernel, _with_constexprs(signature, constexprs),
-                             constexprs, num_warps=4))
+                             constexprs, num_warps=4, maxnreg=moe_route_maxnreg(mismatch)))
     return specs
 
 

@@ -32,10 +32,8 @@ from .._aot import AotSpec
 from .._triton_compat import constexpr_function
 from .._dispatch import triton_version
 from ._kernels import PAD, _fill_like, _order_key, _pack, _topk_desc, _unpack_index
+from .topk import radix_wide_tile
 
-# Triton 3.4's compiler aborts the process (an LLVM assertion in its TritonGPUCoalesce pass) on
-# the radix kernel; 3.6 builds it (3.5 not checked). Its interpreter runs it on 3.4.
-RADIX_TRITON_MIN = (3, 6)
 
 @triton.jit
 def _radix_ukey(key, KEY_BITS: tl.constexpr):
@@ -129,31 +127,33 @@ def _take_above_and_ties(src_ptr, count, threshold, need, dst_ptr, taken, want, 
     ``values_ptr`` / ``indices_ptr`` instead (row sources only).
     """
     ties_seen = tl.zeros([], tl.int32)
-    start = 0
-    while (start < count) & (taken < want):
-        offs = start + tl.arange(0, TILE)
-        valid = offs < count
-        if FROM_PACKED:
-            packed = tl.load(src_ptr + offs, mask=valid)
-            key = (packed >> 32).to(tl.int32)
-        else:
-            x = tl.load(src_ptr + offs, mask=valid)
-            key = _order_key(x, IS_FLOAT, KEY_BITS, LARGEST)
-            packed = _pack(key, offs)
-        tie = valid & (key == threshold)
-        tie_i = tie.to(tl.int32)
-        tie_rank = ties_seen + tl.cumsum(tie_i, 0) - tie_i
-        chosen = (valid & (key > threshold)) | (tie & (tie_rank < need))
-        chosen_i = chosen.to(tl.int32)
-        pos = taken + tl.cumsum(chosen_i, 0) - chosen_i
-        if DIRECT:
-            tl.store(values_ptr + pos, x, mask=chosen)
-            tl.store(indices_ptr + pos, offs.to(tl.int64), mask=chosen)
-        else:
-            tl.store(dst_ptr + pos, packed, mask=chosen)
-        ties_seen += tl.sum(tie_i, 0)
-        taken += tl.sum(chosen_i, 0)
-        start += TILE
+    # A for loop whose tiles past the point where the set is complete do nothing, not a
+    # while loop on (start < count) & (taken < want): Triton 3.4's TritonGPUCoalesce pass
+    # aborts (an LLVM assertion) on pointers offset by a while loop's carried value.
+    for start in range(0, count, TILE):
+        if taken < want:
+            offs = start + tl.arange(0, TILE)
+            valid = offs < count
+            if FROM_PACKED:
+                packed = tl.load(src_ptr + offs, mask=valid)
+                key = (packed >> 32).to(tl.int32)
+            else:
+                x = tl.load(src_ptr + offs, mask=valid)
+                key = _order_key(x, IS_FLOAT, KEY_BITS, LARGEST)
+                packed = _pack(key, offs)
+            tie = valid & (key == threshold)
+            tie_i = tie.to(tl.int32)
+            tie_rank = ties_seen + tl.cumsum(tie_i, 0) - tie_i
+            chosen = (valid & (key > threshold)) | (tie & (tie_rank < need))
+            chosen_i = chosen.to(tl.int32)
+            pos = taken + tl.cumsum(chosen_i, 0) - chosen_i
+            if DIRECT:
+                tl.store(values_ptr + pos, x, mask=chosen)
+                tl.store(indices_ptr + pos, offs.to(tl.int64), mask=chosen)
+            else:
+                tl.store(dst_ptr + pos, packed, mask=chosen)
+            ties_seen += tl.sum(tie_i, 0)
+            taken += tl.sum(chosen_i, 0)
     return taken
 
 
@@ -285,7 +285,11 @@ def _topk_radix_kernel(
 # * Triton 3.6 keeps more values live: the tiled launches need 196-232 registers (sm_90 AOT),
 #   so they run uncapped at 8 warps, one program per SM (16 warps would cap them at 128 and
 #   spill 80 B; a 128 cap at 8 warps spills 40 B); its direct launch spills 40 B at ptxas's own
-#   choice (128) and none when capped at 168.
+#   choice (128) and none when capped at 168. 168 registers fit 8 warps, not 16 (16 x 32 x
+#   168 = 86016 > the 65536-register file: such a launch fails), so it runs at most 8 warps.
+# * Triton 3.4 as 3.6 (tiled: 196-227 registers uncapped at 8 warps; direct: 166-168 capped
+#   at 168), with 2048-entry tiles: a 4096 tile needs more than 255 registers there
+#   (topk.radix_wide_tile; on 3.6 the direct launch's 4096 tile spills at 168, so it too).
 RADIX_MAXNREG_8_WARPS = 128
 _TRITON_3_6_DIRECT_MAXNREG = 168
 
@@ -293,9 +297,7 @@ _TRITON_3_6_DIRECT_MAXNREG = 168
 def radix_launch(num_warps: int, direct: bool):
     """(num_warps, maxnreg) a radix launch asked for ``num_warps`` runs with here."""
     if triton_version() < (3, 7):
-        if direct:
-            return num_warps, _TRITON_3_6_DIRECT_MAXNREG
-        return min(num_warps, 8), None
+        return min(num_warps, 8), (_TRITON_3_6_DIRECT_MAXNREG if direct else None)
     return num_warps, (RADIX_MAXNREG_8_WARPS if num_warps == 8 and not direct else None)
 
 
@@ -320,11 +322,15 @@ def _radix_aot_specs():
              "i64": ("*i64", "i64", 64)}
     specs = []
     # (dtype, lengths, k_pow2, direct, sorted, tile, warps): the heuristic's DSA launches
-    # (many rows: tile 2048 / 8 warps; fewer rows than SMs: tile 4096 / 16 warps).
+    # (many rows: tile 2048 / 8 warps; fewer rows than SMs: tile 4096 / 16 warps) and its
+    # direct ones (64-bit keys; 16 warps for k > SORT_IN_KERNEL_MAX or fewer rows than SMs).
     for dtype, lengths, k_pow2, direct, is_sorted, tile, warps in (
-            ("fp32", True, 2048, False, True, 2048, 8), ("fp32", False, 2048, False, True, 4096, 16),
+            ("fp32", True, 2048, False, True, 2048, 8),
+            ("fp32", False, 2048, False, True, radix_wide_tile(False), 16),
             ("fp32", False, 2048, False, False, 2048, 8), ("bf16", True, 2048, False, True, 2048, 8),
-            ("i64", False, 1, True, False, 2048, 8)):
+            ("i64", False, 1, True, False, 2048, 8),
+            ("i64", False, 1, True, False, radix_wide_tile(True), 16),
+            ("fp32", True, 1, True, True, 2048, 16)):
         ptr, fill, key_bits = types[dtype]
         signature = {"x_ptr": ptr, "lengths_ptr": "*i32", "values_ptr": ptr,
                      "indices_ptr": "*i64", "scratch_ptr": "*i64", "cand_ptr": "*i64",
@@ -334,11 +340,13 @@ def _radix_aot_specs():
                           LARGEST=True, DIRECT=direct, SORTED=is_sorted, RADIX_BITS=8,
                           TILE=tile, K_POW2=k_pow2, CAND_MAX=0 if direct else 8192)
         signature.update({name: "constexpr" for name in constexprs})
-        mode = "direct" if direct else f"k<={k_pow2},sorted={is_sorted},tile={tile}"
+        mode = f"direct,tile={tile}" if direct else f"k<={k_pow2},sorted={is_sorted},tile={tile}"
+        name = f"topk_radix[{dtype},lengths={lengths},{mode}]"
+        if any(spec.name == name for spec in specs):
+            continue                 # the wide launch is the narrow one on this Triton
         warps, maxnreg = radix_launch(warps, direct)
-        specs.append(AotSpec(f"topk_radix[{dtype},lengths={lengths},{mode}]",
-                             _topk_radix_kernel, signature, constexprs, num_warps=warps,
-                             maxnreg=maxnreg, min_triton=RADIX_TRITON_MIN))
+        specs.append(AotSpec(name, _topk_radix_kernel, signature, constexprs,
+                             num_warps=warps, maxnreg=maxnreg))
     return specs
 
 

@@ -98,9 +98,20 @@ def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
     # Two 8-warp programs fit on an SM (~90 registers a thread); more rows share programs.
     # 8192 candidates (64 KB a program, L2-resident): the first digit's bin holding the
     # top 1% of a 200K row of normal scores has ~4.5K entries.
-    return TopkConfig("radix", tile=4096 if few_rows else 2048, candidates=8192,
+    direct = KEY_BITS[dtype] > 32 or k > SORT_IN_KERNEL_MAX
+    return TopkConfig("radix", tile=radix_wide_tile(direct) if few_rows else 2048,
+                      candidates=8192,
                       programs=min(n_rows, 2 * sms),
                       num_warps=16 if few_rows or _next_pow2(k) >= 4096 else 8)
+
+
+def radix_wide_tile(direct: bool) -> int:
+    """The radix tile of a launch with fewer rows than SMs: 4096, or 2048 where that code
+    spills at the at most 8 warps Triton < 3.7 runs (``_radix_kernels.radix_launch``; sm_90
+    AOT): the tiled kernel on Triton < 3.6 (> 255 registers, 8-32 B of stack on 3.4) and the
+    direct one on < 3.7 (168-register cap, 24-64 B of stack on 3.6)."""
+    version = _dispatch.triton_version()
+    return 4096 if version >= (3, 7) or (version >= (3, 6) and not direct) else 2048
 
 
 def _check_config(config: TopkConfig, dtype: torch.dtype) -> None:
@@ -141,14 +152,6 @@ def _topk_rows(x2d: torch.Tensor, k: int, largest: bool, sorted: bool,
                             block=_next_pow2(n_cols), **common)
         return values, indices
     from . import _radix_kernels
-    if backend == "triton" and _dispatch.triton_version() < _radix_kernels.RADIX_TRITON_MIN:
-        _dispatch.warn_once("fallback:topk:radix",
-                            f"glm_kernels.topk: the radix kernel (rows longer than the register "
-                            f"path, or 64-bit keys) needs triton >= "
-                            f"{'.'.join(map(str, _radix_kernels.RADIX_TRITON_MIN))} to compile "
-                            f"(installed: {'.'.join(map(str, _dispatch.triton_version()))}); "
-                            "using the torch reference")
-        return _reference.topk_reference(x2d, k, 1, largest, sorted, lengths)
     direct = key_bits > 32 or k > SORT_IN_KERNEL_MAX
     programs = min(programs or n_rows, n_rows)
     if direct:

@@ -271,3 +271,22 @@ def test_custom_op_registration():
                           (G, 2, [4, 2], [3.4445, -4.775, 2.0315] * 2, "standard", 1e-7, 3, None,
                            [0] * 7),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("version, sym_block", [((3, 4, 0), 64), ((3, 6, 0), 128),
+                                                ((3, 9, 0), 128)])
+def test_triangle_tile_per_triton_release(monkeypatch, version, sym_block):
+    """Whole matrices (m > 512) tile triangle products 128 x 128, except on Triton < 3.6,
+    whose code for those tiles spills (sm_90 AOT): 64 x 64 there. Per-head blocks use 64
+    everywhere; an explicit NSConfig.block stands; the left products keep 128-row tiles."""
+    pytest.importorskip("triton")
+    from glm_kernels.muon import _kernels
+    monkeypatch.setattr(_kernels, "triton_version", lambda: version)
+    cap = _kernels.sym_block_max()
+    assert cap == sym_block
+    run = ns._resolve(NSConfig(), "standard", 5, [1024, 2048], False, cap)
+    assert (run.block, run.sym_warps, run.block_m) == (sym_block, sym_block // 16, 128)
+    assert ns._resolve(NSConfig(), "gram", 5, [256], False, cap).block == 64
+    assert ns._resolve(NSConfig(block=128), "standard", 5, [1024], False, cap).block == 128
+    launched = {s.name for s in _kernels._muon_aot_specs()}
+    assert ("muon_sym[bf16,SSt+D,128x64]" in launched) == (sym_block == 128)

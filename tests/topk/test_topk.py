@@ -319,19 +319,16 @@ def test_docstring_and_doc_examples():
     assert attempted > 0 and failed == 0, f"docs/topk.md: {failed} of {attempted}"
 
 
-def test_radix_path_on_a_triton_that_cannot_compile_it_runs_the_reference(monkeypatch, caplog):
-    """Triton < RADIX_TRITON_MIN (3.4's compiler aborts on the radix kernel): a compiled
-    launch is never attempted; the reference answers and the fallback is logged once."""
-    import importlib
-    from glm_kernels import _dispatch
-    topk_module = importlib.import_module("glm_kernels.topk.topk")   # the module, not the op
-    monkeypatch.setattr(_dispatch, "triton_version", lambda: (3, 4, 0))
-    monkeypatch.setattr(_dispatch, "select_backend", lambda op, *tensors: "triton")
-    monkeypatch.setattr(_dispatch, "_warned", set())
-    x = torch.randn(3, 300)
-    with caplog.at_level("WARNING", logger="glm_kernels"):
-        values, indices = topk_module._topk_rows(x, 5, True, True, None, "radix", 1, 256, 8,
-                                                 256, 0, 8)
-    ref_values, ref_indices = _reference.topk_reference(x, 5)
-    assert torch.equal(values, ref_values) and torch.equal(indices, ref_indices)
-    assert "needs triton >= 3.6 to compile (installed: 3.4.0)" in caplog.text
+@pytest.mark.parametrize("version", [(3, 4, 0), (3, 6, 0), (3, 9, 0)])
+def test_radix_launch_fits_the_register_file(monkeypatch, version):
+    """Every (warps, register cap) radix_launch picks fits sm_90's 65536-register file: a
+    16-warp launch capped at 168 registers (86016) would fail to launch on the GPU."""
+    pytest.importorskip("triton")
+    from glm_kernels.topk import _radix_kernels
+    monkeypatch.setattr(_radix_kernels, "triton_version", lambda: version)
+    for asked in (4, 8, 16):
+        for direct in (False, True):
+            warps, maxnreg = _radix_kernels.radix_launch(asked, direct)
+            assert 1 <= warps <= asked, (version, asked, direct, warps)
+            assert maxnreg is None or warps * 32 * maxnreg <= 65536, (version, asked, direct,
+                                                                    warps, maxnreg)
