@@ -239,17 +239,14 @@ def cp_option_case(h, loss_mod, data_mod, cp, rank, allgather, name):
 
 def report_cp_options(cp, per_rank) -> int:
     """Print one line per (CP mode, option set) from the ranks' results; the failures."""
+    from _slime_harness import report_broken_ranks
     failures = 0
     for allgather in (False, True):
         for name in CP_OPTIONS:
             head = f"CP={cp} {'allgather-cp' if allgather else 'zigzag'} option {name}:"
             results = [r.get(("option", allgather, name)) if r else None for r in per_rank]
-            broken = [rank for rank, r in enumerate(results) if r is None or "error" in r]
-            if broken:
+            if report_broken_ranks(head, results):
                 failures += 1
-                detail = next((results[r]["error"].strip().splitlines()[-1] for r in broken
-                               if results[r]), "no result (the rank process died)")
-                print(f"{head} ERROR on ranks {broken}: {detail}  MISMATCH")
                 continue
             # A rank's loss and metrics are partial sums: errors against sum_r |A_r| (>= 1).
             scale = max(float(sum(abs(r["A"]) for r in results)), 1.0)

@@ -155,3 +155,17 @@ def one_rank_gloo():
             yield
         finally:
             dist.destroy_process_group()
+
+
+def report_broken_ranks(head: str, results: list) -> bool:
+    """Print one MISMATCH line naming the ranks whose check died or raised; True if any did.
+
+    ``results``: each rank's result dict (with ``"error"`` when it raised), None where the rank
+    process died before answering.
+    """
+    broken = [rank for rank, r in enumerate(results) if r is None or "error" in r]
+    if broken:
+        detail = next((results[r]["error"].strip().splitlines()[-1] for r in broken
+                       if results[r]), "no result (the rank process died)")
+        print(f"{head} ERROR on ranks {broken}: {detail}  MISMATCH")
+    return bool(broken)

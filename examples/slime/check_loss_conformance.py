@@ -71,7 +71,8 @@ import torch  # noqa: E402
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _slime_harness import load_data, load_loss, one_rank_gloo, set_parallel  # noqa: E402
+from _slime_harness import (load_data, load_loss, one_rank_gloo, report_broken_ranks,  # noqa: E402
+                            set_parallel)
 from _policy_options import (CP_OPTIONS, check_options, cp_option_case, load_mis,  # noqa: E402
                              report_cp_options)
 
@@ -319,12 +320,8 @@ def check_cp(cp, slime_src, seeds, references, options=True) -> int:
         for label, *_ in cases(seeds):
             head = f"CP={cp} {mode} {label}:"
             results = [r.get((allgather, label)) if r else None for r in per_rank]
-            broken = [rank for rank, r in enumerate(results) if r is None or "error" in r]
-            if broken:
+            if report_broken_ranks(head, results):
                 failures += 1
-                detail = next((results[r]["error"].strip().splitlines()[-1] for r in broken
-                               if results[r]), "no result (the rank process died)")
-                print(f"{head} ERROR on ranks {broken}: {detail}  MISMATCH")
                 continue
             # A rank's loss is a partial sum that can nearly cancel: its error is measured
             # against the size of all the ranks' contributions, sum_r |A_r|.
