@@ -24,7 +24,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._dispatch import triton_version
 from ._kernels import icepop_gate, ppo_clip_term
+
+# Triton 3.6 compiles the sequence kernel's GMPO variant (packed, gate, weights; 4 warps) to
+# 128 registers and an 8 B stack frame on sm_90 (AOT); capped at 168 it keeps everything in
+# registers (166, no stack). 3.4 and 3.7+ need no cap (no spill); 4 warps x 168 registers stay
+# far inside the SM's register file.
+_SEQ_MAXNREG_BEFORE_3_7 = 168
 
 RATIO_CODES = {"token": 0, "sequence_stopgrad": 1, "sequence": 2, "geo_mean": 3,
                "sequence_sum": 4}
@@ -421,6 +428,11 @@ def _policy_seq_kernel(
         tl.store(stats + 6, row_phi)
 
 
+def seq_maxnreg():
+    """The register cap a sequence-kernel launch passes (None: ptxas's choice)."""
+    return _SEQ_MAXNREG_BEFORE_3_7 if triton_version() < (3, 7) else None
+
+
 def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selection, cu_seqlens,
                loss_out, grad_out, stats_out, *, row_len, adv_per_seq, gate_low, gate_high,
                eps_low, eps_high, dual_clip, params, has_delta, block, num_warps):
@@ -454,7 +466,7 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
             *pointers, fallback if cu_seqlens is None else cu_seqlens, loss_out, grad_out,
             stats_out, max(row_len, 1), seq_log_max=spec.seq_log_ratio_max or 0.0,
             RATIO=ratio_code, HAS_SEQ_MAX=spec.seq_log_ratio_max is not None,
-            HAS_CU=cu_seqlens is not None, **floats, **switches)
+            HAS_CU=cu_seqlens is not None, maxnreg=seq_maxnreg(), **floats, **switches)
 
 
 def _policy_aot_specs():
@@ -490,7 +502,7 @@ def _policy_aot_specs():
                           STORE_LOSS=False, STORE_GRAD=True, BLOCK=1024)
         sig.update({k: "constexpr" for k in constexprs})
         specs.append(AotSpec(f"policy_seq[{name},packed,gate,weights]", _policy_seq_kernel,
-                             sig, constexprs, num_warps=4))
+                             sig, constexprs, num_warps=4, maxnreg=seq_maxnreg()))
     return specs
 
 
