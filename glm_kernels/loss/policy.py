@@ -399,9 +399,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
                                        loss_mask, token_weights, rollout_logprobs)
     flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
+    mask = None
+    if seq_is is not None or backend == "torch":
+        mask = _bool_mask(flat(loss_mask), logprobs)
     if seq_is is not None:
-        mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
-                if loss_mask is None else flat(loss_mask) != 0)
         rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
         seq_weights = seq_is_token_weights(flat(old_logprobs), flat(rollout_logprobs), mask,
                                            rows, seq_is, seq_is_high,
@@ -416,8 +417,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
         adv = (rows.spread(advantages) if advantages.shape != logprobs.shape
                else flat(advantages))
-        mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
-                if loss_mask is None else flat(loss_mask) != 0)
         loss, stats = policy_loss_reference(
             spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,
             eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
@@ -453,6 +452,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if reduction == "none" and spec.ratio != "geo_mean":
         loss = loss.reshape(logprobs.shape)
     return (loss, stats) if return_stats else loss
+
+
+def _bool_mask(flat_mask: Optional[torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
+    """The flat loss mask as bool [N] (a bool mask as it is: no pass over it)."""
+    if flat_mask is None:
+        return torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
+    return flat_mask if flat_mask.dtype == torch.bool else flat_mask != 0
 
 
 def _stats_from_sums(sums: torch.Tensor) -> Dict[str, torch.Tensor]:
