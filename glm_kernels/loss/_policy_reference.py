@@ -145,7 +145,29 @@ def token_objective(spec: PolicyLossSpec, lp, old, adv, ratio, log_ratio, select
     ``need_stats``. ``log_ratio`` may be None for reinforce without stats (unused)."""
     obj = spec.objective
     ind = {"kl": -log_ratio.detach()} if need_stats else {}
-    if obj in ("ppo", "clip_cov"):
+    if obj in ("ppo", "clip_cov") and p.get("delta") is None:
+        # max(-A r, -A clip(r)) is -A min(r, 1 + eps_high) for A > 0 and -A max(r, 1 - eps_low)
+        # for A < 0; the dual clip min(., -A c) caps the latter at c: one clamp of r between
+        # per-token bounds (its gradient: r' inside the bounds, 0 outside, as autograd's
+        # maximum / minimum give it off ties), in a third of the passes of the literal form.
+        negative = adv < 0
+        cap = 1.0 + eps_high
+        upper = torch.where(negative, math.inf if dual_clip is None or obj == "clip_cov"
+                            else dual_clip, cap)
+        lower = torch.where(negative, 1.0 - eps_low, -math.inf)
+        loss = -adv * torch.clamp(ratio, lower, upper)
+        if need_stats:       # verl: pg2 > pg1, i.e. r above the cap (A > 0) or below the floor
+            ratio_d = ratio.detach()
+            ind["clip"] = torch.where(negative, ratio_d < 1.0 - eps_low,
+                                      (ratio_d > cap) & (adv > 0))
+            if obj == "ppo" and dual_clip is not None:
+                ind["clip_lower"] = negative & (ratio_d > dual_clip)
+        if obj == "clip_cov":
+            loss = torch.where(selection, 0.0, loss)
+            if need_stats:
+                ind["clip"] = selection
+        return loss, ind
+    if obj in ("ppo", "clip_cov"):                   # TRL's delta: the ratio capped first
         capped = ratio if p.get("delta") is None else torch.clamp(ratio, max=p["delta"])
         pg1 = -adv * capped
         pg2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
