@@ -32,6 +32,7 @@ import torch
 from .. import _dispatch
 from . import _checks
 from ._policy_reference import Rows, policy_loss_reference
+from ._policy_torch import lean_applies, lean_policy_loss
 from .sequence_is import check_seq_is, seq_is_token_weights
 from ._policy_spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec,  # noqa: F401
                            resolve_params, resolve_variant)
@@ -417,13 +418,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
         adv = (rows.spread(advantages) if advantages.shape != logprobs.shape
                else flat(advantages))
-        loss, stats = policy_loss_reference(
-            spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,
-            eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
-            token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
-            gate_low=lo, gate_high=hi, selection=flat(selection), reduction=reduction,
-            denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
-            params=params, need_stats=return_stats)
+        if lean_applies(spec, gate):
+            loss, stats = lean_policy_loss(
+                spec, flat(logprobs), flat(old_logprobs), adv, mask, rows, eps_low=eps_low,
+                eps_high=eps_high, token_weights=flat(token_weights), reduction=reduction,
+                denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
+                params=params, need_stats=return_stats)
+        else:
+            loss, stats = policy_loss_reference(
+                spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,
+                eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
+                token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
+                gate_low=lo, gate_high=hi, selection=flat(selection), reduction=reduction,
+                denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
+                params=params, need_stats=return_stats)
     else:
         contiguous = lambda t: None if t is None else t.contiguous().reshape(-1)  # noqa: E731
         if denominator is not None and not isinstance(denominator, torch.Tensor):
