@@ -51,12 +51,14 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _objective(spec, lp, old, adv, p, need_log_ratio):
-    """(l_t, dl_t/dlp_t, log-ratio or None, ratio or None): the four lean objectives."""
+def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
+    """(w_t l_t, w_t dl_t/dlp_t, log-ratio or None, ratio or None): the four lean objectives
+    (``tw``: token weights or None)."""
     obj = spec.objective
-    if obj == "reinforce":
+    if obj == "reinforce":           # linear in lp: the weighted slope times lp is the loss
         log_ratio = (lp - old) if need_log_ratio else None
-        return -adv * lp, -adv, log_ratio, None
+        slope = -adv if tw is None else adv * -tw
+        return slope * lp, slope, log_ratio, None
     raw = lp - old
     bound = spec.log_ratio_clamp
     log_ratio = raw if bound is None else torch.clamp(raw, -bound, bound)
@@ -65,7 +67,9 @@ def _objective(spec, lp, old, adv, p, need_log_ratio):
         beta = p["dro_beta"]
         loss = 0.5 * beta * log_ratio.square() - adv * lp
         slope = beta * log_ratio if inside is None else beta * log_ratio * inside
-        return loss, slope - adv, log_ratio, None
+        slope = slope - adv
+        return (loss, slope, log_ratio, None) if tw is None else (
+            loss * tw, slope * tw, log_ratio, None)
     ratio = torch.exp(log_ratio)
     if obj == "sapo":
         tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
@@ -73,10 +77,12 @@ def _objective(spec, lp, old, adv, p, need_log_ratio):
         scaled_adv = adv * 4.0
         loss = -gate * scaled_adv / tau
         grad = -scaled_adv * gate * (1.0 - gate) * ratio
-        return loss, (grad if inside is None else grad * inside), log_ratio, ratio
+        grad = grad if inside is None else grad * inside
+        return (loss, grad, log_ratio, ratio) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio)
     clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])          # cispo
-    weighted = -clipped * adv
-    return weighted * lp, weighted, log_ratio, ratio
+    slope = -clipped * adv if tw is None else -clipped * adv * tw
+    return slope * lp, slope, log_ratio, ratio
 
 
 def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, eps_low,
@@ -87,20 +93,21 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     lp_in = lp
     lp, old, adv = _f32(lp.detach()), _f32(old), _f32(adv)
     tw = None if token_weights is None else _f32(token_weights)
-    loss_t, dl, log_ratio, ratio = _objective(spec, lp, old, adv, params, need_stats)
-    if tw is not None:
-        loss_t, dl = loss_t * tw, dl * tw
+    loss_t, dl, log_ratio, ratio = _objective(spec, lp, old, adv, tw, params, need_stats)
     live = mask if tw is None else mask & (tw != 0)
     bits = keep_bits(live)
     terms = _and_bits(loss_t, bits)
-    num_masked = mask.sum() if (reduction == "token_mean" or need_stats) else None
+    num_masked = None
+    if reduction == "token_mean" or need_stats:
+        # an int32 sum of the 0 / -1 bits costs a quarter of a bool tensor's sum on the CPU
+        num_masked = -bits.sum() if tw is None else mask.sum()
     if reduction == "none":
         value, token_scale = terms, None
     elif reduction == "sum":
         value, token_scale = terms.sum(), None
     elif reduction == "token_mean":
         denom = num_masked.clamp(min=1).float() if denominator is None else denominator
-        value, token_scale = terms.sum() / denom, 1.0 / denom
+        value, token_scale = terms.sum() / denom, torch.reciprocal(torch.as_tensor(denom))
     else:
         seq_tokens = rows.sum(mask.float())
         has_tokens = (seq_tokens > 0).float()
