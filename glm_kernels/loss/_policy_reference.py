@@ -113,11 +113,6 @@ def keep(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return _Keep.apply(x, bits) if x.requires_grad else _and_bits(x, bits)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's masked mean: sum(v * m) / (sum(m) + 1e-8)."""
-    return (torch.where(mask.bool(), values, 0.0) * mask).sum() / (mask.sum() + 1e-8)
-
-
 def gate_weights(lp, old, rollout, mask, gate: Optional[str], gate_low: float,
                  gate_high: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(weight [N] detached, popped [N] bool): the IcePop gate as a per-token factor.
@@ -309,11 +304,13 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
             loss = losses.sum()
         else:
             loss = losses.sum() / (max(rows.num_rows, 1) if denominator is None else denominator)
-        if need_stats:
-            is_clipped = (log_ratio != clipped).float()
-            stats = {"pg_clipfrac": masked_mean(is_clipped * (adv > 0).float(), mask_f),
-                     "pg_clipfrac_lower": masked_mean(is_clipped * (adv < 0).float(), mask_f),
-                     "ppo_kl": masked_mean(-raw_log_ratio, mask_f)}
+        if need_stats:                  # verl's masked means; counts of bools are exact
+            num_masked = mask.sum()
+            denom = num_masked + 1e-8
+            clipped_tokens = (log_ratio.detach() != clipped.detach()) & mask
+            stats = {"pg_clipfrac": (clipped_tokens & (adv > 0)).sum() / denom,
+                     "pg_clipfrac_lower": (clipped_tokens & (adv < 0)).sum() / denom,
+                     "ppo_kl": -_and_bits(raw_log_ratio.detach(), keep_bits(mask)).sum() / denom}
     else:
         factor = weight if (tw is None or spec.objective == "vespo") else (
             tw if weight is None else weight * tw)
