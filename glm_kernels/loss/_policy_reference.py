@@ -314,7 +314,7 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
     else:
         factor = weight if (tw is None or spec.objective == "vespo") else (
             tw if weight is None else weight * tw)
-        live = mask if factor is None else mask & (factor != 0)
+        live = mask if factor is None else mask & factor.bool()     # bool(w): w != 0
         live_bits = keep_bits(live)
         if factor is not None and spec.ratio != "sequence" and lp32.requires_grad:
             # A token of factor 0 (popped, zero IS weight) adds exactly 0 to the loss and the

@@ -94,13 +94,12 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     lp, old, adv = _f32(lp.detach()), _f32(old), _f32(adv)
     tw = None if token_weights is None else _f32(token_weights)
     loss_t, dl, log_ratio, ratio = _objective(spec, lp, old, adv, tw, params, need_stats)
-    live = mask if tw is None else mask & (tw != 0)
+    live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
     bits = keep_bits(live)
     terms = _and_bits(loss_t, bits)
     num_masked = None
     if reduction == "token_mean" or need_stats:
-        # an int32 sum of the 0 / -1 bits costs a quarter of a bool tensor's sum on the CPU
-        num_masked = -bits.sum() if tw is None else mask.sum()
+        num_masked = torch.count_nonzero(mask)          # 2/3 of a bool sum's time on the CPU
     if reduction == "none":
         value, token_scale = terms, None
     elif reduction == "sum":
