@@ -240,15 +240,19 @@ def _policy_seq_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, tw_ptr, rollout_ptr, cu_ptr,
     loss_ptr, grad_ptr, stats_ptr,
     seq_len, gate_low, gate_high, log_clamp, clip_low, clip_high, eps_low, eps_high,
-    dual_clip, seq_log_max, p0, p1, p2, p3,
+    dual_clip, seq_log_max, p0, p1, p2, p3, seq_is_low, seq_is_high,
     RATIO: tl.constexpr, OBJECTIVE: tl.constexpr, GATE: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_TW: tl.constexpr, CLAMP: tl.constexpr, HAS_SEQ_MAX: tl.constexpr,
     HAS_DELTA: tl.constexpr, DUAL_CLIP: tl.constexpr, HAS_CU: tl.constexpr,
     ADV_PER_SEQ: tl.constexpr, STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SEQ_IS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Sequence-ratio variants: one program per sequence (module docstring), one stats row
-    per sequence. GMPO (RATIO 3) writes its sequence loss to loss_ptr[row]."""
+    per sequence. GMPO (RATIO 3) writes its sequence loss to loss_ptr[row].
+    SEQ_IS (RATIO 1 / 2 only; 1 truncate, 2 mask): phase 1 also sums the row's masked
+    old - rollout, w_b = exp(clamp(., -20, 20)) truncated at seq_is_high or masked to
+    [seq_is_low, seq_is_high], and every later phase multiplies the token weights by w_b
+    (loss/sequence_is.py's weight, without its pass over the row or its [N] tensor)."""
     row = tl.program_id(0)
     start, end = _row_bounds(cu_ptr, row, seq_len, HAS_CU)
     lane = tl.arange(0, BLOCK)
@@ -260,6 +264,7 @@ def _policy_seq_kernel(
     acc_b = tl.zeros([BLOCK], tl.float32)      # masked tokens / GMPO kept tokens
     acc_c = tl.zeros([BLOCK], tl.float32)      # GMPO kept advantage sum
     acc_d = tl.zeros([BLOCK], tl.float32)      # GMPO log-weight sum; VESPO log token weights
+    acc_e = tl.zeros([BLOCK], tl.float32)      # sequence IS: masked old - rollout
     for chunk in range(start, end, BLOCK):
         offs = chunk + lane
         valid = offs < end
@@ -287,7 +292,19 @@ def _policy_seq_kernel(
         else:
             acc_a += tl.where(masked, raw, 0.0)
             acc_b += masked.to(tl.float32)
+            if SEQ_IS != 0:
+                is_rollout = tl.load(rollout_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+                acc_e += tl.where(masked, old - is_rollout, 0.0)
     sum_a = tl.sum(acc_a, axis=0)
+    seq_is_w = 1.0
+    if SEQ_IS != 0:
+        # 20.0 = verl rollout_corr_helper.SAFETY_BOUND (loss/sequence_is.py)
+        seq_is_w = tl.exp(tl.clamp(tl.sum(acc_e, axis=0), -20.0, 20.0))
+        if SEQ_IS == 1:
+            seq_is_w = tl.minimum(seq_is_w, seq_is_high)
+        else:
+            seq_is_w = tl.where((seq_is_w >= seq_is_low) & (seq_is_w <= seq_is_high),
+                                seq_is_w, 0.0)
     count = tl.sum(acc_b, axis=0)
     if RATIO == 3:
         denom = count + 1e-8
@@ -331,6 +348,8 @@ def _policy_seq_kernel(
             lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = \
                 _load_tile(offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr,
                            gate_low, gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
+            if SEQ_IS != 0:
+                tw = tw * seq_is_w
             if ADV_PER_SEQ:
                 adv = tl.where(valid, row_adv, 0.0)
             else:
@@ -355,6 +374,8 @@ def _policy_seq_kernel(
         lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = _load_tile(
             offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr, gate_low,
             gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
+        if SEQ_IS != 0:
+            tw = tw * seq_is_w
         if ADV_PER_SEQ:
             adv = tl.where(valid, row_adv, 0.0)
         else:
@@ -423,7 +444,8 @@ def _policy_seq_kernel(
 
 def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selection, cu_seqlens,
                loss_out, grad_out, stats_out, *, row_len, adv_per_seq, gate_low, gate_high,
-               eps_low, eps_high, dual_clip, params, has_delta, block, num_warps):
+               eps_low, eps_high, dual_clip, params, has_delta, block, num_warps,
+               seq_is=0, seq_is_low=0.0, seq_is_high=0.0):
     """Launch the family's kernel for ``spec``: token kernel over cdiv(N, block) programs or
     sequence kernel over one program per row (``stats_out`` rows must match)."""
     ratio_code, objective_code, gate_code = codes
@@ -453,6 +475,7 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
         _policy_seq_kernel[grid](
             *pointers, fallback if cu_seqlens is None else cu_seqlens, loss_out, grad_out,
             stats_out, max(row_len, 1), seq_log_max=spec.seq_log_ratio_max or 0.0,
+            seq_is_low=seq_is_low, seq_is_high=seq_is_high, SEQ_IS=seq_is,
             RATIO=ratio_code, HAS_SEQ_MAX=spec.seq_log_ratio_max is not None,
             HAS_CU=cu_seqlens is not None, **floats, **switches)
 
@@ -483,11 +506,11 @@ def _policy_aot_specs():
     for name, ratio, objective in seq:
         sig = dict(base, cu_ptr="*i32", **outputs, seq_len="i32",
                    **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
-                   **{f: "fp32" for f in floats[8:]})
+                   **{f: "fp32" for f in floats[8:]}, seq_is_low="fp32", seq_is_high="fp32")
         constexprs = dict(RATIO=ratio, OBJECTIVE=objective, GATE=2, HAS_MASK=True,
                           HAS_TW=True, CLAMP=ratio != 2, HAS_SEQ_MAX=ratio == 1,
                           HAS_DELTA=False, DUAL_CLIP=False, HAS_CU=True, ADV_PER_SEQ=True,
-                          STORE_LOSS=False, STORE_GRAD=True, BLOCK=1024)
+                          STORE_LOSS=False, STORE_GRAD=True, SEQ_IS=0, BLOCK=1024)
         sig.update({k: "constexpr" for k in constexprs})
         specs.append(AotSpec(f"policy_seq[{name},packed,gate,weights]", _policy_seq_kernel,
                              sig, constexprs, num_warps=4))
