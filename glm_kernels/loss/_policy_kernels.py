@@ -502,18 +502,20 @@ def _policy_aot_specs():
         sig.update({k: "constexpr" for k in constexprs})
         specs.append(AotSpec(f"policy_token[{name},gate,weights]", _policy_token_kernel, sig,
                              constexprs, num_warps=8))
-    seq = [("gspo", 1, 0), ("grpo_sequence", 2, 0), ("geo_mean", 3, 0), ("vespo", 4, 9)]
-    for name, ratio, objective in seq:
+    seq = [("gspo", 1, 0, 0), ("grpo_sequence", 2, 0, 0), ("geo_mean", 3, 0, 0),
+           ("vespo", 4, 9, 0), ("gspo", 1, 0, 2), ("grpo_sequence", 2, 0, 2)]
+    for name, ratio, objective, seq_is in seq:
         sig = dict(base, cu_ptr="*i32", **outputs, seq_len="i32",
                    **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
                    **{f: "fp32" for f in floats[8:]}, seq_is_low="fp32", seq_is_high="fp32")
         constexprs = dict(RATIO=ratio, OBJECTIVE=objective, GATE=2, HAS_MASK=True,
                           HAS_TW=True, CLAMP=ratio != 2, HAS_SEQ_MAX=ratio == 1,
                           HAS_DELTA=False, DUAL_CLIP=False, HAS_CU=True, ADV_PER_SEQ=True,
-                          STORE_LOSS=False, STORE_GRAD=True, SEQ_IS=0, BLOCK=1024)
+                          STORE_LOSS=False, STORE_GRAD=True, SEQ_IS=seq_is, BLOCK=1024)
         sig.update({k: "constexpr" for k in constexprs})
-        specs.append(AotSpec(f"policy_seq[{name},packed,gate,weights]", _policy_seq_kernel,
-                             sig, constexprs, num_warps=4))
+        label = f"{name},packed,gate,weights" + (",seq_mis" if seq_is else "")
+        specs.append(AotSpec(f"policy_seq[{label}]", _policy_seq_kernel, sig, constexprs,
+                             num_warps=4))
     return specs
 
 
