@@ -1,5 +1,7 @@
 """Readable torch reference of every policy-loss variant (the test oracle; autograd gives its
-gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss`.
+gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss`, except for the
+short token objectives without a gate, which take the lean path of ``loss/_policy_torch.py``
+(held equal to this one by a test).
 
 Everything runs on a flat token layout: ``[N]`` tensors plus :class:`Rows`, the token ->
 sequence map (a padded ``[B, T]`` batch: a reshape; packed ``cu_seqlens``: ``index_add`` over
