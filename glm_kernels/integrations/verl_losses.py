@@ -221,10 +221,13 @@ def _token_loss(name, old_log_prob, log_prob, advantages, response_mask, loss_ag
     if name in ("clip_cov", "kl_cov"):
         params["selection"] = _selection(name, log_prob, old_log_prob, advantages, mask, config)
     weights = None if rollout_is_weights is None else rollout_is_weights.detach()
-    loss, stats = policy_loss(log_prob, old_log_prob.detach(), advantages.detach(), mask,
-                              variant=name, token_weights=weights, return_stats=True,
-                              **reduce, **params)
-    return loss, metrics_dict(stats, METRIC_KEYS[name])
+    keys = METRIC_KEYS[name]
+    out = policy_loss(log_prob, old_log_prob.detach(), advantages.detach(), mask, variant=name,
+                      token_weights=weights, return_stats=bool(keys), **reduce, **params)
+    if not keys:                    # gpg reports no metric: no statistics computed either
+        return out, {}
+    loss, stats = out
+    return loss, metrics_dict(stats, keys)
 
 
 def _bypass_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,

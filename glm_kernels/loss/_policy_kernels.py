@@ -24,14 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._dispatch import triton_version
 from ._kernels import icepop_gate, ppo_clip_term
 
-# Triton 3.6 compiles the sequence kernel's GMPO variant (packed, gate, weights; 4 warps) to
-# 128 registers and an 8 B stack frame on sm_90 (AOT); capped at 168 it keeps everything in
-# registers (166, no stack). 3.4 and 3.7+ need no cap (no spill); 4 warps x 168 registers stay
-# far inside the SM's register file.
-_SEQ_MAXNREG_BEFORE_3_7 = 168
+# Left to itself, ptxas gives some sequence-kernel variants (4 warps) 128 registers and an 8 B
+# stack frame on sm_90 (AOT: GMPO on triton 3.6; GSPO with sequence IS on 3.9); capped at 168
+# they keep everything in registers (141-168, no stack) on 3.4, 3.6 and 3.9. 4 warps x 168
+# registers stay far inside the SM's register file.
+_SEQ_MAXNREG = 168
 
 RATIO_CODES = {"token": 0, "sequence_stopgrad": 1, "sequence": 2, "geo_mean": 3,
                "sequence_sum": 4}
@@ -247,15 +246,19 @@ def _policy_seq_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, tw_ptr, rollout_ptr, cu_ptr,
     loss_ptr, grad_ptr, stats_ptr,
     seq_len, gate_low, gate_high, log_clamp, clip_low, clip_high, eps_low, eps_high,
-    dual_clip, seq_log_max, p0, p1, p2, p3,
+    dual_clip, seq_log_max, p0, p1, p2, p3, seq_is_low, seq_is_high,
     RATIO: tl.constexpr, OBJECTIVE: tl.constexpr, GATE: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_TW: tl.constexpr, CLAMP: tl.constexpr, HAS_SEQ_MAX: tl.constexpr,
     HAS_DELTA: tl.constexpr, DUAL_CLIP: tl.constexpr, HAS_CU: tl.constexpr,
     ADV_PER_SEQ: tl.constexpr, STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SEQ_IS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Sequence-ratio variants: one program per sequence (module docstring), one stats row
-    per sequence. GMPO (RATIO 3) writes its sequence loss to loss_ptr[row]."""
+    per sequence. GMPO (RATIO 3) writes its sequence loss to loss_ptr[row].
+    SEQ_IS (RATIO 1 / 2 only; 1 truncate, 2 mask): phase 1 also sums the row's masked
+    old - rollout, w_b = exp(clamp(., -20, 20)) truncated at seq_is_high or masked to
+    [seq_is_low, seq_is_high], and every later phase multiplies the token weights by w_b
+    (loss/sequence_is.py's weight, without its pass over the row or its [N] tensor)."""
     row = tl.program_id(0)
     start, end = _row_bounds(cu_ptr, row, seq_len, HAS_CU)
     lane = tl.arange(0, BLOCK)
@@ -267,6 +270,7 @@ def _policy_seq_kernel(
     acc_b = tl.zeros([BLOCK], tl.float32)      # masked tokens / GMPO kept tokens
     acc_c = tl.zeros([BLOCK], tl.float32)      # GMPO kept advantage sum
     acc_d = tl.zeros([BLOCK], tl.float32)      # GMPO log-weight sum; VESPO log token weights
+    acc_e = tl.zeros([BLOCK], tl.float32)      # sequence IS: masked old - rollout
     for chunk in range(start, end, BLOCK):
         offs = chunk + lane
         valid = offs < end
@@ -294,7 +298,19 @@ def _policy_seq_kernel(
         else:
             acc_a += tl.where(masked, raw, 0.0)
             acc_b += masked.to(tl.float32)
+            if SEQ_IS != 0:
+                is_rollout = tl.load(rollout_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+                acc_e += tl.where(masked, old - is_rollout, 0.0)
     sum_a = tl.sum(acc_a, axis=0)
+    seq_is_w = 1.0
+    if SEQ_IS != 0:
+        # 20.0 = verl rollout_corr_helper.SAFETY_BOUND (loss/sequence_is.py)
+        seq_is_w = tl.exp(tl.clamp(tl.sum(acc_e, axis=0), -20.0, 20.0))
+        if SEQ_IS == 1:
+            seq_is_w = tl.minimum(seq_is_w, seq_is_high)
+        else:
+            seq_is_w = tl.where((seq_is_w >= seq_is_low) & (seq_is_w <= seq_is_high),
+                                seq_is_w, 0.0)
     count = tl.sum(acc_b, axis=0)
     if RATIO == 3:
         denom = count + 1e-8
@@ -338,6 +354,8 @@ def _policy_seq_kernel(
             lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = \
                 _load_tile(offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr,
                            gate_low, gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
+            if SEQ_IS != 0:
+                tw = tw * seq_is_w
             if ADV_PER_SEQ:
                 adv = tl.where(valid, row_adv, 0.0)
             else:
@@ -362,6 +380,8 @@ def _policy_seq_kernel(
         lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = _load_tile(
             offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr, gate_low,
             gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
+        if SEQ_IS != 0:
+            tw = tw * seq_is_w
         if ADV_PER_SEQ:
             adv = tl.where(valid, row_adv, 0.0)
         else:
@@ -429,13 +449,14 @@ def _policy_seq_kernel(
 
 
 def seq_maxnreg():
-    """The register cap a sequence-kernel launch passes (None: ptxas's choice)."""
-    return _SEQ_MAXNREG_BEFORE_3_7 if triton_version() < (3, 7) else None
+    """The register cap a sequence-kernel launch passes."""
+    return _SEQ_MAXNREG
 
 
 def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selection, cu_seqlens,
                loss_out, grad_out, stats_out, *, row_len, adv_per_seq, gate_low, gate_high,
-               eps_low, eps_high, dual_clip, params, has_delta, block, num_warps):
+               eps_low, eps_high, dual_clip, params, has_delta, block, num_warps,
+               seq_is=0, seq_is_low=0.0, seq_is_high=0.0):
     """Launch the family's kernel for ``spec``: token kernel over cdiv(N, block) programs or
     sequence kernel over one program per row (``stats_out`` rows must match)."""
     ratio_code, objective_code, gate_code = codes
@@ -465,6 +486,7 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
         _policy_seq_kernel[grid](
             *pointers, fallback if cu_seqlens is None else cu_seqlens, loss_out, grad_out,
             stats_out, max(row_len, 1), seq_log_max=spec.seq_log_ratio_max or 0.0,
+            seq_is_low=seq_is_low, seq_is_high=seq_is_high, SEQ_IS=seq_is,
             RATIO=ratio_code, HAS_SEQ_MAX=spec.seq_log_ratio_max is not None,
             HAS_CU=cu_seqlens is not None, maxnreg=seq_maxnreg(), **floats, **switches)
 
@@ -491,18 +513,20 @@ def _policy_aot_specs():
         sig.update({k: "constexpr" for k in constexprs})
         specs.append(AotSpec(f"policy_token[{name},gate,weights]", _policy_token_kernel, sig,
                              constexprs, num_warps=8))
-    seq = [("gspo", 1, 0), ("grpo_sequence", 2, 0), ("geo_mean", 3, 0), ("vespo", 4, 9)]
-    for name, ratio, objective in seq:
+    seq = [("gspo", 1, 0, 0), ("grpo_sequence", 2, 0, 0), ("geo_mean", 3, 0, 0),
+           ("vespo", 4, 9, 0), ("gspo", 1, 0, 2), ("grpo_sequence", 2, 0, 2)]
+    for name, ratio, objective, seq_is in seq:
         sig = dict(base, cu_ptr="*i32", **outputs, seq_len="i32",
                    **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
-                   **{f: "fp32" for f in floats[8:]})
+                   **{f: "fp32" for f in floats[8:]}, seq_is_low="fp32", seq_is_high="fp32")
         constexprs = dict(RATIO=ratio, OBJECTIVE=objective, GATE=2, HAS_MASK=True,
                           HAS_TW=True, CLAMP=ratio != 2, HAS_SEQ_MAX=ratio == 1,
                           HAS_DELTA=False, DUAL_CLIP=False, HAS_CU=True, ADV_PER_SEQ=True,
-                          STORE_LOSS=False, STORE_GRAD=True, BLOCK=1024)
+                          STORE_LOSS=False, STORE_GRAD=True, SEQ_IS=seq_is, BLOCK=1024)
         sig.update({k: "constexpr" for k in constexprs})
-        specs.append(AotSpec(f"policy_seq[{name},packed,gate,weights]", _policy_seq_kernel,
-                             sig, constexprs, num_warps=4, maxnreg=seq_maxnreg()))
+        label = f"{name},packed,gate,weights" + (",seq_mis" if seq_is else "")
+        specs.append(AotSpec(f"policy_seq[{label}]", _policy_seq_kernel, sig, constexprs,
+                             num_warps=4, maxnreg=seq_maxnreg()))
     return specs
 
 

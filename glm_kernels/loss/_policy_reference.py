@@ -1,5 +1,7 @@
 """Readable torch reference of every policy-loss variant (the test oracle; autograd gives its
-gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss`.
+gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss`, except for the
+short token objectives without a gate, which take the lean path of ``loss/_policy_torch.py``
+(held equal to this one by a test).
 
 Everything runs on a flat token layout: ``[N]`` tensors plus :class:`Rows`, the token ->
 sequence map (a padded ``[B, T]`` batch: a reshape; packed ``cu_seqlens``: ``index_add`` over
@@ -66,9 +68,51 @@ class Rows:
         return per_row[self.seg_id]
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's masked mean: sum(v * m) / (sum(m) + 1e-8)."""
-    return (torch.where(mask.bool(), values, 0.0) * mask).sum() / (mask.sum() + 1e-8)
+def keep_bits(mask: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: all ones where ``mask`` (bool) holds, 0 elsewhere: the operand of
+    :func:`keep`."""
+    return mask.to(torch.int32).neg_()
+
+
+def _and_bits(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    return torch.bitwise_and(x.view(torch.int32), bits).view(torch.float32)
+
+
+class _Keep(torch.autograd.Function):
+    """fp32 ``torch.where(mask, x, 0.0)``, forward and backward, as a bitwise AND with
+    :func:`keep_bits`: all ones keeps the value (NaN and inf included), 0 gives +0.0 whatever
+    the value was. On the CPU a ``where`` over an irregular mask (popped tokens, zero IS
+    weights) mispredicts a branch per element and costs 5-10x this vectorised AND."""
+
+    @staticmethod
+    def forward(ctx, x, bits):
+        ctx.save_for_backward(bits)
+        return _and_bits(x, bits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (bits,) = ctx.saved_tensors
+        return _and_bits(grad.float(), bits), None
+
+
+class _KeepGrad(torch.autograd.Function):
+    """Identity forward; backward zeroes the gradient outside the mask exactly (a NaN or inf
+    local derivative of a dropped token never reaches the input)."""
+
+    @staticmethod
+    def forward(ctx, x, bits):
+        ctx.save_for_backward(bits)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (bits,) = ctx.saved_tensors
+        return _and_bits(grad.float(), bits), None
+
+
+def keep(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 [N] ``x`` where ``bits`` are all ones, +0.0 elsewhere (differentiable)."""
+    return _Keep.apply(x, bits) if x.requires_grad else _and_bits(x, bits)
 
 
 def gate_weights(lp, old, rollout, mask, gate: Optional[str], gate_low: float,
@@ -94,30 +138,53 @@ def token_objective(spec: PolicyLossSpec, lp, old, adv, ratio, log_ratio, select
                     eps_high, dual_clip, p, need_stats=True
                     ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """(per-token loss l_t, per-token metric indicators) for every objective but geo_mean.
-    The indicators (clip, clip_lower, kl; absent = 0) are built only with ``need_stats``."""
+    The indicators (clip, clip_lower: bool; kl: float; absent = 0) are built only with
+    ``need_stats``. ``log_ratio`` may be None for reinforce without stats (unused)."""
     obj = spec.objective
-    ind = {"kl": -log_ratio} if need_stats else {}
-    if obj in ("ppo", "clip_cov"):
+    ind = {"kl": -log_ratio.detach()} if need_stats else {}
+    if obj in ("ppo", "clip_cov") and p.get("delta") is None:
+        # max(-A r, -A clip(r)) is -A min(r, 1 + eps_high) for A > 0 and -A max(r, 1 - eps_low)
+        # for A < 0; the dual clip min(., -A c) caps the latter at c: one clamp of r between
+        # per-token bounds (its gradient: r' inside the bounds, 0 outside, as autograd's
+        # maximum / minimum give it off ties), in a third of the passes of the literal form.
+        negative = adv < 0
+        cap = 1.0 + eps_high
+        upper = torch.where(negative, math.inf if dual_clip is None or obj == "clip_cov"
+                            else dual_clip, cap)
+        lower = torch.where(negative, 1.0 - eps_low, -math.inf)
+        loss = -adv * torch.clamp(ratio, lower, upper)
+        if need_stats:       # verl: pg2 > pg1, i.e. r above the cap (A > 0) or below the floor
+            ratio_d = ratio.detach()
+            ind["clip"] = torch.where(negative, ratio_d < 1.0 - eps_low,
+                                      (ratio_d > cap) & (adv > 0))
+            if obj == "ppo" and dual_clip is not None:
+                ind["clip_lower"] = negative & (ratio_d > dual_clip)
+        if obj == "clip_cov":
+            loss = torch.where(selection, 0.0, loss)
+            if need_stats:
+                ind["clip"] = selection
+        return loss, ind
+    if obj in ("ppo", "clip_cov"):                   # TRL's delta: the ratio capped first
         capped = ratio if p.get("delta") is None else torch.clamp(ratio, max=p["delta"])
         pg1 = -adv * capped
         pg2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
         loss = torch.maximum(pg1, pg2)
         if need_stats:
-            ind["clip"] = (pg2 > (pg1 if capped is ratio else -adv * ratio)).float()
+            ind["clip"] = pg2 > (pg1 if capped is ratio else -adv * ratio)
         if obj == "clip_cov":
             loss = torch.where(selection, 0.0, loss)
             if need_stats:
-                ind["clip"] = selection.float()
+                ind["clip"] = selection
         elif dual_clip is not None:
             bound = -adv * dual_clip
             if need_stats:
-                ind["clip_lower"] = ((loss > bound) & (adv < 0)).float()
+                ind["clip_lower"] = (loss > bound) & (adv < 0)
             loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
         return loss, ind
     if obj == "cispo":
         clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])
         if need_stats:
-            ind["clip"] = (ratio != clipped).float()
+            ind["clip"] = ratio != clipped
         return -clipped.detach() * adv * lp, ind
     if obj == "sapo":
         tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
@@ -137,14 +204,14 @@ def token_objective(spec: PolicyLossSpec, lp, old, adv, ratio, log_ratio, select
             valid_neg = (binary_kl <= eps_low) | (prob >= old_prob)
         valid = torch.where(adv > 0, valid_pos, valid_neg)
         if need_stats:
-            ind["clip"] = (~valid).float()
-            ind["clip_lower"] = ((ratio > p["ratio_cap"]) & valid).float()
+            ind["clip"] = ~valid
+            ind["clip_lower"] = (ratio > p["ratio_cap"]) & valid
         return torch.where(valid, -adv * truncated * lp, 0.0), ind
     if obj == "dro":
         return -(lp * adv - 0.5 * p["dro_beta"] * log_ratio.square()), ind
     if obj == "kl_cov":
         if need_stats:
-            ind["kl"] = log_ratio.abs()
+            ind["kl"] = log_ratio.detach().abs()
         return torch.where(selection, -adv * ratio + p["ppo_kl_coef"] * log_ratio.abs(),
                            -adv * ratio), ind
     raise AssertionError(obj)
@@ -173,15 +240,18 @@ def vespo_phi(adv, log_ratio, token_weights, rows, p):
     return phi, phi_rows.sum().detach() / max(rows.num_rows, 1)
 
 
-def reduce_tokens(terms, mask, rows, reduction, denominator, norm_length):
-    """verl's agg_loss over per-token terms already multiplied by the mask (bool [N])."""
+def reduce_tokens(terms, mask, rows, reduction, denominator, norm_length, num_masked=None):
+    """verl's agg_loss over per-token terms already multiplied by the mask (bool [N]);
+    ``num_masked``: ``mask.sum()`` when the caller has it."""
     if reduction == "none":
         return terms
     if reduction == "sum":
         return terms.sum()
     if reduction == "token_mean":
-        denom = mask.sum().clamp(min=1).float() if denominator is None else denominator
-        return terms.sum() / denom
+        if denominator is not None:
+            return terms.sum() / denominator
+        num_masked = mask.sum() if num_masked is None else num_masked
+        return terms.sum() / num_masked.clamp(min=1).float()
     seq_tokens = rows.sum(mask.float())
     seq_sums = rows.sum(terms)
     has_tokens = (seq_tokens > 0).float()
@@ -207,10 +277,12 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
     adv = adv.float()
     weight, popped = gate_weights(lp32, old, None if rollout is None else rollout.float(), mask,
                                   gate, gate_low, gate_high)
-    raw_log_ratio = lp32 - old
-    log_ratio = _clamp(raw_log_ratio, spec.log_ratio_clamp)
+    needs_log_ratio = (need_stats or spec.ratio != "token" or spec.objective != "reinforce")
+    raw_log_ratio = lp32 - old if needs_log_ratio else None
+    log_ratio = None if raw_log_ratio is None else _clamp(raw_log_ratio, spec.log_ratio_clamp)
     tw = None if token_weights is None else token_weights.float()
     stats = None
+    num_masked = None
 
     if spec.ratio == "geo_mean":
         mask_f = mask.float()
@@ -234,22 +306,26 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
             loss = losses.sum()
         else:
             loss = losses.sum() / (max(rows.num_rows, 1) if denominator is None else denominator)
-        if need_stats:
-            is_clipped = (log_ratio != clipped).float()
-            stats = {"pg_clipfrac": masked_mean(is_clipped * (adv > 0).float(), mask_f),
-                     "pg_clipfrac_lower": masked_mean(is_clipped * (adv < 0).float(), mask_f),
-                     "ppo_kl": masked_mean(-raw_log_ratio, mask_f)}
+        if need_stats:                  # verl's masked means; counts of bools are exact
+            num_masked = mask.sum()
+            denom = num_masked + 1e-8
+            clipped_tokens = (log_ratio.detach() != clipped.detach()) & mask
+            stats = {"pg_clipfrac": (clipped_tokens & (adv > 0)).sum() / denom,
+                     "pg_clipfrac_lower": (clipped_tokens & (adv < 0)).sum() / denom,
+                     "ppo_kl": -_and_bits(raw_log_ratio.detach(), keep_bits(mask)).sum() / denom}
     else:
         factor = weight if (tw is None or spec.objective == "vespo") else (
             tw if weight is None else weight * tw)
-        live = mask if factor is None else mask & (factor != 0)
-        if factor is not None and spec.ratio != "sequence":
+        live = mask if factor is None else mask & factor.bool()     # bool(w): w != 0
+        live_bits = keep_bits(live)
+        if factor is not None and spec.ratio != "sequence" and lp32.requires_grad:
             # A token of factor 0 (popped, zero IS weight) adds exactly 0 to the loss and the
             # gradient whatever its inputs (inf / NaN): no gradient path through it at all.
             # (TRL's sequence ratio keeps it: the token still moves its row's mean.)
-            lp32 = torch.where(live, lp32, lp32.detach())
-            raw_log_ratio = lp32 - old
-            log_ratio = _clamp(raw_log_ratio, spec.log_ratio_clamp)
+            lp32 = _KeepGrad.apply(lp32, live_bits)
+            if raw_log_ratio is not None:
+                raw_log_ratio = lp32 - old
+                log_ratio = _clamp(raw_log_ratio, spec.log_ratio_clamp)
         ratio = None
         if spec.ratio in ("token", "sequence_sum"):
             if spec.objective not in ("reinforce", "dro", "vespo"):
@@ -265,25 +341,37 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
         if spec.objective == "vespo":
             phi, phi_mean = vespo_phi(adv, torch.where(mask, log_ratio, 0.0).detach(), tw, rows,
                                       params)
-            loss_t, ind = -phi * adv * lp32, ({"kl": -log_ratio} if need_stats else {})
+            loss_t = -phi * adv * lp32
+            ind = {"kl": -log_ratio.detach()} if need_stats else {}
         else:
             loss_t, ind = token_objective(spec, lp32, old, adv, ratio, log_ratio, selection,
                                           eps_low, eps_high, dual_clip, params, need_stats)
-        terms = torch.where(live, loss_t if factor is None else loss_t * factor, 0.0)
-        loss = reduce_tokens(terms, mask, rows, reduction, denominator, norm_length)
+        terms = keep(loss_t if factor is None else loss_t * factor, live_bits)
+        if reduction == "token_mean" or need_stats:
+            num_masked = mask.sum()
+        loss = reduce_tokens(terms, mask, rows, reduction, denominator, norm_length,
+                             num_masked)
         if need_stats:
             if spec.ratio != "token" and spec.objective == "ppo":
-                ind["kl"] = -raw_log_ratio
+                ind["kl"] = -raw_log_ratio.detach()
+            mask_bits = live_bits if factor is None else keep_bits(mask)
             zero = torch.zeros((), device=lp.device)
-            denom = mask.sum() + 1e-8                     # verl's masked_mean denominator
-            mean = lambda key: (torch.where(mask, ind[key], 0.0).sum() / denom   # noqa: E731
-                                if key in ind else zero)
+            denom = num_masked + 1e-8                     # verl's masked_mean denominator
+
+            def mean(key):
+                if key not in ind:
+                    return zero
+                if ind[key].dtype == torch.bool:          # indicators: finite by construction
+                    return (ind[key] & mask).sum() / denom
+                return _and_bits(ind[key], mask_bits).sum() / denom
             stats = {"pg_clipfrac": mean("clip"), "pg_clipfrac_lower": mean("clip_lower"),
                      "ppo_kl": mean("kl")}
             if spec.objective == "vespo":
                 stats["phi_mean"] = phi_mean
     if need_stats:
+        if num_masked is None:
+            num_masked = mask.sum()
         stats["pop_frac"] = (torch.zeros((), device=lp.device) if popped is None else
-                             popped.float().sum() / mask.sum().clamp(min=1).float())
+                             popped.sum() / num_masked.clamp(min=1).float())
         stats = {k: v.detach().float() for k, v in stats.items()}
     return (loss if loss_scale == 1.0 else loss * loss_scale), stats

@@ -32,6 +32,7 @@ import torch
 from .. import _dispatch
 from . import _checks
 from ._policy_reference import Rows, policy_loss_reference
+from ._policy_torch import lean_applies, lean_policy_loss
 from .sequence_is import check_seq_is, seq_is_token_weights
 from ._policy_spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec,  # noqa: F401
                            resolve_params, resolve_variant)
@@ -175,10 +176,12 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
 
     gate '' = none; floats: log-ratio clamp
     (0 = none), sequence log-ratio cap (nan = none), gate_low, gate_high, eps_low, eps_high,
-    dual_clip, norm_length, loss_scale."""
+    dual_clip, norm_length, loss_scale[, sequence IS mode (0 none, 1 truncate, 2 mask; ratio
+    sequence / sequence_stopgrad only: reduced in the sequence kernel's phase 1 from
+    ``rollout_logprobs``), its low and high bounds]."""
     from . import _policy_kernels as kernels
     log_clamp, seq_max, gate_low, gate_high, eps_low, eps_high, dual, norm_length, \
-        loss_scale = floats
+        loss_scale, seq_is_code, seq_is_low, seq_is_high = (list(floats) + [0.0] * 3)[:12]
     spec = PolicyLossSpec(ratio, objective, log_ratio_clamp=log_clamp or None,
                           seq_log_ratio_max=None if seq_max != seq_max else seq_max)
     backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
@@ -218,7 +221,8 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
             row_len=row_len, adv_per_seq=adv_per_seq, gate_low=gate_low, gate_high=gate_high,
             eps_low=eps_low, eps_high=eps_high, dual_clip=dual if has_dual else None,
             params=params, has_delta=has_delta, block=block,
-            num_warps=4 if interpret or block <= 1024 else _WARPS_GPU)
+            num_warps=4 if interpret or block <= 1024 else _WARPS_GPU,
+            seq_is=int(seq_is_code), seq_is_low=seq_is_low, seq_is_high=seq_is_high)
     loss, scale = _reduce(spec, reduction, loss_terms, partials, mask, rows, denominator,
                           norm_length, loss_scale)
     stats = partials.double().sum(0).float()
@@ -339,10 +343,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         TRL sequence TIS / MIS): every token of sequence b is weighted by
         w_b = exp(clamp(sum_m (old - rollout), -20, 20)), "truncate": min(w_b, seq_is_high);
         "mask": w_b where seq_is_low <= w_b <= seq_is_high (low default 1 / high), else 0.
-        Computed by one row reduction before the kernel (:mod:`loss.sequence_is`), then a
-        token weight (times ``token_weights``). Not with vespo (TRL puts IS in its log w).
+        Sequence-ratio variants on the Triton backend (gspo, grpo_sequence, luspo) reduce
+        w_b in the sequence kernel's first phase; the others take one row reduction before
+        the kernel (:mod:`loss.sequence_is`) as a token weight (times ``token_weights``).
+        Not with vespo (TRL puts IS in its log w).
     **variant_params : float
-        The objective's parameters (CORE_API.md): delta; cispo_min, cispo_max; tau_pos,
+        The objective's parameters (docs/policy_loss.md): delta; cispo_min, cispo_max; tau_pos,
         tau_neg; ratio_cap; dro_beta; ppo_kl_coef; k_pos, lambda_pos, k_neg, lambda_neg.
 
     Returns
@@ -399,16 +405,21 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
                                        loss_mask, token_weights, rollout_logprobs)
     flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
-    if seq_is is not None:
-        mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
-                if loss_mask is None else flat(loss_mask) != 0)
+    mask = None
+    if seq_is is not None or backend == "torch":
+        mask = _bool_mask(flat(loss_mask), logprobs)
+    # The sequence kernel reduces the sequence IS weight in its first phase (no pass, no [N]
+    # weights); elsewhere one torch row reduction makes it a token weight.
+    seq_is_in_kernel = (seq_is is not None and backend != "torch"
+                        and spec.ratio in ("sequence_stopgrad", "sequence"))
+    if seq_is is not None and not seq_is_in_kernel:
         rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
         seq_weights = seq_is_token_weights(flat(old_logprobs), flat(rollout_logprobs), mask,
                                            rows, seq_is, seq_is_high,
                                            seq_is_low).reshape(logprobs.shape)
         token_weights = (seq_weights if token_weights is None
                          else token_weights.float() * seq_weights)
-    if gate is None:
+    if gate is None and not seq_is_in_kernel:
         rollout_logprobs = None               # read by seq_is only
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros(logprobs.shape, dtype=torch.bool, device=logprobs.device)
@@ -416,15 +427,20 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
         adv = (rows.spread(advantages) if advantages.shape != logprobs.shape
                else flat(advantages))
-        mask = (torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
-                if loss_mask is None else flat(loss_mask) != 0)
-        loss, stats = policy_loss_reference(
-            spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,
-            eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
-            token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
-            gate_low=lo, gate_high=hi, selection=flat(selection), reduction=reduction,
-            denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
-            params=params, need_stats=return_stats)
+        if lean_applies(spec, gate):
+            loss, stats = lean_policy_loss(
+                spec, flat(logprobs), flat(old_logprobs), adv, mask, rows, eps_low=eps_low,
+                eps_high=eps_high, token_weights=flat(token_weights), reduction=reduction,
+                denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
+                params=params, need_stats=return_stats)
+        else:
+            loss, stats = policy_loss_reference(
+                spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,
+                eps_low=eps_low, eps_high=eps_high, dual_clip=dual,
+                token_weights=flat(token_weights), rollout=flat(rollout_logprobs), gate=gate,
+                gate_low=lo, gate_high=hi, selection=flat(selection), reduction=reduction,
+                denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
+                params=params, need_stats=return_stats)
     else:
         contiguous = lambda t: None if t is None else t.contiguous().reshape(-1)  # noqa: E731
         if denominator is not None and not isinstance(denominator, torch.Tensor):
@@ -439,6 +455,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                   float("nan") if spec.seq_log_ratio_max is None else spec.seq_log_ratio_max,
                   lo, hi, eps_low, eps_high, 1.0 if dual is None else dual,
                   1.0 if norm_length is None else norm_length, loss_scale]
+        if seq_is_in_kernel:
+            floats += [1.0 if seq_is == "truncate" else 2.0,
+                       0.0 if seq_is_low is None else seq_is_low, seq_is_high]
         loss, _, _, sums = _policy_op(
             contiguous(logprobs), contiguous(old_logprobs), contiguous(advantages),
             contiguous(loss_mask), contiguous(token_weights), contiguous(rollout_logprobs),
@@ -453,6 +472,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if reduction == "none" and spec.ratio != "geo_mean":
         loss = loss.reshape(logprobs.shape)
     return (loss, stats) if return_stats else loss
+
+
+def _bool_mask(flat_mask: Optional[torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
+    """The flat loss mask as bool [N] (a bool mask as it is: no pass over it)."""
+    if flat_mask is None:
+        return torch.ones(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
+    return flat_mask if flat_mask.dtype == torch.bool else flat_mask != 0
 
 
 def _stats_from_sums(sums: torch.Tensor) -> Dict[str, torch.Tensor]:

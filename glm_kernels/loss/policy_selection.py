@@ -62,8 +62,9 @@ def kl_cov_selection(logprobs: torch.Tensor, advantages: torch.Tensor,
     ratio_arg = _dispatch.check_finite_number("kl_cov_ratio", kl_cov_ratio, positive=True)
     valid = loss_mask.reshape(-1) > 0
     valid_idx = torch.nonzero(valid, as_tuple=True)[0]
-    adv = advantages.reshape(-1)[valid].detach().cpu()
-    lp = logprobs.reshape(-1)[valid].detach().cpu()
+    # gathered by the index already found (a boolean index would search the mask again)
+    adv = advantages.reshape(-1).detach()[valid_idx].cpu()
+    lp = logprobs.reshape(-1).detach()[valid_idx].cpu()
     selected = torch.zeros(logprobs.numel(), dtype=torch.bool, device=logprobs.device)
     if len(adv) > 0 and min(ratio_arg, len(adv)) != 0:
         cov = (adv - adv.mean()) * (lp - lp.mean())

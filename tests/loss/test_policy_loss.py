@@ -461,15 +461,18 @@ def test_vespo_weight_is_trls_gamma_weight(any_backend, weighted):
     assert abs(stats["phi_mean"].item() - phi.mean().item()) <= FP32 * phi.mean().item()
 
 
-@pytest.mark.parametrize("name", ["vanilla", "grpo_sequence", "geo_mean", "cispo"])
+@pytest.mark.parametrize("name", ["vanilla", "grpo_sequence", "gspo", "geo_mean", "cispo"])
 def test_seq_is_kernel_matches_reference(kernel_backend, name):
-    """Sequence IS composed with the gate, packed rows: kernels vs the torch reference."""
+    """Sequence IS composed with the gate, packed rows: kernels vs the torch reference (gspo /
+    grpo_sequence: the weight reduced inside the sequence kernel; the others: a torch row
+    reduction before it)."""
     batch, cu = pack(make_batch(51))
     reduction = POLICY_VARIANTS[name].default_reduction
     check_against_reference(name, batch, reduction, gate="coupled", cu_seqlens=cu,
                             weights=True, seq_is="mask", seq_is_high=3.0, seq_is_low=0.2)
+    # this batch's row weights are 2e-9 .. 0.5: a bound of 0.4 truncates some, keeps others
     check_against_reference(name, batch, reduction, cu_seqlens=cu, seq_is="truncate",
-                            seq_is_high=1.5)
+                            seq_is_high=0.4)
 
 
 @pytest.mark.parametrize("change,error,name", [
@@ -517,3 +520,51 @@ def test_zero_factor_tokens_with_nonfinite_inputs_contribute_nothing(any_backend
     assert_close(got[0], clean[0], tol=FP32, name="loss")
     assert bool((got[1][0, 5:8] == 0).all())
     assert_close(got[1], clean[1], tol=FP32, name="grad")
+
+
+LEAN_PRESETS = [n for n, s in POLICY_VARIANTS.items()
+                if s.ratio == "token" and s.objective in ("reinforce", "dro", "sapo", "cispo")]
+
+
+@pytest.mark.parametrize("name", LEAN_PRESETS)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_torch_path_matches_readable_reference(name, weighted, dtype):
+    """The torch backend's lean path (loss + hand-written per-token gradient, one autograd
+    node) equals the readable autograd reference: loss, gradient and stats, every reduction,
+    with a factor-0 token holding NaN / inf inputs when weighted."""
+    from glm_kernels.loss import _policy_torch as lean_mod
+    from glm_kernels.loss._policy_spec import resolve_params
+    batch = make_batch(zlib.crc32(name.encode()) % 1000, dtype=dtype)
+    if weighted:
+        batch["weights"][0, 5] = 0.0
+        batch["mask"][0, 5] = True
+        batch["lp"][0, 5], batch["old"][0, 5] = float("nan"), float("inf")
+    spec = POLICY_VARIANTS[name]
+    params = resolve_params(spec, dict(PARAMS.get(name, {})), 0.2, 0.28)
+    rows = ref_mod.Rows(200, 5, 40, None, "cpu")
+    assert lean_mod.lean_applies(spec, None) and not lean_mod.lean_applies(spec, "coupled")
+    for reduction in TOKEN_REDUCTIONS:
+        outs = []
+        for fn in (ref_mod.policy_loss_reference, lean_mod.lean_policy_loss):
+            lp = batch["lp"].reshape(-1).clone().requires_grad_(True)
+            extra = {} if fn is lean_mod.lean_policy_loss else dict(
+                dual_clip=None, rollout=None, gate=None, gate_low=0.5, gate_high=2.0,
+                selection=None)
+            loss, stats = fn(spec, lp, batch["old"].reshape(-1), batch["adv"].reshape(-1),
+                             batch["mask"].reshape(-1), rows, eps_low=0.2, eps_high=0.28,
+                             token_weights=batch["weights"].reshape(-1) if weighted else None,
+                             reduction=reduction, denominator=None,
+                             norm_length=40.0 if reduction == "seq_mean_token_sum_norm" else None,
+                             loss_scale=0.5, params=params, need_stats=True, **extra)
+            upstream = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+            (loss * upstream).sum().backward()
+            outs.append((loss.detach(), lp.grad.float(), stats))
+        (ref_loss, ref_grad, ref_stats), (got_loss, got_grad, got_stats) = outs
+        if weighted:                                # token (0, 5): factor 0, NaN / inf inputs
+            assert torch.isfinite(got_grad).all() and bool(got_grad[5] == 0)
+        assert_close(got_loss, ref_loss, tol=FP32, name=f"{name} {reduction} loss")
+        assert_close(got_grad, ref_grad, tol=FP32, name=f"{name} {reduction} grad")
+        assert set(got_stats) == set(ref_stats)
+        for key in ref_stats:
+            assert_close(got_stats[key], ref_stats[key], tol=FP32, name=f"{name} {key}")

@@ -1,0 +1,139 @@
+"""The torch backend's lean path for the short token objectives (verl gpg / REINFORCE, DRO,
+SAPO, CISPO; no IcePop gate): the Triton kernel's design in torch ops.
+
+The loss and each token's gradient coefficient ``g_t = d(loss)/d lp_t`` are computed in one
+forward without an autograd graph over the [N] tensors; one autograd node's backward is the
+multiply ``g * dL``. With ``u_t = w_t l_t`` (w: token weights, detached) and r = exp(clamp(lr)):
+
+* reinforce ``l = -A lp``: ``dl/dlp = -A``;
+* dro ``l = -(A lp - beta/2 lr^2)``: ``dl/dlp = beta lr - A``;
+* sapo ``l = -(4/tau) A sigmoid(tau (r - 1))``: ``dl/dlp = -4 A s (1 - s) r``;
+* cispo ``l = -sg(clip(r)) A lp``: ``dl/dlp = -clip(r) A``;
+
+each times 1[|lr| <= clamp] on the terms through r or lr (the clamp's gradient), and zeroed
+exactly (whatever the inputs) outside the mask and where w = 0, as the reference's
+``where``. The readable autograd version of every variant is ``_policy_reference.py`` (the
+tests' oracle); these objectives cost ~0.3-1 ms in verl, so the reference's fixed cost of
+an autograd graph (~10 nodes) and its masking passes showed against them.
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ._policy_reference import Rows, _and_bits, keep_bits
+from ._policy_spec import PolicyLossSpec
+
+LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo")
+
+
+def lean_applies(spec: PolicyLossSpec, gate: Optional[str]) -> bool:
+    """Whether :func:`lean_policy_loss` computes this variant."""
+    return gate is None and spec.ratio == "token" and spec.objective in LEAN_OBJECTIVES
+
+
+class _LossWithCoefficients(torch.autograd.Function):
+    """``value`` in forward; backward: ``coef * dL`` (coef already holds the reduction's
+    per-token factor), in log-probs' dtype."""
+
+    @staticmethod
+    def forward(ctx, lp, value, coef):
+        ctx.save_for_backward(coef)
+        ctx.lp_dtype = lp.dtype
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (coef,) = ctx.saved_tensors
+        return (coef * grad).to(ctx.lp_dtype), None, None
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
+    """(w_t l_t, w_t dl_t/dlp_t, log-ratio or None, ratio or None): the four lean objectives
+    (``tw``: token weights or None)."""
+    obj = spec.objective
+    if obj == "reinforce":           # linear in lp: the weighted slope times lp is the loss
+        log_ratio = (lp - old) if need_log_ratio else None
+        slope = -adv if tw is None else adv * -tw
+        return slope * lp, slope, log_ratio, None
+    raw = lp - old
+    bound = spec.log_ratio_clamp
+    log_ratio = raw if bound is None else torch.clamp(raw, -bound, bound)
+    inside = None if bound is None else (raw.abs() <= bound)
+    if obj == "dro":
+        beta = p["dro_beta"]
+        loss = 0.5 * beta * log_ratio.square() - adv * lp
+        slope = beta * log_ratio if inside is None else beta * log_ratio * inside
+        slope = slope - adv
+        return (loss, slope, log_ratio, None) if tw is None else (
+            loss * tw, slope * tw, log_ratio, None)
+    ratio = torch.exp(log_ratio)
+    if obj == "sapo":
+        tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
+        gate = torch.sigmoid(tau * (ratio - 1.0))
+        scaled_adv = adv * 4.0
+        loss = -gate * scaled_adv / tau
+        grad = -scaled_adv * gate * (1.0 - gate) * ratio
+        grad = grad if inside is None else grad * inside
+        return (loss, grad, log_ratio, ratio) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio)
+    clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])          # cispo
+    slope = -clipped * adv if tw is None else -clipped * adv * tw
+    return slope * lp, slope, log_ratio, ratio
+
+
+def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, eps_low,
+                     eps_high, token_weights, reduction, denominator, norm_length, loss_scale,
+                     params, need_stats) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
+    """The reference's (loss, stats) for :data:`LEAN_OBJECTIVES` without a gate; arguments as
+    :func:`_policy_reference.policy_loss_reference` (flat [N], ``mask`` bool)."""
+    lp_in = lp
+    lp, old, adv = _f32(lp.detach()), _f32(old), _f32(adv)
+    tw = None if token_weights is None else _f32(token_weights)
+    loss_t, dl, log_ratio, ratio = _objective(spec, lp, old, adv, tw, params, need_stats)
+    live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
+    bits = keep_bits(live)
+    terms = _and_bits(loss_t, bits)
+    num_masked = None
+    if reduction == "token_mean" or need_stats:
+        num_masked = torch.count_nonzero(mask)          # 2/3 of a bool sum's time on the CPU
+    if reduction == "none":
+        value, token_scale = terms, None
+    elif reduction == "sum":
+        value, token_scale = terms.sum(), None
+    elif reduction == "token_mean":
+        denom = num_masked.clamp(min=1).float() if denominator is None else denominator
+        value, token_scale = terms.sum() / denom, torch.reciprocal(torch.as_tensor(denom))
+    else:
+        seq_tokens = rows.sum(mask.float())
+        has_tokens = (seq_tokens > 0).float()
+        denom = has_tokens.sum().clamp(min=1.0) if denominator is None else denominator
+        row_scale = has_tokens / denom
+        if reduction == "seq_mean_token_mean":
+            row_scale = row_scale / seq_tokens.clamp(min=1.0)
+        elif reduction == "seq_mean_token_sum_norm":
+            row_scale = row_scale / norm_length
+        value, token_scale = (rows.sum(terms) * row_scale).sum(), rows.spread(row_scale)
+    if loss_scale != 1.0:
+        value = value * loss_scale
+        token_scale = loss_scale if token_scale is None else token_scale * loss_scale
+    if lp_in.requires_grad and torch.is_grad_enabled():
+        coef = _and_bits(dl, bits)
+        if token_scale is not None:
+            coef = coef * token_scale
+        loss = _LossWithCoefficients.apply(lp_in, value, coef)
+    else:
+        loss = value
+    stats = None
+    if need_stats:
+        denom = num_masked + 1e-8                      # verl's masked_mean denominator
+        zero = torch.zeros((), device=lp.device)
+        kl = -_and_bits(log_ratio, keep_bits(mask)).sum() / denom
+        clip = (((ratio != torch.clamp(ratio, params["cispo_min"], params["cispo_max"]))
+                 & mask).sum() / denom if spec.objective == "cispo" else zero)
+        stats = {"pg_clipfrac": clip.float(), "pg_clipfrac_lower": zero,
+                 "ppo_kl": kl.float(), "pop_frac": zero}
+    return loss, stats
