@@ -195,6 +195,61 @@ def test_fused_linear_icepop_loss(backend):
     check_compiled_matches_eager(step, leaves)
 
 
+def test_policy_loss(backend):
+    """A token-ratio preset with the IcePop gate and a sequence-ratio one (GSPO) with stats:
+    both kernels of the family in one graph."""
+    old, adv, mask, fmask = _lp_batch((3, 9), seed=30)
+    rollout = old + _randn((3, 9), 31, scale=0.3)
+    leaves = [(old + _randn((3, 9), 32, scale=0.3)).to(dt) for dt in FLOATS]
+
+    def step(*lps):
+        outs = []
+        for lp in lps:
+            for m in (mask, fmask):
+                outs.append(glm_kernels.policy_loss(
+                    lp, old, adv, m, variant="vanilla", dual_clip=3.0, gate="decoupled",
+                    rollout_logprobs=rollout))
+                loss, stats = glm_kernels.policy_loss(lp, old, adv[:, 0], m, variant="gspo",
+                                                      return_stats=True)
+                outs += [loss, stats["pg_clipfrac"]]
+        return (sum(outs[0::3]) + sum(outs[1::3]),) + tuple(outs)
+    check_compiled_matches_eager(step, leaves)
+
+
+def test_kl_penalty_loss(backend):
+    ref, _, mask, fmask = _lp_batch((3, 9), seed=33)
+    leaves = [(ref + _randn((3, 9), 34, scale=0.5)).to(dt) for dt in FLOATS]
+
+    def step(*lps):
+        outs = []
+        for lp in lps:
+            for m in (mask, fmask):
+                outs.append(glm_kernels.kl_penalty_loss(
+                    log_prob=lp, ref_log_prob=ref, response_mask=m, kl_penalty="low_var_kl",
+                    loss_agg_mode="seq-mean-token-mean"))
+            outs.append(glm_kernels.kl_penalty_terms(lp, ref, kl_penalty="k3",
+                                                     clamp=False).sum())
+        return (sum(outs),) + tuple(outs)
+    check_compiled_matches_eager(step, leaves)
+
+
+def test_fused_linear_logprobs(backend):
+    ids, _ = _logits_batch(2 * 5, 23, seed=35)
+    ids = ids.reshape(2, 5)
+    leaves = []
+    for dt in FLOATS:
+        leaves += [_randn((2, 5, 8), 36, dt), _randn((23, 8), 37, dt, scale=0.5)]
+
+    def step(*tensors):
+        outs = []
+        for hidden, weight in zip(tensors[0::2], tensors[1::2]):
+            logprobs, entropy = glm_kernels.fused_linear_logprobs(
+                hidden, weight, ids, return_entropy=True, chunk_size=3)
+            outs += [logprobs.sum() + 0.1 * entropy.sum(), logprobs, entropy]
+        return (sum(outs[0::3]),) + tuple(outs)
+    check_compiled_matches_eager(step, leaves)
+
+
 TOPK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
                torch.int64)
 
