@@ -148,6 +148,13 @@ def test_multi_turn_sessions_keep_their_engine_and_its_prefix(cfg, group):
                          health_interval=0.5)
     rollout.start(None, _tool_caller(cfg))
     taken = take(rollout, 64)
+    # Sessions spread over every engine. The previous test's replacement engine may still be
+    # importing torch (seconds idle, a minute at load 30): beside `make demo` the first 64
+    # samples all came from the other engine (make test, 2026-12-05).
+    deadline = time.monotonic() + 120
+    while {s["engine"] for s in taken} != set(group.alive()):
+        assert time.monotonic() < deadline, f"engines never served: {group.alive()}"
+        taken += take(rollout, 16)
     stats = rollout.stats()
     # Every second turn (the answer after the tool) found the first turn's prefix on its
     # engine: measured by the engines, not by the router's own table.
@@ -155,7 +162,6 @@ def test_multi_turn_sessions_keep_their_engine_and_its_prefix(cfg, group):
     assert stats["prefix_reused_tokens"] > 0 and stats["turns_moved"] == 0
     assert set(stats["engine_load"]) >= set(group.alive()) and "queue_wait_s" in stats
     assert set(stats["engine_idle_s"]) == set(group.alive())
-    assert {s["engine"] for s in taken} == set(group.alive())
     _accounted(rollout, taken)
 
 
