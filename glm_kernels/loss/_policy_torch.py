@@ -26,6 +26,20 @@ from ._policy_spec import PolicyLossSpec
 LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo")
 
 
+def seq_row_scale(row_tokens: torch.Tensor, reduction: str, denominator, norm_length):
+    """The per-sequence factor of the ``seq_mean_*`` reductions (shared by the kernels' and
+    this path's reductions): 1[row has tokens] / (the number of such rows, or
+    ``denominator``), then / the row's tokens (token mean) or / ``norm_length`` (sum norm)."""
+    has_tokens = (row_tokens > 0).float()
+    denom = has_tokens.sum().clamp(min=1.0) if denominator is None else denominator
+    row_scale = has_tokens / denom
+    if reduction == "seq_mean_token_mean":
+        row_scale = row_scale / row_tokens.clamp(min=1.0)
+    elif reduction == "seq_mean_token_sum_norm":
+        row_scale = row_scale / norm_length
+    return row_scale
+
+
 def lean_applies(spec: PolicyLossSpec, gate: Optional[str]) -> bool:
     """Whether :func:`lean_policy_loss` computes this variant."""
     return gate is None and spec.ratio == "token" and spec.objective in LEAN_OBJECTIVES
@@ -108,14 +122,7 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
         denom = num_masked.clamp(min=1).float() if denominator is None else denominator
         value, token_scale = terms.sum() / denom, torch.reciprocal(torch.as_tensor(denom))
     else:
-        seq_tokens = rows.sum(mask.float())
-        has_tokens = (seq_tokens > 0).float()
-        denom = has_tokens.sum().clamp(min=1.0) if denominator is None else denominator
-        row_scale = has_tokens / denom
-        if reduction == "seq_mean_token_mean":
-            row_scale = row_scale / seq_tokens.clamp(min=1.0)
-        elif reduction == "seq_mean_token_sum_norm":
-            row_scale = row_scale / norm_length
+        row_scale = seq_row_scale(rows.sum(mask.float()), reduction, denominator, norm_length)
         value, token_scale = (rows.sum(terms) * row_scale).sum(), rows.spread(row_scale)
     if loss_scale != 1.0:
         value = value * loss_scale

@@ -32,7 +32,7 @@ import torch
 from .. import _dispatch
 from . import _checks
 from ._policy_reference import Rows, policy_loss_reference
-from ._policy_torch import lean_applies, lean_policy_loss
+from ._policy_torch import lean_applies, lean_policy_loss, seq_row_scale
 from .sequence_is import check_seq_is, seq_is_token_weights
 from ._policy_spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec,  # noqa: F401
                            resolve_params, resolve_variant)
@@ -151,14 +151,7 @@ def _reduce(spec, reduction, loss_terms, partials, mask, rows, denominator, norm
         row_sums, row_tokens = partials[:, 0], partials[:, 1]
     else:
         row_sums, row_tokens = rows.sum(loss_terms), rows.sum(mask.float())
-    has_tokens = (row_tokens > 0).float()
-    denom = has_tokens.sum().clamp(min=1.0) if denominator is None else denominator
-    row_scale = has_tokens / denom
-    if reduction == "seq_mean_token_mean":
-        row_scale = row_scale / row_tokens.clamp(min=1.0)
-    if reduction == "seq_mean_token_sum_norm":
-        row_scale = row_scale / norm_length
-    row_scale = row_scale * loss_scale
+    row_scale = seq_row_scale(row_tokens, reduction, denominator, norm_length) * loss_scale
     return (row_sums * row_scale).sum(), row_scale
 
 
