@@ -30,9 +30,8 @@ import triton.language as tl
 
 from .._aot import AotSpec
 from .._triton_compat import constexpr_function
-from .._dispatch import triton_version
 from ._kernels import PAD, _fill_like, _order_key, _pack, _topk_desc, _unpack_index
-from .topk import radix_wide_tile
+from ._radix_launch import radix_launch, radix_wide_tile
 
 
 @triton.jit
@@ -273,32 +272,6 @@ def _topk_radix_kernel(
             tl.store(values_ptr + out_row + slot, value, mask=keep)
             tl.store(indices_ptr + out_row + slot, index, mask=keep)
             tl.debug_barrier()          # the next row reuses this program's scratch
-
-
-# Launch parameters per Triton release (ptxas's register choice follows Triton's codegen;
-# benchmarks/aot_report.py --check guards every configuration on the oldest and the newest
-# Triton that CI tests):
-# * Triton >= 3.7: two 8-warp programs per SM, 65536 / 512 threads = 128 registers. Left to
-#   itself ptxas settles on 128 with a 32-48 B stack of spilled loop invariants for the tiled
-#   8-warp launch; told the cap, it fits in 127 with none. The 16-warp and direct launches
-#   compile without spills uncapped and spill 16 B when capped, so they keep ptxas's choice.
-# * Triton 3.6 keeps more values live: the tiled launches need 196-232 registers (sm_90 AOT),
-#   so they run uncapped at 8 warps, one program per SM (16 warps would cap them at 128 and
-#   spill 80 B; a 128 cap at 8 warps spills 40 B); its direct launch spills 40 B at ptxas's own
-#   choice (128) and none when capped at 168. 168 registers fit 8 warps, not 16 (16 x 32 x
-#   168 = 86016 > the 65536-register file: such a launch fails), so it runs at most 8 warps.
-# * Triton 3.4 as 3.6 (tiled: 196-227 registers uncapped at 8 warps; direct: 166-168 capped
-#   at 168), with 2048-entry tiles: a 4096 tile needs more than 255 registers there
-#   (topk.radix_wide_tile; on 3.6 the direct launch's 4096 tile spills at 168, so it too).
-RADIX_MAXNREG_8_WARPS = 128
-_TRITON_3_6_DIRECT_MAXNREG = 168
-
-
-def radix_launch(num_warps: int, direct: bool):
-    """(num_warps, maxnreg) a radix launch asked for ``num_warps`` runs with here."""
-    if triton_version() < (3, 7):
-        return min(num_warps, 8), (_TRITON_3_6_DIRECT_MAXNREG if direct else None)
-    return num_warps, (RADIX_MAXNREG_8_WARPS if num_warps == 8 and not direct else None)
 
 
 def topk_radix(x2d, lengths, values, indices, scratch, candidates, *, k, fill, is_float,

@@ -30,6 +30,7 @@ import torch
 
 from .. import _dispatch
 from . import _reference
+from ._radix_launch import radix_wide_tile
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
                     torch.int64)
@@ -103,15 +104,6 @@ def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
                       candidates=8192,
                       programs=min(n_rows, 2 * sms),
                       num_warps=16 if few_rows or _next_pow2(k) >= 4096 else 8)
-
-
-def radix_wide_tile(direct: bool) -> int:
-    """The radix tile of a launch with fewer rows than SMs: 4096, or 2048 where that code
-    spills at the at most 8 warps Triton < 3.7 runs (``_radix_kernels.radix_launch``; sm_90
-    AOT): the tiled kernel on Triton < 3.6 (> 255 registers, 8-32 B of stack on 3.4) and the
-    direct one on < 3.7 (168-register cap, 24-64 B of stack on 3.6)."""
-    version = _dispatch.triton_version()
-    return 4096 if version >= (3, 7) or (version >= (3, 6) and not direct) else 2048
 
 
 def _check_config(config: TopkConfig, dtype: torch.dtype) -> None:
