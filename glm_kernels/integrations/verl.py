@@ -49,7 +49,6 @@ log-probs verl gives it.
 from __future__ import annotations
 
 import importlib.util
-import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -167,33 +166,11 @@ def icepop_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
             stats["pop_frac"] = (n_masked - n_kept) / n_masked.clamp(min=1)
             stats["icepop_ratio_mean"] = (torch.where(mask, weights.float(), 0.0).sum()
                                           / n_kept.clamp(min=1))
-    # One host transfer for the metrics and the loss's finiteness (verl's .item()s sync too).
-    values = torch.stack([pg_loss.detach().float()] + [stats[key].float() for key in keys])
-    loss_value, *metric_values = values.tolist()
-    if not math.isfinite(loss_value):
-        pg_loss = _without_popped_inputs(log_prob, old, adv, mask, rollout_is_weights, gate)
+    # One host transfer for the metrics (verl's .item()s sync too). A popped token (weight 0,
+    # or outside the coupled gate) adds exactly 0 even with inf / NaN inputs: policy_loss
+    # guarantees it.
+    metric_values = torch.stack([stats[key].float() for key in keys]).tolist()
     return pg_loss, {f"actor/{key}": value for key, value in zip(keys, metric_values)}
-
-
-def _without_popped_inputs(log_prob, old, adv, mask, rollout_is_weights, gate_kwargs):
-    """The loss again with the popped tokens' inputs set to 0: a popped token (weight 0, or
-    outside the coupled gate, or a NaN ratio) contributes exactly 0 to the loss and the
-    gradient even when its log-probs or advantage are inf or NaN (verl's vanilla loss turns
-    0 * NaN into a NaN loss; the core op multiplies by the weight). Runs only when the first
-    loss was not finite; a non-finite kept token still gives a non-finite loss."""
-    with torch.no_grad():
-        if rollout_is_weights is None:
-            rho = torch.exp((log_prob.detach().float() - old.float()).clamp(
-                -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-            kept = (rho >= gate_kwargs["gate_low"]) & (rho <= gate_kwargs["gate_high"])
-        else:
-            kept = rollout_is_weights != 0
-        popped = mask & ~kept
-    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
-    clean = [torch.where(popped, zero.to(t.dtype), t) for t in (log_prob, old, adv)]
-    if rollout_is_weights is None:
-        gate_kwargs = {**gate_kwargs, "rollout_logprobs": clean[1]}
-    return policy_loss(*clean, mask, **gate_kwargs)
 
 
 if importlib.util.find_spec("verl") is not None:
