@@ -15,8 +15,6 @@ multiply. Registered as the custom ops ``glm_kernels::kl_penalty_loss`` and
 ``glm_kernels::kl_penalty_terms`` (fake kernels give the real shapes), so both trace through
 ``torch.compile(fullgraph=True)``.
 """
-from __future__ import annotations
-
 import numbers
 from typing import Optional, Tuple
 
