@@ -62,7 +62,8 @@ import torch
 
 from ..loss import fused_linear_icepop_loss
 from ..loss.mismatch import MISMATCH_KEYS
-from .trl_loss import DEFAULT_MEMORY_BUDGET, LOSS_TYPES, FusedGRPOLoss, check_loss_options
+from .trl_loss import (DEFAULT_MEMORY_BUDGET, LOSS_TYPES, FusedGRPOLoss, check_loss_options,
+                       vllm_is_ratio)
 
 __all__ = ["FusedGRPOTrainer", "IcePopGRPOTrainer", "IcePopGRPOConfig", "generate_with_logprobs",
            "INSTALL_HINT", "LOSS_TYPES", "SUPPORTED_LOSS_TYPES"]
@@ -72,7 +73,7 @@ INSTALL_HINT = "pip install 'trl==1.16.0' 'transformers==5.10.4'"
 # vocabulary); every other option goes through trl_loss's path (log-probs, then the loss).
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 MODES = ("coupled", "decoupled")
-DECOUPLED_IS_MODES = ("token_mask", "token_truncate")
+TOKEN_IS_MODES = ("token_mask", "token_truncate")
 
 _classes: Dict[str, type] = {}
 
@@ -226,17 +227,14 @@ def _build_classes() -> None:
             if not 0.0 <= low <= high:
                 raise ValueError(f"IcePop gate needs 0 <= icepop_gate_low <= icepop_gate_high, "
                                  f"got [{low}, {high}]")
-            if self.icepop_mode == "decoupled" and \
-                    self.vllm_importance_sampling_mode not in DECOUPLED_IS_MODES:
+            # The trainer applies TRL's IS correction with or without vLLM, so it refuses
+            # what TRL refuses when it applies it (TRL: GRPOTrainer.__init__ with vLLM).
+            if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
+                    self.vllm_importance_sampling_mode not in TOKEN_IS_MODES:
                 raise ValueError(
-                    f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: "
-                    f"decoupled IcePop supports {list(DECOUPLED_IS_MODES)} (token_mask = the "
-                    f"IcePop gate, token_truncate = TIS)")
-            if self.icepop_mode == "coupled" and \
-                    self.vllm_importance_sampling_mode == "token_truncate":
-                raise ValueError("vllm_importance_sampling_mode='token_truncate' (TIS) needs "
-                                 "icepop_mode='decoupled'; coupled mode gates on "
-                                 "exp(logp - rollout) itself")
+                    f"VESPO loss requires `vllm_importance_sampling_mode` to be either "
+                    f"'token_truncate' or 'token_mask'. Got: "
+                    f"{self.vllm_importance_sampling_mode}.")
 
         def icepop_gate(self):
             low = (1.0 / self.icepop_beta if self.icepop_gate_low is None
@@ -277,8 +275,10 @@ def _build_classes() -> None:
             self.icepop_config = args
             self.fused_chunk_size = args.icepop_chunk_size
             self.fused_memory_budget = args.icepop_memory_budget
-            # The gate is the IS correction, from the raw log-probs; TRL's own (and the
-            # old-log-prob forward it triggers) is turned off.
+            # The trainer applies TRL's IS correction itself (with the gate, from the raw
+            # log-probs, also without vLLM); TRL's own, and the old-log-prob forward it
+            # triggers, is turned off.
+            self.icepop_is_correction = bool(args.vllm_importance_sampling_correction)
             self.vllm_importance_sampling_correction = False
             self.icepop_calls = 0
 
@@ -311,14 +311,49 @@ def _build_classes() -> None:
         # ------------------------------------------------------------------ loss
         def _single_pass(self) -> bool:
             """The default recipe (token-level clip, no KL, no entropy option, no OPSM, no
-            delta below 1 + epsilon_high): one fused pass computes the loss and its gradient
-            (``fused_linear_icepop_loss``: the logits once, not twice)."""
+            delta below 1 + epsilon_high) with a gate the fused pass expresses: one fused
+            pass computes the loss and its gradient (``fused_linear_icepop_loss``: the logits
+            once, not twice)."""
             return (self.loss_type in SUPPORTED_LOSS_TYPES
                     and self.importance_sampling_level == "token" and self.beta == 0.0
                     and not self.aux_loss_enabled
                     and self.top_entropy_quantile >= 1.0 and not self._entropy_bonus_enabled
                     and self.off_policy_mask_threshold is None
-                    and (self.args.delta is None or self.args.delta >= 1 + self.epsilon_high))
+                    and (self.args.delta is None or self.args.delta >= 1 + self.epsilon_high)
+                    and self._single_pass_gate() is not None)
+
+        def _single_pass_gate(self):
+            """(gate_low, gate_high) of the fused pass, or None when the IS mode does not
+            reduce to its gate (finite bounds, low < high). Coupled: TRL's IS ratio is 1, kept
+            by the mode as 1 for the usual bounds. Decoupled token_mask: TRL's weight
+            k 1[C_min <= k <= C_max] times the gate 1[lo <= k <= hi] is the fused decoupled
+            weight k 1[max(lo, C_min) <= k <= min(hi, C_max)]."""
+            low, high = self.icepop_config.icepop_gate()
+            if self.icepop_config.icepop_mode == "coupled":
+                if self.icepop_is_correction and self._coupled_is_weight() != 1.0:
+                    return None
+            elif not self.icepop_is_correction or \
+                    self.vllm_importance_sampling_mode != "token_mask":
+                return None
+            else:
+                c_min, c_max = self.vllm_importance_sampling_clip_min, \
+                    self.vllm_importance_sampling_clip_max
+                low = low if c_min is None else max(low, c_min)
+                high = high if c_max is None else min(high, c_max)
+            if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low < high):
+                return None
+            return low, high
+
+        def _coupled_is_weight(self) -> float:
+            """TRL's IS weight in coupled mode: pi_old is the rollout policy, so the ratio is 1
+            and the mode acts on 1 (clamp to [C_min, C_max], or 0 outside it)."""
+            c_min, c_max = self.vllm_importance_sampling_clip_min, \
+                self.vllm_importance_sampling_clip_max
+            c_min = -math.inf if c_min is None else c_min
+            c_max = math.inf if c_max is None else c_max
+            if self.vllm_importance_sampling_mode.endswith("_truncate"):
+                return min(max(1.0, c_min), c_max)
+            return 1.0 if c_min <= 1.0 <= c_max else 0.0
 
         def _compute_loss(self, model, inputs):
             self.icepop_calls += 1
@@ -326,34 +361,42 @@ def _build_classes() -> None:
                 return self._single_pass_loss(model, inputs)
             return FusedGRPOLoss._compute_loss(self, model, inputs)
 
-        def _gate(self, inputs, old):
+        def _ratio_base(self, inputs, old):
+            if self.icepop_config.icepop_mode == "coupled":
+                return inputs["sampling_per_token_logps"].float()
+            return old
+
+        def _is_weights(self, inputs, lp, mask):
+            """TRL's IS ratio on (ratio base, rollout) in the configured mode (coupled: base =
+            rollout, so the mode acts on 1) times the IcePop gate, as a 0/1 factor: the
+            weight TRL's token_mask gives a masked token. VESPO takes it inside phi, as TRL
+            takes its IS ratio (a popped token's log(0) is clamped to log(1e-8))."""
             cfg = self.icepop_config
-            low, high = cfg.icepop_gate()
             rollout = inputs["sampling_per_token_logps"].float()
-            if cfg.icepop_mode == "coupled":
-                return rollout, dict(rollout_logprobs=rollout, gate="coupled", gate_low=low,
-                                     gate_high=high)
-            if cfg.vllm_importance_sampling_mode == "token_mask":
-                return old, dict(rollout_logprobs=rollout, gate="decoupled", gate_low=low,
-                                 gate_high=high)
-            return old, {}                        # token_truncate: TIS weights (_is_weights)
+            base = rollout if cfg.icepop_mode == "coupled" else \
+                inputs["old_per_token_logps"].float()
+            keep = self._icepop_keep(lp if cfg.icepop_mode == "coupled" else base, rollout,
+                                     mask)
+            maskf = mask.float()
+            self._icepop_pop_frac = ((~keep) & mask).sum() / maskf.sum().clamp(min=1.0)
+            if not self.icepop_is_correction:
+                return keep.float()
+            ratio = vllm_is_ratio(base, rollout, mask, self.vllm_importance_sampling_mode,
+                                  self.vllm_importance_sampling_clip_min,
+                                  self.vllm_importance_sampling_clip_max)
+            # where, not a product: a popped token's TRL ratio may be inf (mask mode, no C_max)
+            return torch.where(keep, ratio, torch.zeros((), device=ratio.device))
 
-        def _is_weights(self, inputs):
-            cfg = self.icepop_config
-            if cfg.icepop_mode == "decoupled" and \
-                    cfg.vllm_importance_sampling_mode == "token_truncate":
-                return self._tis_weights(inputs)
-            return None
-
-        def _tis_weights(self, inputs):
-            """TIS: w = clamp(k, C_min, C_max), k = exp(old - rollout) (TRL's clip bounds)."""
-            k = torch.exp((inputs["old_per_token_logps"].float()
-                           - inputs["sampling_per_token_logps"].float()).clamp(-20.0, 20.0))
-            return k.clamp(min=self.vllm_importance_sampling_clip_min,
-                           max=self.vllm_importance_sampling_clip_max)
+        def _icepop_keep(self, numerator, rollout, mask):
+            """The gate [B, T] bool: lo <= exp(numerator - rollout) <= hi (numerator: log
+            pi_theta coupled, pi_old decoupled; a NaN rollout log-prob fails it), True off the
+            mask (a padding token is not popped: it would enter VESPO's phi)."""
+            low, high = self.icepop_config.icepop_gate()
+            ratio = torch.exp(numerator.float() - rollout)
+            return ((ratio >= low) & (ratio <= high)) | ~mask
 
         def _after_loss(self, stats, mode):
-            value = self.accelerator.gather(stats["pop_frac"].reshape(1)).float()
+            value = self.accelerator.gather(self._icepop_pop_frac.reshape(1)).float()
             self._metrics[mode]["icepop/pop_frac"].append(value.nanmean().item())
 
         def _single_pass_loss(self, model, inputs):
@@ -367,29 +410,17 @@ def _build_classes() -> None:
             if advantages.dim() == 2 and advantages.shape[1] == 1:
                 advantages = advantages.squeeze(1)
             rollout = inputs["sampling_per_token_logps"].float()
+            old = None if cfg.icepop_mode == "coupled" else inputs["old_per_token_logps"].float()
+            gate_low, gate_high = self._single_pass_gate()
+            reduction, factor = self._single_pass_reduction(inputs, mask)
             # TRL's two-sided clipping: -min(min(r, delta) A, clip(r) A) caps a negative-
             # advantage token at -delta A, the dual clip (delta >= 1 + epsilon_high here).
-            kwargs = dict(temperature=temperature, eps_low=self.epsilon_low,
-                          eps_high=self.epsilon_high, dual_clip=self.args.delta,
-                          chunk_size=cfg.icepop_chunk_size,
-                          memory_budget=cfg.icepop_memory_budget, return_metrics=True)
-            gate_low, gate_high = cfg.icepop_gate()
-            if cfg.icepop_mode == "coupled":
-                base, old = rollout, None
-            else:
-                old = inputs["old_per_token_logps"].float()
-                if cfg.vllm_importance_sampling_mode == "token_mask":
-                    base = rollout
-                else:   # token_truncate (TIS): w folded into A, gate always open
-                    w = self._tis_weights(inputs)
-                    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-                    advantages = torch.where(mask, adv * w, torch.zeros_like(w))
-                    base, gate_low, gate_high = old, 0.0, 1.0     # k' = 1: always kept
-
-            reduction, factor = self._single_pass_reduction(inputs, mask)
             loss, metrics = fused_linear_icepop_loss(
-                hidden, weight, completion_ids, base, advantages, mask, old_logprobs=old,
-                gate_low=gate_low, gate_high=gate_high, reduction=reduction, **kwargs)
+                hidden, weight, completion_ids, rollout, advantages, mask, old_logprobs=old,
+                gate_low=gate_low, gate_high=gate_high, reduction=reduction,
+                temperature=temperature, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+                dual_clip=self.args.delta, chunk_size=cfg.icepop_chunk_size,
+                memory_budget=cfg.icepop_memory_budget, return_metrics=True)
             loss = loss * factor
             self._log_icepop(metrics)
             return loss
