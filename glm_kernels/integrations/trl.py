@@ -361,9 +361,13 @@ def _build_classes() -> None:
                 return self._single_pass_loss(model, inputs)
             return FusedGRPOLoss._compute_loss(self, model, inputs)
 
-        def _ratio_base(self, inputs, old):
+        def _ratio_base(self, inputs, old, lp):
+            """Coupled: the rollout log-probs; one the engine could not give (NaN, -inf) is
+            popped by the gate and its log-ratio taken as 0 (TRL's NaN -> ratio 1) where the
+            row enters: the sequence ratio's mean, the KL's bias correction."""
             if self.icepop_config.icepop_mode == "coupled":
-                return inputs["sampling_per_token_logps"].float()
+                rollout = inputs["sampling_per_token_logps"].float()
+                return torch.where(torch.isfinite(rollout), rollout, lp)
             return old
 
         def _is_weights(self, inputs, lp, mask):

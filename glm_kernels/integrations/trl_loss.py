@@ -206,9 +206,9 @@ class FusedGRPOLoss:
         return lp.reshape(b, t), entropy.reshape(b, t), aux_loss
 
     # ------------------------------------------------------------------ loss
-    def _ratio_base(self, inputs, old):
+    def _ratio_base(self, inputs, old, lp):
         """The log-probs the policy ratio is taken against: TRL's pi_old (IcePop's coupled mode:
-        the rollout's)."""
+        the rollout's). ``lp``: log pi_theta, detached."""
         return old
 
     def _is_weights(self, inputs, lp, mask):
@@ -239,7 +239,7 @@ class FusedGRPOLoss:
             advantages = advantages.unsqueeze(1)
         old = inputs.get("old_per_token_logps")
         old = lp.detach() if old is None else old
-        base = self._ratio_base(inputs, old)
+        base = self._ratio_base(inputs, old, lp.detach())
 
         # Detached multipliers of each token's policy term, as TRL applies them: the
         # off-policy sequence mask, the high-entropy mask, TRL's vLLM IS ratio (VESPO: the IS
