@@ -24,23 +24,28 @@ it, modes (``IcePopGRPOConfig.icepop_mode``):
 * ``"coupled"`` (default; GLM-5's TITO): the ratio's base is the generation engine's own
   log-prob of each sampled token (``sampling_per_token_logps``: vLLM's, or a
   ``rollout_func``'s such as :func:`generate_with_logprobs`), rho = exp(logp - rollout),
-  gated to [gate_low, gate_high]. No pi_old is needed, so TRL's extra old-log-prob forward is
-  skipped (the trainer turns TRL's own IS correction off, which is what triggers it; with
-  ``num_iterations > 1`` or generation steps not aligned with gradient accumulation TRL
-  still runs that forward, and its result is not used).
+  gate g = 1[gate_low <= sg(rho) <= gate_high]. No pi_old is needed, so TRL's extra
+  old-log-prob forward is skipped (with ``num_iterations > 1`` or generation steps not
+  aligned with gradient accumulation TRL still runs it, and its result is not used).
 * ``"decoupled"``: base pi_old (TRL's ``old_per_token_logps``, computed by the trainer when
-  TRL did not), gate on k = exp(old - rollout) according to TRL's
-  ``vllm_importance_sampling_mode``: ``"token_mask"`` is the IcePop gate
-  ``w = k * 1[gate_low <= k <= gate_high]`` (TRL's token_mask with C_min/C_max = the gate),
-  ``"token_truncate"`` is TIS ``w = clamp(k, C_min, C_max)`` with TRL's
-  ``vllm_importance_sampling_clip_min/max``. The sequence-level modes are TRL's sequence
-  IS correction, which the token gate replaces: use ``FusedGRPOTrainer`` for them.
+  TRL did not), gate g = 1[gate_low <= k <= gate_high], k = exp(old - rollout).
+
+Every ``vllm_importance_sampling_mode`` composes with both: the token's IS weight is TRL's
+ratio computed exactly as TRL computes it (``trl_loss.vllm_is_ratio``, with TRL's
+``vllm_importance_sampling_clip_min/max``) on (ratio base, rollout) -- coupled: base =
+rollout, so the ratio is the mode applied to 1 (1 for the usual bounds) -- times g, where TRL
+multiplies its ratio (VESPO: inside phi, where TRL's token_mask puts a masked token's 0). So
+decoupled token_mask is IcePop's k 1[...] with the gate and TRL's bounds intersected,
+token_truncate is TIS with the tokens outside the gate popped, the sequence modes weight a
+sequence by TRL's sequence ratio and pop tokens in it; with the gate open ([0, inf]) the loss
+is stock TRL's. ``vllm_importance_sampling_correction=False`` keeps the gate alone. The
+trainer applies the correction itself (with or without vLLM) and turns TRL's off.
 
 Gate bounds: ``icepop_gate_low`` / ``icepop_gate_high``, default 1/``icepop_beta`` and
 ``icepop_beta`` (beta = 2). Every loss option of ``FusedGRPOTrainer`` composes with the gate.
 The default recipe (``loss_type`` grpo / bnpo / dr_grpo / dapo at token level, no KL, no
 entropy option, no off-policy mask, no MoE auxiliary loss, ``delta`` None or
->= 1 + ``epsilon_high``) runs in one
+>= 1 + ``epsilon_high``; coupled, or decoupled token_mask; finite gate) runs in one
 fused pass (``fused_linear_icepop_loss``: log-probs, gate, clip and the gradients of the
 hidden states and the LM head together) and logs ``icepop/*`` metrics (pop / clip fractions,
 ratio range, the mismatch metrics); any other option goes through the general path
@@ -48,8 +53,9 @@ ratio range, the mismatch metrics); any other option goes through the general pa
 ``icepop/pop_frac``.
 
 Differences from TRL's own token_mask loss, by design (DESIGN 3.1): a token whose rollout
-log-prob is NaN is popped (TRL gives it ratio 1); log-ratios are clamped to [-20, 20] on the
-single-pass path.
+log-prob is NaN is popped (TRL gives it ratio 1; coupled mode takes a non-finite rollout
+log-prob's log-ratio as 0 in the sequence mean and the KL correction); log-ratios are clamped
+to [-20, 20] on the single-pass path.
 """
 from __future__ import annotations
 
