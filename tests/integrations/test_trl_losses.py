@@ -15,7 +15,8 @@ option set (none; beta > 0 with and without use_bias_correction_kl; delta below 
 1 + epsilon_high; top_entropy_quantile < 1 with an entropy bonus; off_policy_mask_threshold;
 all of them) and every vLLM IS mode (none, token_mask, token_truncate, sequence_mask,
 sequence_truncate; vespo with the token modes only, as TRL) -- see ``combinations``. On the
-kernels (interpreter on CPU): one combination per loss_type with every option on. Also: bf16
+kernels (interpreter on CPU): a covering set, every loss_type x level x beta pairwise with
+the IS modes and option sets cycling -- see ``kernel_rows``. Also: bf16
 autocast, TRL's adaptive entropy controller, a MoE model's load-balancing loss, TRL's
 refusals (IcePop x every IS mode against TRL: test_trl_icepop_is.py), the docs page's example
 (a real run with beta > 0) and a real IcePop run on the general path.
@@ -245,14 +246,56 @@ def test_the_batch_exercises_the_options(setup):
     assert (keep == 0).any() and (keep[inputs["advantages"] < 0] == 1).any()
 
 
+KERNEL_OPTIONS_OFF = ("plain", "delta_below", "entropy", "opsm", "delta_above")
+KERNEL_OPTIONS_KL = ("all", "kl", "kl_no_bias_correction")
+
+
+def kernel_rows(loss_type):
+    """The interpreter's covering set, two rows per loss_type: (level, IS mode, option set).
+
+    Loss type i runs token level with beta = 0 if i is even (> 0 if odd) and sequence level
+    with the other beta, so every loss_type meets both levels and both betas, and the pairs
+    (level, beta) all occur. The IS modes cycle through the 16 rows (row 2i token, 2i + 1
+    sequence), which puts every IS mode at both levels and with both betas (VESPO takes
+    token_truncate for a sequence mode, as TRL allows). The option sets rotate: beta > 0 rows
+    among the KL ones ("all" carries every option), beta = 0 rows among the others."""
+    i = LOSS_TYPES.index(loss_type)
+    rows = []
+    for j, level in enumerate(("token", "sequence")):
+        r = 2 * i + j
+        mode = IS_MODES[r % len(IS_MODES)]
+        if loss_type == "vespo" and mode in ("sequence_mask", "sequence_truncate"):
+            mode = "token_truncate"
+        with_kl = (i + j) % 2 == 1
+        options = KERNEL_OPTIONS_KL[r % len(KERNEL_OPTIONS_KL)] if with_kl else \
+            KERNEL_OPTIONS_OFF[r % len(KERNEL_OPTIONS_OFF)]
+        rows.append((level, mode, options))
+    return rows
+
+
+def test_kernel_rows_cover_the_pairs():
+    """The covering set holds what kernel_rows promises (so a change to it cannot quietly
+    drop a pair): loss_type x level, loss_type x beta, level x beta, IS mode x level, IS mode
+    x beta."""
+    rows = [(lt,) + row for lt in LOSS_TYPES for row in kernel_rows(lt)]
+    beta = {name: OPTION_SETS[name].get("beta", 0.0) > 0 for name in OPTION_SETS}
+    pairs = lambda a, b: {(x[a], beta[x[3]] if b == 3 else x[b]) for x in rows}  # noqa: E731
+    assert pairs(0, 1) == {(lt, lv) for lt in LOSS_TYPES for lv in ("token", "sequence")}
+    assert pairs(0, 3) == {(lt, kl) for lt in LOSS_TYPES for kl in (False, True)}
+    assert pairs(1, 3) == {(lv, kl) for lv in ("token", "sequence") for kl in (False, True)}
+    assert pairs(2, 1) == {(m, lv) for m in IS_MODES for lv in ("token", "sequence")}
+    assert pairs(2, 3) == {(m, kl) for m in IS_MODES for kl in (False, True)}
+    assert {x[3] for x in rows} == set(OPTION_SETS)
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_matches_trl_on_the_kernels(setup, loss_type):
     """The Triton kernels (interpreter on CPU) behind fused_linear_logprobs, policy_loss and
-    kl_penalty_terms, one combination per loss_type with every option on."""
+    kl_penalty_terms against stock TRL, on the covering set of kernel_rows."""
     skip_without_kernels()
-    level = "token" if loss_type == "vespo" else "sequence"
     with glm_kernels.force_backend(KERNEL_BACKEND):
-        compare(setup, loss_type, level, "token_truncate", OPTION_SETS["all"])
+        for level, is_mode, options in kernel_rows(loss_type):
+            compare(setup, loss_type, level, is_mode, OPTION_SETS[options])
 
 
 def test_matches_trl_under_bf16_autocast(tmp_path):
