@@ -36,6 +36,7 @@ from glm_kernels.integrations import trl as gt
 pytest.importorskip("trl", reason=f"TRL missing: {gt.INSTALL_HINT}")
 from tests.integrations.test_trl import (CraftedRollout, logprobs_of,  # noqa: E402
                                          make_model, make_tokenizer)
+from tests.conftest import KERNEL_BACKEND, skip_without_kernels  # noqa: E402
 from tests.integrations.test_trl_losses import (IS_MODES, OPTION_SETS, Setup,  # noqa: E402
                                                 _build, check_against_trl, configure)
 
@@ -93,22 +94,21 @@ def gate_of(numerator, rollout, mask, gate):
 
 
 def compare(setup, trainer, stock_inputs, our_inputs, name, loss_type, level, options,
-            is_mode):
+            is_mode, backend):
     configure(setup.stock, loss_type, level, "token_mask" if is_mode is None else is_mode,
               options)
     if "importance_sampling_ratio" not in stock_inputs:      # no IS, gate open: TRL's plain
         setup.stock.vllm_importance_sampling_correction = False
     single = trainer._single_pass()
-    with glm_kernels.force_backend("torch"):
+    with glm_kernels.force_backend(backend):
         pop_frac = check_against_trl(setup.stock, trainer, stock_inputs, our_inputs, name,
                                      metrics=not single)
     return single, pop_frac
 
 
-@pytest.mark.parametrize("is_mode", IS_MODES)
-@pytest.mark.parametrize("mode", ["decoupled", "coupled"])
-def test_gate_open_is_stock_trl(setup, icepop, mode, is_mode):
-    """Gate [0, inf]: stock TRL's _compute_loss in this IS mode (None: the correction off)."""
+def check_gate_open(setup, icepop, mode, is_mode, cases, backend):
+    """Gate [0, inf]: stock TRL's _compute_loss in this IS mode (None: the correction off).
+    Returns the set of paths taken (True: the single fused pass)."""
     trainer = icepop[mode]
     if mode == "decoupled":
         inputs = dict(setup.inputs[is_mode])
@@ -123,20 +123,27 @@ def test_gate_open_is_stock_trl(setup, icepop, mode, is_mode):
         assert torch.equal(inputs["sampling_per_token_logps"][mask],
                            inputs["old_per_token_logps"][mask])
     paths = set()
-    for loss_type, level, option_set in cases_for(is_mode, 0 if mode == "decoupled" else 1):
+    for loss_type, level, option_set in cases:
         set_gate(trainer, mode, is_mode, OPEN, loss_type, level, OPTION_SETS[option_set])
         single, pop_frac = compare(setup, trainer, inputs, inputs,
                                    f"{mode}/{is_mode}/{loss_type}/{level}/{option_set}",
-                                   loss_type, level, OPTION_SETS[option_set], is_mode)
+                                   loss_type, level, OPTION_SETS[option_set], is_mode, backend)
         paths.add(single)
         assert single or pop_frac == [0.0]
+    return paths
+
+
+@pytest.mark.parametrize("is_mode", IS_MODES)
+@pytest.mark.parametrize("mode", ["decoupled", "coupled"])
+def test_gate_open_is_stock_trl(setup, icepop, mode, is_mode):
+    paths = check_gate_open(setup, icepop, mode, is_mode,
+                            cases_for(is_mode, 0 if mode == "decoupled" else 1), "torch")
     # the fused pass takes the open gate where TRL's mode is a gate: decoupled token_mask
     assert paths == ({False, True} if (mode, is_mode) == ("decoupled", "token_mask")
                      else {False})
 
 
-@pytest.mark.parametrize("is_mode", IS_MODES)
-def test_decoupled_gate_is_a_factor_on_trls_ratio(setup, icepop, is_mode):
+def check_decoupled_gate(setup, icepop, is_mode, cases, backend):
     """Gate [0.3, 1.6] on k = exp(old - rollout): stock TRL with its IS ratio x the gate."""
     trainer = icepop["decoupled"]
     inputs = setup.inputs[is_mode]
@@ -151,21 +158,26 @@ def test_decoupled_gate_is_a_factor_on_trls_ratio(setup, icepop, is_mode):
     assert (~keep & mask & (ratio != 0)).any() and (keep & mask).any()
     assert not keep[torch.isnan(inputs["sampling_per_token_logps"])].any()
     paths = set()
-    for loss_type, level, option_set in cases_for(is_mode, 2):
+    for loss_type, level, option_set in cases:
         set_gate(trainer, "decoupled", is_mode, GATED, loss_type, level,
                  OPTION_SETS[option_set])
         single, pop_frac = compare(setup, trainer, trl_inputs, inputs,
                                    f"decoupled/{is_mode}/{loss_type}/{level}/{option_set}",
-                                   loss_type, level, OPTION_SETS[option_set], is_mode)
+                                   loss_type, level, OPTION_SETS[option_set], is_mode, backend)
         paths.add(single)
         if not single:
             popped = (~keep & mask).sum() / mask.sum()
             assert pop_frac == [pytest.approx(popped.item(), rel=1e-6)]
-    assert paths == ({False, True} if is_mode == "token_mask" else {False})
+    return paths
 
 
 @pytest.mark.parametrize("is_mode", IS_MODES)
-def test_coupled_gate_is_a_factor_on_trls_ratio_of_one(setup, icepop, is_mode):
+def test_decoupled_gate_is_a_factor_on_trls_ratio(setup, icepop, is_mode):
+    paths = check_decoupled_gate(setup, icepop, is_mode, cases_for(is_mode, 2), "torch")
+    assert paths == ({False, True} if is_mode == "token_mask" else {False})
+
+
+def check_coupled_gate(setup, icepop, is_mode, cases, backend):
     """Coupled, gate [0.3, 1.6] on rho = exp(logp - rollout) (logp: TRL's own scoring of the
     current policy): stock TRL with pi_old := the rollout log-probs and its IS ratio := TRL's
     ratio on that batch (the mode applied to 1, from ``on_policy``) x the gate."""
@@ -192,12 +204,35 @@ def test_coupled_gate_is_a_factor_on_trls_ratio_of_one(setup, icepop, is_mode):
     trl_inputs = dict(inputs, old_per_token_logps=torch.where(finite, rollout, current),
                       importance_sampling_ratio=torch.where(keep, one, torch.zeros(())).float())
     paths = set()
-    for loss_type, level, option_set in cases_for(is_mode, 3):
+    for loss_type, level, option_set in cases:
         set_gate(trainer, "coupled", is_mode, GATED, loss_type, level, OPTION_SETS[option_set])
         single, pop_frac = compare(setup, trainer, trl_inputs, inputs,
                                    f"coupled/{is_mode}/{loss_type}/{level}/{option_set}",
-                                   loss_type, level, OPTION_SETS[option_set], is_mode)
+                                   loss_type, level, OPTION_SETS[option_set], is_mode, backend)
         paths.add(single)
         if not single:
             assert pop_frac[0] > 0
+    return paths
+
+
+@pytest.mark.parametrize("is_mode", IS_MODES)
+def test_coupled_gate_is_a_factor_on_trls_ratio_of_one(setup, icepop, is_mode):
+    paths = check_coupled_gate(setup, icepop, is_mode, cases_for(is_mode, 3), "torch")
+    assert paths == {False, True}
+
+
+def test_on_the_kernels(setup, icepop):
+    """The same checks with the Triton kernels (interpreter on CPU): fused_linear_icepop_loss
+    (the single pass) and fused_linear_logprobs + policy_loss (the general path), a cell of
+    each test: both modes, a token and a sequence IS mode each, VESPO gated."""
+    skip_without_kernels()
+    single, general = SINGLE[0], GENERAL[0]
+    paths = check_decoupled_gate(setup, icepop, "token_mask",
+                                 [single, ("vespo", "token", "all")], KERNEL_BACKEND)
+    paths |= check_decoupled_gate(setup, icepop, "sequence_truncate", [general],
+                                  KERNEL_BACKEND)
+    paths |= check_coupled_gate(setup, icepop, "token_truncate",
+                                [SINGLE[1], GENERAL[2]], KERNEL_BACKEND)
+    paths |= check_gate_open(setup, icepop, "coupled", "sequence_mask", [GENERAL[3]],
+                             KERNEL_BACKEND)
     assert paths == {False, True}
