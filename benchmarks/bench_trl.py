@@ -25,8 +25,9 @@ mmap, so freed memory leaves the RSS. Times are medians over interleaved repeats
 one step of each, in an order rotated by r, one process at a time (a busy stretch of a shared
 machine then spreads over every variant). Wall time, and on CPU also the process CPU time
 (user + sys of all threads; one torch thread by default, ``--threads``), which other jobs
-disturb less; ``cpu_spread`` is (max - min) / median of the CPU times. No generation is
-timed (the batch is random token ids).
+disturb less; ``cpu_spread`` is (max - min) / median of the CPU times. The timed processes
+are alive together, so the run needs the sum of their footprints (at the CPU defaults, V =
+151,936: ~1.5-3 GiB each). No generation is timed (the batch is random token ids).
 
     python benchmarks/bench_trl.py              # GPU: hidden 2048, 4 layers, bf16
     python benchmarks/bench_trl.py --cpu        # CPU: hidden 256, 2 layers, fp32
