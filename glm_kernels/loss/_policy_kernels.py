@@ -1,20 +1,25 @@
 """Triton kernels of the policy-loss family. No validation here: callers pass contiguous flat
 views (``loss/policy.py``).
 
-Two launch shapes of one design, both built from the same per-token helpers (this file's
-``policy_objective`` and ``_kernels.icepop_gate`` / ``ppo_clip_term``, shared with IcePop):
+Two launch shapes of one design, both built from the same per-tile helpers
+(``loss/_policy_tile.py``: ``policy_objective``, ``token_terms``, ...; and
+``_kernels.icepop_gate`` / ``ppo_clip_term``, shared with IcePop):
 
 * token-ratio variants: one program per BLOCK of flat tokens, a single pass.
-* sequence-ratio variants (GSPO, TRL sequence level, GMPO, VESPO): one program per sequence,
-  looping over its tokens in BLOCK chunks: phase 1 reduces the masked log-ratio (GMPO: the
-  clipped log-ratio, the advantage and the log-weights) in registers; TRL's sequence ratio
-  takes a phase 2 that sums dl/dratio over the row (its gradient reaches every token through
-  the mean); the last phase writes each token's loss and gradient. The phases re-read the
+* sequence-ratio variants (GSPO, TRL sequence level, GMPO, VESPO), and the token-ratio ones
+  under sequence TIS / MIS (``seq_is``): one program per sequence, looping over its tokens in
+  BLOCK chunks: phase 1 reduces the masked log-ratio (GMPO: the clipped log-ratio, the
+  advantage and the log-weights) in registers; TRL's sequence ratio takes a phase 2 that
+  sums dl/dratio over the row (its gradient reaches every token through the mean); the last
+  phase writes each token's loss and gradient. Sequence IS sums the row's masked
+  old - rollout in phase 1 (GSPO, TRL), or in a phase 0 of its own where phase 1 needs the
+  weight already (GMPO's log-weight sum) or there is no phase 1 (token ratios: their last
+  phase is the token kernel's math with the row's weight). The phases re-read the
   row (from L2 for rows up to a few MB), nothing is written between them and no host sync
   is needed; a two-phase segmented reduction over flat blocks would need a second launch and
-  a [B] scratch round trip instead. One program per row keeps the row's sums exact and
-  ordered (deterministic), for padded [B, T] (row b spans [b T, (b+1) T)) and packed
-  (``cu_seqlens``) layouts alike.
+  a [B] scratch round trip instead (and, packed, each token's row: a search of cu_seqlens).
+  One program per row keeps the row's sums exact and ordered (deterministic), for padded
+  [B, T] (row b spans [b T, (b+1) T)) and packed (``cu_seqlens``) layouts alike.
 
 Each program writes one stats row: loss sum, masked tokens, popped tokens, and the sums of
 the clip / clip-lower / kl indicators over the masked tokens (verl's metrics' numerators).
