@@ -198,3 +198,57 @@ def test_compile_fullgraph_matches_eager(backend, name, reduction):
         assert_close(a, e, tol=FP32, name="compiled output")
     assert eager_grad.abs().sum() > 0
     assert_close(compiled_grad, eager_grad, tol=FP32, name="compiled grad")
+
+
+@pytest.mark.parametrize("name", ["vanilla", "dro", "gspo", "geo_mean"])
+def test_bf16_logprobs(any_backend, name):
+    """bf16 log-probs with seq_is: the same loss as fp32 on the same rounded inputs, the
+    gradient in bf16 within the bf16 tolerance."""
+    batch = make_batch(9)
+    bounds = seq_is_bounds(batch, None, "truncate")
+    reduction = POLICY_VARIANTS[name].default_reduction
+    batch16 = dict(batch, lp=batch["lp"].to(torch.bfloat16))
+    with glm_kernels.force_backend("torch"):
+        ref16 = run(name, dict(batch, lp=batch16["lp"].float()), reduction=reduction,
+                    **PARAMS.get(name, {}), **bounds)
+    got = run(name, batch16, reduction=reduction, **PARAMS.get(name, {}), **bounds)
+    assert got[1].dtype == torch.bfloat16
+    assert_close(got[0], ref16[0], tol=FP32, name="bf16 loss (same rounded inputs)")
+    assert_close(got[1].float(), ref16[1], tol=TOLERANCES[torch.bfloat16], name="bf16 grad")
+
+
+@pytest.mark.parametrize("name", ["vanilla", "cispo", "kl_cov", "gspo", "geo_mean",
+                                  "grpo_sequence"])
+def test_per_sequence_advantages_packed(any_backend, name):
+    """advantages [B] on packed rows with seq_is (the sequence kernel reads them per row, no
+    spread) equal the same values broadcast over each row."""
+    batch = make_batch(7)
+    batch["adv"] = batch["adv"][:, :1].expand(-1, 40).contiguous()
+    packed, cu = pack(batch)
+    bounds = seq_is_bounds(packed, cu, "mask")
+    reduction = POLICY_VARIANTS[name].default_reduction
+    full = run(name, packed, reduction=reduction, cu_seqlens=cu, **bounds)
+    per_seq = dict(packed, adv=batch["adv"][:, 0].contiguous())
+    got = run(name, per_seq, reduction=reduction, cu_seqlens=cu, **bounds)
+    assert_close(got[0], full[0], tol=FP32, name="loss")
+    assert_close(got[1], full[1], tol=FP32, name="grad")
+
+
+@pytest.mark.parametrize("name", SEQ_IS_PRESETS)
+def test_empty_and_fully_masked_inputs(any_backend, name):
+    """No tokens, or no masked token: loss 0, gradient 0 and stats 0 (every w_b is
+    exp(0) = 1, and nothing is weighted)."""
+    reduction = POLICY_VARIANTS[name].default_reduction
+    for shape in [(0, 5), (3, 0), (0,)]:
+        lp = torch.zeros(shape, device=DEVICE, requires_grad=True)
+        zeros = torch.zeros(shape, device=DEVICE)
+        loss = policy_loss(lp, zeros, zeros, variant=name, reduction=reduction,
+                           rollout_logprobs=zeros, seq_is="mask", **PARAMS.get(name, {}))
+        loss.backward()
+        assert loss.item() == 0.0 and lp.grad.shape == lp.shape, (name, shape)
+    batch = make_batch(2)
+    batch["mask"][:] = False
+    loss, grad, stats = run(name, batch, reduction=reduction, seq_is="truncate",
+                            seq_is_high=1.5)
+    assert loss.item() == 0.0 and bool((grad == 0).all()), name
+    assert all(v.item() == 0.0 for k, v in stats.items() if k != "phi_mean"), stats
