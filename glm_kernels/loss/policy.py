@@ -5,7 +5,8 @@ Per-token math: docs/policy_loss.md (one row per preset); readable version in
 (``loss/_policy_spec.py``); its hyper-parameters are runtime floats.
 
 Forward writes the gradient (``loss/_policy_kernels.py``). With ``u_t = m_t w_t l_t`` the
-token's weighted term (w: token weights x gate weight, detached) and ``c_b`` the reduction's
+token's weighted term (w: token weights x gate weight x the row's sequence IS weight w_b,
+detached; w_b is reduced in the kernel's first pass over the row) and ``c_b`` the reduction's
 factor of row b (1/D for token_mean, 1/(n_b D) for seq_mean_token_mean, ...: constant within a
 row), the loss is ``sum_b c_b sum_{t in b} u_t`` and the kernel writes
 ``g_t = d(sum_{s in row(t)} u_s) / d lp_t``; backward returns ``g_t c_row(t) dL`` (dL the

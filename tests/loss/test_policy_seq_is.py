@@ -252,3 +252,21 @@ def test_empty_and_fully_masked_inputs(any_backend, name):
                             seq_is_high=1.5)
     assert loss.item() == 0.0 and bool((grad == 0).all()), name
     assert all(v.item() == 0.0 for k, v in stats.items() if k != "phi_mean"), stats
+
+
+@pytest.mark.parametrize("ratio,objective,reduction", [
+    ("token", "ppo", "none"), ("token", "cispo", "seq_mean_token_mean"),
+    ("geo_mean", "ppo", "row_mean"), ("sequence_stopgrad", "ppo", "token_mean")])
+def test_opcheck_custom_op_with_seq_is(kernel_backend, ratio, objective, reduction):
+    """The custom op with the sequence IS floats (the sequence kernel's row layout for token
+    ratios too): schema, fake kernel (shapes and strides), autograd registration."""
+    b = to_device(make_batch(31, rows=3, length=8))
+    flat = {k: v.reshape(-1).contiguous() for k, v in b.items()}
+    lp = flat["lp"].clone().requires_grad_(True)
+    args = (lp, flat["old"], flat["adv"], flat["mask"], flat["weights"], flat["rollout"],
+            None, None, None, ratio, objective, "decoupled", reduction,
+            [20.0, float("nan"), 0.5, 2.0, 0.2, 0.28, 1.0, 1.0, 1.0, 2.0, 0.3, 3.0],
+            [0.7, 1.3, 0.0, 0.0], False, False, 3, 8, True)
+    torch.library.opcheck(policy_mod._policy_op, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
