@@ -14,7 +14,8 @@ Two launch shapes of one design, both built from the same per-tile helpers
   phase writes each token's loss and gradient. Sequence IS sums the row's masked
   old - rollout in phase 1 (GSPO, TRL), or in a phase 0 of its own where phase 1 needs the
   weight already (GMPO's log-weight sum) or there is no phase 1 (token ratios: their last
-  phase is the token kernel's math with the row's weight). The phases re-read the
+  phase is the token kernel's math with the row's weight; :func:`row_splits` programs share
+  a row when rows are few). The phases re-read the
   row (from L2 for rows up to a few MB), nothing is written between them and no host sync
   is needed; a two-phase segmented reduction over flat blocks would need a second launch and
   a [B] scratch round trip instead (and, packed, each token's row: a search of cu_seqlens).
@@ -84,7 +85,7 @@ def _policy_token_kernel(
 def _policy_seq_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, tw_ptr, rollout_ptr, sel_ptr, cu_ptr,
     loss_ptr, grad_ptr, stats_ptr,
-    seq_len, gate_low, gate_high, log_clamp, clip_low, clip_high, eps_low, eps_high,
+    seq_len, n_splits, gate_low, gate_high, log_clamp, clip_low, clip_high, eps_low, eps_high,
     dual_clip, seq_log_max, p0, p1, p2, p3, seq_is_low, seq_is_high,
     RATIO: tl.constexpr, OBJECTIVE: tl.constexpr, GATE: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_TW: tl.constexpr, HAS_SEL: tl.constexpr, CLAMP: tl.constexpr,
@@ -99,8 +100,13 @@ def _policy_seq_kernel(
     truncated at seq_is_high or zeroed outside [seq_is_low, seq_is_high] multiplies every
     token weight of the row (loss/sequence_is.py's weight, without its [N] tensor). RATIO 1 /
     2 sum the row's old - rollout in phase 1; RATIO 0 and 3 need w_b in their first pass
-    already (GMPO sums log(weight) over the row) and take a phase 0 over old, rollout, mask."""
-    row = tl.program_id(0)
+    already (GMPO sums log(weight) over the row) and take a phase 0 over old, rollout, mask.
+    n_splits programs share a row (RATIO 0 only; 1 elsewhere): each reduces the whole row's
+    w_b (the others' re-reads come from L2) and takes every n_splits-th chunk of the last
+    phase, with a stats row of its own (program r n_splits + s)."""
+    program = tl.program_id(0)
+    row = program // n_splits
+    split = program - row * n_splits
     start, end = row_bounds(cu_ptr, row, seq_len, HAS_CU)
     lane = tl.arange(0, BLOCK)
     if ADV_PER_SEQ:
@@ -218,7 +224,7 @@ def _policy_seq_kernel(
     acc_clip = tl.zeros([BLOCK], tl.float32)
     acc_lower = tl.zeros([BLOCK], tl.float32)
     acc_kl = tl.zeros([BLOCK], tl.float32)
-    for chunk in range(start, end, BLOCK):
+    for chunk in range(start + split * BLOCK, end, n_splits * BLOCK):
         offs = chunk + lane
         valid = offs < end
         lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = load_tile(
@@ -284,7 +290,7 @@ def _policy_seq_kernel(
         acc_clip += tl.where(masked, clip, 0.0)
         acc_lower += tl.where(masked, clip_lower, 0.0)
         acc_kl += tl.where(masked, kl, 0.0)
-    stats = stats_ptr + row.to(tl.int64) * 7
+    stats = stats_ptr + program.to(tl.int64) * 7
     if RATIO == 3:
         tl.store(loss_ptr + row, seq_loss)
         tl.store(stats + 0, seq_loss)
@@ -306,6 +312,23 @@ def row_programs(ratio_code, seq_is):
     return ratio_code != 0 or seq_is != 0
 
 
+# Token ratios under seq_is run one program per sequence; few long rows would leave most SMs
+# idle, so up to _MAX_ROW_SPLITS programs share a row (each re-reads the row's old / rollout /
+# mask for w_b, from L2), aiming at _PROGRAMS_PER_SM programs per SM. The interpreter aims at
+# _INTERPRET_PROGRAMS so that the tests meet split rows.
+_MAX_ROW_SPLITS, _PROGRAMS_PER_SM, _INTERPRET_PROGRAMS = 16, 4, 8
+
+
+def row_splits(n, num_rows, block, device, interpret):
+    """Programs per sequence for token ratios under seq_is: enough for the GPU when the rows
+    are few, never more than the mean row's chunks (sizes the host has: no sync)."""
+    from .logprobs import _sm_count
+    rows = max(num_rows, 1)
+    mean_chunks = -(-n // (rows * block))
+    target = _INTERPRET_PROGRAMS if interpret else _PROGRAMS_PER_SM * _sm_count(device.index or 0)
+    return max(1, min(mean_chunks, -(-target // rows), _MAX_ROW_SPLITS))
+
+
 def seq_maxnreg():
     """The register cap a sequence-kernel launch passes."""
     return _SEQ_MAXNREG
@@ -314,10 +337,10 @@ def seq_maxnreg():
 def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selection, cu_seqlens,
                loss_out, grad_out, stats_out, *, row_len, adv_per_seq, gate_low, gate_high,
                eps_low, eps_high, dual_clip, params, has_delta, block, num_warps,
-               seq_is=0, seq_is_low=0.0, seq_is_high=0.0):
+               seq_is=0, seq_is_low=0.0, seq_is_high=0.0, row_splits=1):
     """Launch the family's kernel for ``spec``: token kernel over cdiv(N, block) programs or,
-    where :func:`row_programs`, the sequence kernel over one program per row (``stats_out``
-    rows must match)."""
+    where :func:`row_programs`, the sequence kernel over ``row_splits`` programs per row
+    (token ratios only; ``stats_out`` rows must match)."""
     ratio_code, objective_code, gate_code = codes
     floats = dict(gate_low=gate_low, gate_high=gate_high,
                   log_clamp=spec.log_ratio_clamp or 0.0, clip_low=1.0 - eps_low,
@@ -344,7 +367,7 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
         _policy_seq_kernel[grid](
             *pointers, fallback if selection is None else selection,
             fallback if cu_seqlens is None else cu_seqlens, loss_out, grad_out,
-            stats_out, max(row_len, 1), HAS_SEL=selection is not None,
+            stats_out, max(row_len, 1), row_splits, HAS_SEL=selection is not None,
             seq_log_max=spec.seq_log_ratio_max or 0.0,
             seq_is_low=seq_is_low, seq_is_high=seq_is_high, SEQ_IS=seq_is,
             RATIO=ratio_code, HAS_SEQ_MAX=spec.seq_log_ratio_max is not None,
@@ -383,7 +406,7 @@ def _policy_aot_specs():
            ("kl_cov", 0, 8, 2, dict(HAS_SEL=True, CLAMP=False))]
     for name, ratio, objective, seq_is, extra in seq:
         sig = dict(base, sel_ptr="*u8", cu_ptr="*i32", **outputs, seq_len="i32",
-                   **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
+                   n_splits="i32", **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
                    **{f: "fp32" for f in floats[8:]}, seq_is_low="fp32", seq_is_high="fp32")
         constexprs = dict(RATIO=ratio, OBJECTIVE=objective, GATE=2, HAS_MASK=True,
                           HAS_TW=True, HAS_SEL=False, CLAMP=ratio != 2,
@@ -391,6 +414,8 @@ def _policy_aot_specs():
                           HAS_CU=True, ADV_PER_SEQ=True, STORE_LOSS=False, STORE_GRAD=True,
                           SEQ_IS=seq_is, BLOCK=1024)
         constexprs.update(extra)
+        if ratio != 0:
+            constexprs["n_splits"] = 1     # a runtime 1: Triton's JIT specializes it so
         sig.update({k: "constexpr" for k in constexprs})
         label = f"{name},packed,gate,weights" + ("", ",seq_tis", ",seq_mis")[seq_is]
         specs.append(AotSpec(f"policy_seq[{label}]", _policy_seq_kernel, sig, constexprs,

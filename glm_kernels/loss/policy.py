@@ -188,6 +188,7 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     rows = Rows(n, num_rows, row_len, cu_seqlens, device)
     ratio_code = kernels.RATIO_CODES[ratio]
     row_layout = kernels.row_programs(ratio_code, int(seq_is_code))
+    row_splits = 1
     if adv_per_seq and not row_layout and cu_seqlens is not None:
         advantages, adv_per_seq = rows.spread(advantages), False
     store_loss = reduction == "none" or (reduction.startswith("seq_mean") and not row_layout)
@@ -197,8 +198,10 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
         block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
     elif row_layout:
         loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
-        programs = num_rows
         block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
+        if ratio == "token":
+            row_splits = kernels.row_splits(n, num_rows, block, device, interpret)
+        programs = num_rows * row_splits
     else:
         loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
         block = _BLOCK_INTERPRET if interpret else _BLOCK_GPU
@@ -221,9 +224,12 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
             eps_low=eps_low, eps_high=eps_high, dual_clip=dual if has_dual else None,
             params=params, has_delta=has_delta, block=block,
             num_warps=4 if interpret or block <= 1024 else _WARPS_GPU,
-            seq_is=int(seq_is_code), seq_is_low=seq_is_low, seq_is_high=seq_is_high)
-    loss, scale = _reduce(row_layout, reduction, loss_terms, partials, mask, rows, denominator,
-                          norm_length, loss_scale)
+            seq_is=int(seq_is_code), seq_is_low=seq_is_low, seq_is_high=seq_is_high,
+            row_splits=row_splits)
+    row_partials = (partials if row_splits == 1 else
+                    partials.view(num_rows, row_splits, _NUM_STATS).sum(1))
+    loss, scale = _reduce(row_layout, reduction, loss_terms, row_partials, mask, rows,
+                          denominator, norm_length, loss_scale)
     stats = partials.double().sum(0).float()
     return loss, grad, scale, stats
 
@@ -343,7 +349,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         w_b = exp(clamp(sum_m (old - rollout), -20, 20)), "truncate": min(w_b, seq_is_high);
         "mask": w_b where seq_is_low <= w_b <= seq_is_high (low default 1 / high), else 0.
         On the Triton / interpreter backends every preset reduces w_b inside the sequence
-        kernel (one program per sequence; token-ratio presets run there too under seq_is),
+        kernel (programs per sequence; token-ratio presets run there too under seq_is),
         with no pass before it and no [N] weight tensor; the torch backend makes it a token
         weight (times ``token_weights``, :mod:`loss.sequence_is`). Not with vespo (TRL puts
         IS in its log w).

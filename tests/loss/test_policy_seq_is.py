@@ -19,11 +19,12 @@ from glm_kernels import POLICY_VARIANTS, policy_loss
 from glm_kernels.loss import policy as policy_mod
 from glm_kernels.loss import sequence_is_weights
 from tests._compare import TOLERANCES, assert_close
-from tests.conftest import DEVICE, KERNEL_BACKEND, skip_without_kernels
+from tests.conftest import DEVICE, KERNEL_BACKEND, LazyKernels, skip_without_kernels
 from tests.loss.test_policy_loss import (COMPILER, PARAMS, _reductions,
                                          check_against_reference, make_batch, pack, run,
                                          to_device)
 
+_policy_kernels = LazyKernels("glm_kernels.loss._policy_kernels")
 FP32 = TOLERANCES[torch.float32]
 SEQ_IS_PRESETS = [n for n, s in POLICY_VARIANTS.items() if s.objective != "vespo"]
 GATES = [None, "coupled", "decoupled"]       # the order only picks each case's reductions
@@ -275,3 +276,30 @@ def test_opcheck_custom_op_with_seq_is(kernel_backend, ratio, objective, reducti
     torch.library.opcheck(policy_mod._policy_op, args,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("name", ["vanilla", "kl_cov", "dppo_tv", "gpg"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_rows_shared_by_several_programs(kernel_backend, name, layout):
+    """Few long rows: token ratios under seq_is split each row over several programs (each
+    reduces the whole row's w_b and takes every S-th chunk); equal to the torch backend, on
+    rows of more chunks than programs too (packed row 0: 6 chunks for 2 programs)."""
+    batch = make_batch(zlib.crc32(name.encode()) % 1000, rows=4, length=1500)
+    # rollout close to old: row sums of ~1000 tokens stay inside the +-20 clamp
+    noise = torch.randn(batch["old"].shape, generator=torch.Generator().manual_seed(3))
+    batch["rollout"] = batch["old"] + 0.05 * noise
+    cu = None
+    if layout == "packed":
+        lengths = [1500, 10, 0, 300]
+        idx = torch.cat([torch.arange(b * 1500, b * 1500 + n) for b, n in enumerate(lengths)])
+        batch = {k: v.reshape(-1)[idx] for k, v in batch.items()}
+        cu = torch.tensor([0, 1500, 1510, 1510, 1810])
+    n = batch["lp"].numel()
+    block = 256 if KERNEL_BACKEND == "interpret" else 1024
+    if KERNEL_BACKEND == "interpret":
+        assert _policy_kernels.row_splits(n, 4, block, torch.device("cpu"), True) >= 2
+    for reduction, gate in (("token_mean", None), ("seq_mean_token_mean", "decoupled"),
+                            ("none", "coupled")):
+        bounds = seq_is_bounds(batch, cu, "mask" if gate else "truncate")
+        check_against_reference(name, batch, reduction, gate=gate, weights=gate is not None,
+                                cu_seqlens=cu, **bounds)
