@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..loss import icepop_loss, opd_advantages, selective_logprobs
+from . import _slime_topp
 
 # The mismatch metrics that are token means (the rest are per sequence: see
 # icepop_loss_function's Returns).
@@ -98,6 +99,10 @@ def _response_logprobs(args, batch, logits: torch.Tensor
     kwargs = {"temperature": temperature, "return_entropy": True}
     if tp_group is not None:
         kwargs["tp_group"] = tp_group   # logits are this rank's vocab shard
+    top_p = _slime_topp.top_p_enabled(args)
+    if top_p and _context_parallel(args):
+        raise ValueError(f"--rollout-top-p {args.rollout_top_p} with context parallelism: "
+                         f"the nucleus replay is implemented at CP = 1 only")
     if _context_parallel(args):
         # The CP layout is slime's own: its slicer yields this rank's response rows per sample
         # (zigzag chunks; with --allgather-cp a contiguous slice of the global stream).
@@ -127,6 +132,9 @@ def _response_logprobs(args, batch, logits: torch.Tensor
         picked = flat.index_select(0, torch.cat(rows)) if rows else flat[:0]
         targets = torch.cat(target_list).to(flat.device).long() if target_list else \
             torch.zeros(0, dtype=torch.long, device=flat.device)
+        if top_p:     # slime renormalises the log-probs over the rollout's nucleus
+            kwargs["keep_token_ids"], kwargs["keep_offsets"] = _slime_topp.nucleus_csr(
+                batch, target_list, flat.device)
     # One fused call (one set of TP all-reduces) for every response row of the micro-batch.
     lp, entropy = selective_logprobs(picked, targets, **kwargs)
     lp_list, entropy_list = list(lp.split(sizes)), list(entropy.split(sizes))
