@@ -39,9 +39,10 @@ def check_nucleus(keep_token_ids, keep_offsets, n_rows: int, vocab_total: int,
     Everywhere (shapes, no data read): 1-D int32/int64 tensors on the logits' device,
     ``keep_offsets`` of N + 1 entries. On CPU (free: no device to wait for) also the values:
     keep_offsets[0] == 0, non-decreasing, keep_offsets[N] == len(keep_token_ids), ids in
-    [0, vocab_total), no id twice in a row. On CUDA the value checks but the last are
-    asynchronous device-side asserts (``torch._assert_async``, no host sync); duplicate ids in a
-    row are not checked there (they would count twice in the row's sum).
+    [0, vocab_total), no id twice in a row. On CUDA, and inside a torch.compile graph, the
+    value checks but the last are asynchronous asserts (``torch._assert_async``, no host
+    sync); duplicate ids in a row are not checked there (they would count twice in the row's
+    sum).
     """
     if (keep_token_ids is None) != (keep_offsets is None):
         raise ValueError("keep_token_ids and keep_offsets go together: pass both or neither")
@@ -54,7 +55,7 @@ def check_nucleus(keep_token_ids, keep_offsets, n_rows: int, vocab_total: int,
         raise ValueError(f"keep_token_ids and keep_offsets must be on the logits' device "
                          f"{device}, got {keep_token_ids.device} and {keep_offsets.device}")
     k = keep_token_ids.numel()
-    if keep_offsets.is_cuda:
+    if keep_offsets.is_cuda or torch.compiler.is_compiling():   # no host read in a graph
         torch._assert_async(keep_offsets[0] == 0, "keep_offsets[0] must be 0")
         torch._assert_async(keep_offsets[-1] == k, "keep_offsets[-1] must be len(keep_token_ids)")
         torch._assert_async((keep_offsets.diff() >= 0).all(), "keep_offsets must not decrease")
