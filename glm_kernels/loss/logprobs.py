@@ -24,6 +24,7 @@ import torch
 from .. import _dispatch
 from . import _checks
 from . import _logits_reference as ref
+from . import _logits_torch
 from . import _nucleus
 from . import _vocab_parallel
 
@@ -166,13 +167,20 @@ def prepare_call(op: str, logits: torch.Tensor, token_ids: torch.Tensor, vocab_t
     return kernels, make_launch_config(backend), flag
 
 
+def _torch_path():
+    """The torch backend's whole-row functions: the fixed-order reference under
+    batch_invariant(), the chunked ones (no [N, V] temporaries) otherwise."""
+    return ref if _dispatch.batch_invariant_enabled() else _logits_torch
+
+
 # --------------------------------------------------------------------------- custom ops
 def _logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
                    want_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, v = logits.shape
     kernels, cfg, flag = prepare_call("selective_logprobs", logits, token_ids, v)
     if kernels is None:
-        lp, lse, entropy = ref.logprobs_lse_entropy(logits, token_ids, inv_temp, want_entropy)
+        lp, lse, entropy = _torch_path().logprobs_lse_entropy(logits, token_ids, inv_temp,
+                                                              want_entropy)
         entropy = lp.new_empty(0) if entropy is None else entropy
     else:
         lp, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(2))
@@ -235,8 +243,12 @@ def _grad_into(out, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_
     backend = _dispatch.select_backend("selective_logprobs", logits)
     kernels = kernels_or_none(backend)
     if kernels is None:
-        out.copy_(ref.softmax_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy,
-                                   inv_temp, vocab_start))
+        if _dispatch.batch_invariant_enabled():
+            out.copy_(ref.softmax_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy,
+                                       inv_temp, vocab_start))
+        else:
+            _logits_torch.softmax_grad_into(out, logits, token_ids, lse, entropy, grad_lp,
+                                            grad_entropy, inv_temp, vocab_start)
         return
     cfg = make_launch_config(backend)
     kernels.logits_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy, out,
