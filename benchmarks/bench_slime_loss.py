@@ -6,7 +6,7 @@ with slime's own reducer), torch backend, one CPU thread, CPU process time (the 
 shared: wall time would measure the neighbours). slime's code comes from a checkout:
 
     SLIME_SRC=/path/to/slime PYTHONPATH=. python benchmarks/bench_slime_loss.py \\
-        [--tokens 4096] [--vocab 32768] [--top-p 1.0] [--repeats 3]
+        [--tokens 4096] [--vocab 32768] [--top-p 1.0 [--nucleus 64]] [--repeats 3]
 
 Prints one line per configuration: slime ms, ours ms, ours / slime.
 """
@@ -40,9 +40,17 @@ def batch_of(tokens: int, vocab: int, samples: int, prompt: int, seed: int = 0):
     return batch, logits
 
 
-def add_nucleus(batch, logits, top_p):
-    from _policy_options import add_top_p_replay
-    return add_top_p_replay(batch, logits, 1.0, top_p, seed=1)
+def add_nucleus(batch, logits, size):
+    """slime's replay keys with a nucleus of the ``size`` most likely ids per response token
+    (a peaked LM's top-p nucleus is tens of ids; these random logits are flat, so a true
+    top-p cut would keep most of the vocabulary)."""
+    ids, offsets, end = [], [], 0
+    for total, resp in zip(batch["total_lengths"], batch["response_lengths"]):
+        end += total
+        top = logits[0, end - resp - 1:end - 1].topk(size, -1).indices
+        ids.append(top.reshape(-1).int())
+        offsets.append(torch.arange(0, resp * size + 1, size, dtype=torch.int32))
+    return dict(batch, rollout_top_p_token_ids=ids, rollout_top_p_token_offsets=offsets)
 
 
 def timed(fn, logits, repeats):
@@ -64,6 +72,7 @@ def main():
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--nucleus", type=int, default=64, help="ids per token with --top-p")
     parser.add_argument("--repeats", type=int, default=3)
     opts = parser.parse_args()
     slime_src = os.environ.get("SLIME_SRC")
@@ -78,7 +87,7 @@ def main():
     loss_mod = load_loss(slime_src)
     batch, logits = batch_of(opts.tokens, opts.vocab, opts.samples, opts.prompt)
     if opts.top_p != 1.0:
-        batch = add_nucleus(batch, logits, opts.top_p)
+        batch = add_nucleus(batch, logits, opts.nucleus)
     args = slime_args(use_tis=False, custom_tis_function_path=None, rollout_top_p=opts.top_p,
                       kl_loss_type="k1", kl_loss_coef=0.0, use_unbiased_kl=False,
                       opsm_delta=1e-4)
