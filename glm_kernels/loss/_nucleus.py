@@ -11,7 +11,8 @@ Math, with z = logits / T, t the target and S_i the kept ids of row i (CSR:
 An empty S_i means "no nucleus recorded": the row is the plain full-vocab log-prob. The
 full-vocab pass (``logprobs.py``: lse, entropy, one read of the logits) runs for every row;
 the nucleus adds a gather of the K = len(keep_token_ids) kept logits and per-row reductions
-of them (O(K + N), no [N, V] mask). Backward: the dense softmax gradient with the log-prob
+of them (O(K + N), no [N, V] mask): torch ops on the torch backend, one Triton program per
+row on the others (``_nucleus_kernels.py``). Backward: the dense softmax gradient with the log-prob
 coefficient zeroed on nucleus rows (it keeps the entropy term), then the nucleus rows' sparse
 terms added at their K_i columns. Shard-aware: with a vocab-parallel ``tp_group`` each rank
 sums its own kept columns and two all-reduces (max; sum and target logit) combine them.
@@ -179,13 +180,59 @@ def nucleus_grad_terms(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad
     return torch.cat([flat, t_flat]), torch.cat([vals, t_vals])
 
 
+# --------------------------------------------------------------------------- backends
+# Kernel tiles of kept ids: 128 on a GPU; 16 under the interpreter, so that test-sized nuclei
+# span several tiles.
+BLOCK_K = {"triton": 128, "interpret": 16}
+
+
+def _kernels(logits):
+    """(Triton kernel module, BLOCK_K) or (None, None) for the torch backend."""
+    backend = _dispatch.select_backend("selective_logprobs", logits)
+    if backend == "torch":
+        return None, None
+    from . import _nucleus_kernels
+    return _nucleus_kernels, BLOCK_K[backend]
+
+
+def _index(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int64 else x.long()
+
+
+def _stats_impl(logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start):
+    kernels, block_k = _kernels(logits)
+    if kernels is None:
+        return nucleus_partial_stats(logits, token_ids, keep_ids, keep_offsets, inv_temp,
+                                     vocab_start)
+    out = torch.empty((logits.shape[0], 3), dtype=torch.float32, device=logits.device)
+    kernels.nucleus_stats(logits, _index(token_ids), _index(keep_ids), _index(keep_offsets),
+                          out, inv_temp=inv_temp, vocab_start=vocab_start, block_k=block_k,
+                          num_warps=4)
+    return out
+
+
+def _grad_terms_impl(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp, inv_temp,
+                     vocab_start):
+    kernels, block_k = _kernels(logits)
+    if kernels is None:
+        return nucleus_grad_terms(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp,
+                                  inv_temp, vocab_start)
+    size = keep_ids.numel() + logits.shape[0]
+    index = torch.empty(size, dtype=torch.int64, device=logits.device)
+    value = torch.empty(size, dtype=torch.float32, device=logits.device)
+    kernels.nucleus_grad_terms(logits, _index(token_ids), _index(keep_ids),
+                               _index(keep_offsets), lse_keep, grad_lp.float().contiguous(),
+                               index, value, inv_temp=inv_temp, vocab_start=vocab_start,
+                               block_k=block_k, num_warps=4)
+    return index, value
+
+
 # --------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("glm_kernels::nucleus_logprob_stats", mutates_args=())
 def _stats_op(logits: torch.Tensor, token_ids: torch.Tensor, keep_ids: torch.Tensor,
               keep_offsets: torch.Tensor, inv_temp: float, vocab_start: int) -> torch.Tensor:
     """[N, 3] fp32 nucleus statistics of this tensor's columns (see nucleus_partial_stats)."""
-    return nucleus_partial_stats(logits, token_ids, keep_ids, keep_offsets, inv_temp,
-                                 vocab_start)
+    return _stats_impl(logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start)
 
 
 @_stats_op.register_fake
@@ -198,8 +245,8 @@ def _grad_terms_op(logits: torch.Tensor, token_ids: torch.Tensor, keep_ids: torc
                    keep_offsets: torch.Tensor, lse_keep: torch.Tensor, grad_lp: torch.Tensor,
                    inv_temp: float, vocab_start: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(flat index [K + N] int64, values [K + N] fp32) of the nucleus rows' gradient."""
-    return nucleus_grad_terms(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp,
-                              inv_temp, vocab_start)
+    return _grad_terms_impl(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp,
+                            inv_temp, vocab_start)
 
 
 @_grad_terms_op.register_fake
@@ -211,7 +258,7 @@ def _grad_terms_fake(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_l
 
 
 def run_stats(run_op, logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start):
-    return run_op(_stats_op, nucleus_partial_stats, logits, token_ids, keep_ids, keep_offsets,
+    return run_op(_stats_op, _stats_impl, logits, token_ids, keep_ids, keep_offsets,
                   inv_temp, vocab_start)
 
 
@@ -224,7 +271,7 @@ def add_grad_terms(out, index, values) -> torch.Tensor:
 
 def grad_terms(run_op, logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp,
                inv_temp, vocab_start):
-    return run_op(_grad_terms_op, nucleus_grad_terms, logits, token_ids, keep_ids,
+    return run_op(_grad_terms_op, _grad_terms_impl, logits, token_ids, keep_ids,
                   keep_offsets, lse_keep, grad_lp, inv_temp, vocab_start)
 
 
