@@ -166,6 +166,25 @@ def check_opd_advantage(loss_mod) -> int:
     return failures
 
 
+def check_top_p_icepop(loss_mod) -> int:
+    """A, B and C with --rollout-top-p < 1 (slime's nucleus replay), CP = 1."""
+    from _policy_options import add_top_p_replay
+    failures = 0
+    for top_p, temperature in ((0.9, 1.0), (0.7, 0.7)):
+        batch, logits = micro_batch(3)
+        batch = add_top_p_replay(batch, logits, temperature, top_p, seed=5)
+        a, b, c = compare_sides(loss_mod, batch, logits, rollout_temperature=temperature,
+                                rollout_top_p=top_p, calculate_per_token_loss=False)
+        errors = {"B loss": rel(b[0], a[0]), "B grad": rel(b[1], a[1]),
+                  "C loss": rel(c[0], a[0]), "C grad": rel(c[1], a[1])}
+        bad = sorted(k for k, v in errors.items() if not v <= TOL)
+        failures += bool(bad)
+        print(f"top-p {top_p} IcePop T={temperature}: loss {float(a[0]):+.6f} "
+              + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
+              + (f"  MISMATCH {bad}" if bad else ""))
+    return failures
+
+
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -375,6 +394,7 @@ def main():
                   + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
                   + (f"  MISMATCH {sorted(bad)}" if bad else ""))
         failures += check_opd_advantage(loss_mod)
+        failures += check_top_p_icepop(loss_mod)
         if not args.skip_options:
             load_mis(args.slime_src)
             failures += check_options(loss_mod, slime_args, run_side, rel)

@@ -31,7 +31,14 @@ slime flag                      glm_kernels.policy_loss / op
   ...compute_mis_weights_with_cp  replaces the loss masks' numerators (slime's reducer
   (mis.yaml: tis/rs level, mode,  rebuilt, denominators unchanged); or this module's
   veto, batch normalisation)    mis_tis_function
+--custom-tis-function-path      token_weights *= a user's hook's weights (called as slime
+  my.module.my_tis              calls it, ``pg_loss`` a probe of ones: the hook must return
+                                pg_loss times detached weights); its masks rebuild slime's
+                                reducer, its metrics are reported (_custom_tis)
 --get-mismatch-metrics          the TIS hook's metrics without --use-tis's weights
+--rollout-top-p < 1             log-probs renormalised over the rollout's nucleus
+                                (selective_logprobs' keep_token_ids / keep_offsets, from the
+                                batch's rollout_top_p_token_ids / _offsets; CP = 1)
 --use-kl-loss, --kl-loss-coef,  + coef * kl_penalty_terms(lp, ref, k1 / k2 / k3), low_var_kl
   --kl-loss-type,               clamped to [-10, 10]; --use-unbiased-kl multiplies by
   --use-unbiased-kl             exp(lp - old) before that clamp (with its gradient)
@@ -43,10 +50,10 @@ slime flag                      glm_kernels.policy_loss / op
   function-path                 linear in the per-token loss, as slime's reducers are)
 ==============================  =========================================================
 
-Refused with a ValueError naming the flag (nothing computed): ``--rollout-top-p`` != 1
-(slime renormalises the log-probs over the rollout nucleus) and a
-``--custom-tis-function-path`` that is none of the three above (a user's own hook: keep
-slime's ``--loss-type policy_loss`` for it).
+Refused with a ValueError naming the flag (nothing computed): ``--rollout-top-p`` != 1 under
+context parallelism or without the replay keys, and a ``--custom-tis-function-path`` hook
+that does not return ``pg_loss`` times weights (keep slime's ``--loss-type policy_loss`` for
+it).
 
 :func:`mis_tis_function` is mis.py's ``compute_mis_weights_with_cp`` for slime's own
 ``--loss-type policy_loss`` (``--custom-tis-function-path
