@@ -329,7 +329,6 @@ class _SelectiveLogprobs(torch.autograd.Function):
             if tp_group is not None:
                 stats = _nucleus.combine_nucleus_stats(stats, tp_group)
             lp, lse_keep = _nucleus.finalize_nucleus(stats, keep_offsets, lp, lse)
-            ctx.mark_non_differentiable(keep_ids, keep_offsets)
         ctx.save_for_backward(logits, token_ids, lse, entropy, keep_ids, keep_offsets, lse_keep)
         ctx.cfg = (inv_temp, vocab_start, want_entropy, inplace_backward)
         if not want_entropy:
