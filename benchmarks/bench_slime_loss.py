@@ -6,7 +6,8 @@ with slime's own reducer), torch backend, one CPU thread, CPU process time (the 
 shared: wall time would measure the neighbours). slime's code comes from a checkout:
 
     SLIME_SRC=/path/to/slime PYTHONPATH=. python benchmarks/bench_slime_loss.py \\
-        [--tokens 4096] [--vocab 32768] [--top-p 1.0 [--nucleus 64]] [--repeats 3]
+        [--tokens 4096] [--vocab 32768] [--top-p 1.0 [--nucleus 64]] [--entropy-coef 0]
+        [--repeats 3]
 
 Prints one line per configuration: slime ms, ours ms, ours / slime.
 """
@@ -73,6 +74,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--nucleus", type=int, default=64, help="ids per token with --top-p")
+    parser.add_argument("--entropy-coef", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=3)
     opts = parser.parse_args()
     slime_src = os.environ.get("SLIME_SRC")
@@ -90,7 +92,7 @@ def main():
         batch = add_nucleus(batch, logits, opts.nucleus)
     args = slime_args(use_tis=False, custom_tis_function_path=None, rollout_top_p=opts.top_p,
                       kl_loss_type="k1", kl_loss_coef=0.0, use_unbiased_kl=False,
-                      opsm_delta=1e-4)
+                      opsm_delta=1e-4, entropy_coef=opts.entropy_coef)
     reduce = loss_mod.get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"],
                                              batch["loss_masks"], batch["rollout_mask_sums"],
                                              False)
@@ -99,7 +101,8 @@ def main():
                          logits, opts.repeats)
         ours_ms = timed(lambda x: policy_loss_function(args, batch, x, reduce), logits,
                         opts.repeats)
-    print(f"T={opts.tokens} V={opts.vocab} top_p={opts.top_p}: slime {slime_ms:.0f} ms, "
+    print(f"T={opts.tokens} V={opts.vocab} top_p={opts.top_p} entropy_coef="
+          f"{opts.entropy_coef}: slime {slime_ms:.0f} ms, "
           f"glm_kernels {ours_ms:.0f} ms, ours/slime {ours_ms / slime_ms:.2f}")
 
 
