@@ -228,7 +228,9 @@ def _custom_tis(args, batch, train_list, layout, n_local, device, sum_of_sample_
             if weighted.requires_grad else None
     weights = weighted.detach().float()
     slope = torch.zeros_like(weights) if slope is None else slope
-    linear = (slope == weights) | (weights != weights)   # NaN weights pass through as slime's
+    # pg_loss * w1 * w2 ...: the slope's products may round in another order (1 ulp).
+    linear = (slope == weights) | ((slope - weights).abs() <= 1e-6 * weights.abs()) | \
+        (weights != weights)                           # NaN weights pass through as slime's
     message = (f"--custom-tis-function-path {args.custom_tis_function_path!r} must return "
                f"pg_loss times detached weights (policy_loss_function never forms slime's "
                f"per-token pg_loss); use --loss-type policy_loss for this hook")

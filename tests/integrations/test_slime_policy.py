@@ -312,3 +312,44 @@ def test_docs_mis_example_prints_what_it_says(capsys):
     said = [line.split("# ", 1)[1].split(":")[0].strip() for line in block.splitlines()
             if line.startswith("print(")]
     assert printed == said
+
+
+def user_tis_three_factors(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+                           **kwargs):
+    """pg_loss times three factors: its slope rounds in another order than its value."""
+    d = torch.cat(train_log_probs) - torch.cat(rollout_log_probs)
+    return pg_loss * torch.exp(d) * 0.3 * torch.exp(-0.5 * d), loss_masks, {}
+
+
+def user_tis_one_factor(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+                        **kwargs):
+    d = torch.cat(train_log_probs) - torch.cat(rollout_log_probs)
+    return pg_loss * (torch.exp(d) * 0.3 * torch.exp(-0.5 * d)), loss_masks, {}
+
+
+def test_user_tis_hook_with_several_factors_is_accepted():
+    batch, logits, _, _ = make_batch(1)
+    losses = []
+    for hook in ("user_tis_three_factors", "user_tis_one_factor"):
+        args = slime_args(use_tis=True, custom_tis_function_path=f"{__name__}.{hook}")
+        losses.append(plug.policy_loss_function(args, batch, logits, reducer(batch, False))[0])
+    plain = plug.policy_loss_function(slime_args(), batch, logits, reducer(batch, False))[0]
+    assert float((losses[0] - losses[1]).abs()) <= 1e-6 * float(losses[1].abs())
+    assert float((losses[1] - plain).abs()) > 1e-3          # the weights do act
+
+
+def test_top_p_replay_packing():
+    """slime's per-sample replay -> CSR: an empty recorded nucleus keeps the target alone,
+    unrecorded tokens keep nothing (full vocabulary), bad offsets are refused."""
+    from glm_kernels.integrations._slime_topp import nucleus_csr
+    targets = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    batch = {"rollout_top_p_token_ids": [[1, 2, 3], torch.tensor([4])],
+             "rollout_top_p_token_offsets": [[0, 2, 2, 3], torch.tensor([0, 1])]}
+    ids, offsets = nucleus_csr(batch, targets, "cpu")
+    assert ids.tolist() == [1, 2, 6, 3, 4] and offsets.tolist() == [0, 2, 3, 4, 5, 5]
+    batch["rollout_top_p_token_offsets"][0] = [0, 2, 1, 3]
+    with pytest.raises(ValueError, match=r"rollout_top_p_token_offsets'\]\[0\] decreases"):
+        nucleus_csr(batch, targets, "cpu")
+    batch["rollout_top_p_token_offsets"][0] = [0, 2, 2, 9]
+    with pytest.raises(ValueError, match="points outside"):
+        nucleus_csr(batch, targets, "cpu")
