@@ -110,6 +110,9 @@ OPTIONS = [
     ("user tis hook", dict(use_tis=True, custom_tis_function_path=USER_TIS)),
     ("user tis hook, mismatch metrics only", dict(get_mismatch_metrics=True,
                                                   custom_tis_function_path=USER_TIS)),
+    ("user tis hook + gspo + opsm", dict(
+        use_tis=True, custom_tis_function_path=USER_TIS, advantage_estimator="gspo",
+        eps_clip=0.05, eps_clip_high=0.08, use_opsm=True, opsm_delta=0.02)),
     ("user tis hook + gspo + opsm + custom reducer", dict(
         use_tis=True, custom_tis_function_path=USER_TIS, advantage_estimator="gspo",
         eps_clip=0.05, eps_clip_high=0.08, use_opsm=True, opsm_delta=0.02,
@@ -122,16 +125,18 @@ OPTIONS = [
 
 
 def clipped_ratio_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
-                      **kwargs):
+                      total_lengths, response_lengths, **kwargs):
     """A user's --custom-tis-function-path: the train / rollout ratio clipped to [0.3, 1.7],
-    tokens whose |log-ratio| exceeds 1.5 rejected (new masks), two metrics of its own."""
-    log_ratio = torch.cat(train_log_probs) - torch.cat(rollout_log_probs)
-    ratio = torch.exp(log_ratio)
-    weights = ratio.clamp(0.3, 1.7)
-    rejected = (log_ratio.abs() > 1.5).float()
-    masks = [m * (1 - r).to(m.dtype) for m, r in
-             zip(loss_masks, rejected.split([int(m.numel()) for m in loss_masks]))]
-    metrics = {"user_tis": weights.clone(), "user_rejected": rejected}
+    tokens whose |log-ratio| exceeds 1.5 rejected (new whole-response masks, gathered over
+    CP as mis.py does), two metrics of its own (this rank's tokens)."""
+    from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+    local = [t - r for t, r in zip(train_log_probs, rollout_log_probs)]
+    log_ratio = torch.cat(local)
+    weights = torch.exp(log_ratio).clamp(0.3, 1.7)
+    whole = [all_gather_with_cp(d, t, r) for d, t, r in zip(local, total_lengths,
+                                                            response_lengths)]
+    masks = [m * (d.abs() <= 1.5).to(m.dtype) for m, d in zip(loss_masks, whole)]
+    metrics = {"user_tis": weights.clone(), "user_rejected": (log_ratio.abs() > 1.5).float()}
     return pg_loss * weights, masks, metrics
 
 
@@ -276,7 +281,8 @@ def check_options(loss_mod, slime_args, run_side, rel) -> int:
 # ---- context parallelism: the option sets whose slime code gathers whole responses ----------
 
 CP_OPTIONS = ("gspo dual clip", "opsm", "mis sequence mask", "mis token mask + rs + veto",
-              "cispo + vanilla tis + kl unbiased", "gspo + opsm + mis rs + kl + entropy")
+              "cispo + vanilla tis + kl unbiased", "gspo + opsm + mis rs + kl + entropy",
+              "top-p 0.8 gspo + mis", "user tis hook + gspo + opsm")
 
 
 def _option_flags(name, **extra):
@@ -291,6 +297,9 @@ def cp_option_case(h, loss_mod, data_mod, cp, rank, allgather, name):
     """One rank's A (slime) and C (glm_kernels) for option set ``name``; ``h`` holds the main
     script's rank_micro_batch, slime_args, run_side and rel."""
     batch, logits = option_batch(len(name), 1.0)
+    top_p = dict(OPTIONS)[name].get("rollout_top_p", 1.0)
+    if top_p != 1.0:
+        batch = add_top_p_replay(batch, logits, 1.0, top_p, len(name))
     micro, local, _ = h.rank_micro_batch(loss_mod, data_mod, batch, logits, allgather,
                                          noise_seed=2000 + rank)
     common = _option_flags(name, context_parallel_size=cp, allgather_cp=allgather)

@@ -89,7 +89,8 @@ PROMPT_HEAVY = dict(prompts=(11,), responses=(1,))
 # The keys slime's train forward_step asks get_batch for (model.py), minus the optional ones.
 TRAIN_KEYS = ("tokens", "multimodal_train_inputs", "total_lengths", "response_lengths",
               "loss_masks", "log_probs", "ref_log_probs", "values", "advantages", "returns",
-              "rollout_log_probs", "teacher_log_probs", "rollout_mask_sums")
+              "rollout_log_probs", "teacher_log_probs", "rollout_mask_sums",
+              "rollout_top_p_token_ids", "rollout_top_p_token_offsets")   # with top-p < 1
 # --data-pad-size-multiplier: slime's default 128 would put these short streams whole on the
 # first --allgather-cp rank; with 8 every rank's piece cuts through samples.
 PAD_MULTIPLIER = 8
@@ -220,7 +221,10 @@ def rank_micro_batch(loss_mod, data_mod, batch, logits, allgather, noise_seed):
                "log_probs": rank_part(batch["log_probs"]),
                **({"ref_log_probs": rank_part(batch["ref_log_probs"])}
                   if batch.get("ref_log_probs") else {}),
-               "rewards": [float(adv[0]) for adv in batch["advantages"]]}
+               "rewards": [float(adv[0]) for adv in batch["advantages"]],
+               # top-p replay: whole responses per sample, as the rollout stores them
+               **{k: batch[k] for k in ("rollout_top_p_token_ids",
+                                        "rollout_top_p_token_offsets") if k in batch}}
     # GRPO: every response token of a sample gets its reward, on this rank's part (actor.train).
     loss_mod.compute_advantages_and_returns(slime_args(
         kl_coef=0.0, custom_advantage_function_path=None, use_opd=False,

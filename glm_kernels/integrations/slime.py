@@ -100,9 +100,6 @@ def _response_logprobs(args, batch, logits: torch.Tensor
     if tp_group is not None:
         kwargs["tp_group"] = tp_group   # logits are this rank's vocab shard
     top_p = _slime_topp.top_p_enabled(args)
-    if top_p and _context_parallel(args):
-        raise ValueError(f"--rollout-top-p {args.rollout_top_p} with context parallelism: "
-                         f"the nucleus replay is implemented at CP = 1 only")
     row_index = None            # the response rows of the stream, when it is computed whole
     if _context_parallel(args):
         # The CP layout is slime's own: its slicer yields this rank's response rows per sample
@@ -116,6 +113,10 @@ def _response_logprobs(args, batch, logits: torch.Tensor
         targets = torch.cat([t.to(logits.device).long() for _, t in chunks]) if chunks else \
             torch.zeros(0, dtype=torch.long, device=logits.device)
         sizes = [int(c.shape[0]) for c, _ in chunks]
+        if top_p:
+            kwargs["keep_token_ids"], kwargs["keep_offsets"] = _slime_topp.nucleus_csr(
+                batch, [t for _, t in chunks], logits.device,
+                positions=_slime_topp.cp_response_positions(args, batch, logits.shape[1]))
     else:
         flat = logits.reshape(logits.shape[1], logits.shape[2])   # a view: no copy backward
         rows, target_list, sizes, end = [], [], [], 0

@@ -38,7 +38,7 @@ slime flag                      glm_kernels.policy_loss / op
 --get-mismatch-metrics          the TIS hook's metrics without --use-tis's weights
 --rollout-top-p < 1             log-probs renormalised over the rollout's nucleus
                                 (selective_logprobs' keep_token_ids / keep_offsets, from the
-                                batch's rollout_top_p_token_ids / _offsets; CP = 1)
+                                batch's rollout_top_p_token_ids / _offsets)
 --use-kl-loss, --kl-loss-coef,  + coef * kl_penalty_terms(lp, ref, k1 / k2 / k3), low_var_kl
   --kl-loss-type,               clamped to [-10, 10]; --use-unbiased-kl multiplies by
   --use-unbiased-kl             exp(lp - old) before that clamp (with its gradient)
@@ -50,8 +50,8 @@ slime flag                      glm_kernels.policy_loss / op
   function-path                 linear in the per-token loss, as slime's reducers are)
 ==============================  =========================================================
 
-Refused with a ValueError naming the flag (nothing computed): ``--rollout-top-p`` != 1 under
-context parallelism or without the replay keys, and a ``--custom-tis-function-path`` hook
+Refused with a ValueError naming the flag (nothing computed): ``--rollout-top-p`` != 1
+without the replay keys, and a ``--custom-tis-function-path`` hook
 that does not return ``pg_loss`` times weights (keep slime's ``--loss-type policy_loss`` for
 it).
 
@@ -68,7 +68,7 @@ import torch
 
 from ..loss import kl_penalty_terms, policy_loss
 from ..loss._policy_spec import PolicyLossSpec
-from . import _slime_is, _slime_topp
+from . import _slime_is
 from .slime import (_cat, _clip_eps, _context_parallel, _gate_bounds, _response_logprobs,
                     icepop_gate_weights, icepop_tis_function)
 
@@ -114,10 +114,6 @@ def _check_args(args) -> str:
     if estimator not in ESTIMATORS:
         raise ValueError(f"--advantage-estimator must be one of {sorted(ESTIMATORS)}, got "
                          f"{estimator!r}")
-    if _slime_topp.top_p_enabled(args) and _context_parallel(args):
-        raise ValueError(f"--rollout-top-p {args.rollout_top_p} with context parallelism: "
-                         f"the nucleus replay is implemented at CP = 1 only; use --loss-type "
-                         f"policy_loss")
     if getattr(args, "use_kl_loss", False):
         kind = getattr(args, "kl_loss_type", "k1")
         if kind not in KL_KINDS:

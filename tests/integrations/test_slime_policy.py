@@ -277,7 +277,6 @@ def test_mis_tis_function_applies_the_weights():
 
 
 @pytest.mark.parametrize("flags, match", [
-    (dict(rollout_top_p=0.9, context_parallel_size=2), "rollout-top-p"),
     (dict(rollout_top_p=0.9), "rollout_top_p_token_ids"),        # the replay keys missing
     (dict(advantage_estimator="dapo"), "advantage-estimator"),
     (dict(use_tis=True, custom_tis_function_path=f"{__name__}.user_tis_not_multiplicative"),
