@@ -21,12 +21,14 @@ import torch
 
 NEG_INF = float("-inf")
 FLT_MIN_FINITE = -torch.finfo(torch.float32).max
-# Elements per scratch buffer (1 MiB fp32): a chunk and its two buffers stay in L2 / L3.
-CHUNK_ELEMENTS = 1 << 18
+# Elements per scratch buffer. CPU: 1 MiB fp32, so a chunk and its two buffers stay in L2 /
+# L3. CUDA (the torch backend there is a fallback; the caching allocator has no first-touch
+# cost): 64 MiB, so the per-chunk launches stay few (~110 rows of a 152k vocab per chunk).
+CHUNK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 24}
 
 
-def _rows_per_chunk(v: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(v, 1))
+def _rows_per_chunk(v: int, device: torch.device) -> int:
+    return max(1, CHUNK_ELEMENTS.get(device.type, 1 << 18) // max(v, 1))
 
 
 def _scaled_into(buf: torch.Tensor, logits_chunk: torch.Tensor, inv_temp: float) -> torch.Tensor:
@@ -42,7 +44,7 @@ def logprobs_lse_entropy(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp
                          ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(lp, lse, entropy or None) [N] fp32 of [N, V] logits: the reference's values."""
     n, v = logits.shape
-    rows = _rows_per_chunk(v)
+    rows = _rows_per_chunk(v, logits.device)
     device = logits.device
     lse = torch.empty(n, dtype=torch.float32, device=device)
     entropy = torch.empty(n, dtype=torch.float32, device=device) if want_entropy else None
@@ -76,7 +78,7 @@ def softmax_grad_into(out: torch.Tensor, logits: torch.Tensor, token_ids: torch.
     0 (even with NaN / inf logits), as the reference.
     """
     n, v = logits.shape
-    rows = _rows_per_chunk(v)
+    rows = _rows_per_chunk(v, logits.device)
     c = coef.float() * inv_temp
     c_ent = None if coef_entropy is None else coef_entropy.float() * inv_temp
     live = c != 0 if c_ent is None else (c != 0) | (c_ent != 0)
