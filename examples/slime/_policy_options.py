@@ -32,6 +32,7 @@ OURS_LOSS = "glm_kernels.integrations.slime_policy.policy_loss_function"
 OURS_MIS = "glm_kernels.integrations.slime_policy.mis_tis_function"
 SLIME_MIS = "slime_mis.compute_mis_weights_with_cp"         # mis.py, loaded by load_mis
 SLIME_ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
+USER_TIS = f"{__name__}.clipped_ratio_tis"          # a user's own TIS hook (below)
 TOL = 1e-5
 
 MIS_DEFAULTS = dict(use_tis=True, use_rs=False, tis_level="token", rs_level="token",
@@ -98,11 +99,77 @@ OPTIONS = [
         advantage_estimator="gspo", eps_clip=0.05, eps_clip_high=0.08, use_opsm=True,
         opsm_delta=0.02, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl",
         entropy_coef=0.01)),
+    ("top-p 0.9", dict(rollout_top_p=0.9)),
+    ("top-p 0.7 + icepop hook + kl + entropy", dict(
+        rollout_top_p=0.7, use_tis=True, custom_tis_function_path=SLIME_ICEPOP,
+        tis_clip_low=0.5, tis_clip=2.0, use_kl_loss=True, kl_loss_coef=0.1,
+        kl_loss_type="low_var_kl", entropy_coef=0.01)),
+    ("top-p 0.8 gspo + mis", dict(mis(tis_mode="mask", use_rs=True, rs_veto_threshold=1e-4),
+                                  rollout_top_p=0.8, advantage_estimator="gspo",
+                                  eps_clip=0.05, eps_clip_high=0.08)),
+    ("user tis hook", dict(use_tis=True, custom_tis_function_path=USER_TIS)),
+    ("user tis hook, mismatch metrics only", dict(get_mismatch_metrics=True,
+                                                  custom_tis_function_path=USER_TIS)),
+    ("user tis hook + gspo + opsm", dict(
+        use_tis=True, custom_tis_function_path=USER_TIS, advantage_estimator="gspo",
+        eps_clip=0.05, eps_clip_high=0.08, use_opsm=True, opsm_delta=0.02)),
+    ("user tis hook + gspo + opsm + custom reducer", dict(
+        use_tis=True, custom_tis_function_path=USER_TIS, advantage_estimator="gspo",
+        eps_clip=0.05, eps_clip_high=0.08, use_opsm=True, opsm_delta=0.02,
+        custom_pg_loss_reducer_function_path=f"{__name__}.token_sum_reducer")),
     ("cispo + vanilla tis + kl unbiased", dict(
         advantage_estimator="cispo", eps_clip=1.0, eps_clip_high=0.5, use_tis=True,
         custom_tis_function_path=None, use_kl_loss=True, kl_loss_coef=0.1,
         kl_loss_type="k2", use_unbiased_kl=True)),
 ]
+
+
+def clipped_ratio_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+                      total_lengths, response_lengths, **kwargs):
+    """A user's --custom-tis-function-path: the train / rollout ratio clipped to [0.3, 1.7],
+    tokens whose |log-ratio| exceeds 1.5 rejected (new whole-response masks, gathered over
+    CP as mis.py does), two metrics of its own (this rank's tokens)."""
+    from slime.backends.megatron_utils.cp_utils import all_gather_with_cp
+    local = [t - r for t, r in zip(train_log_probs, rollout_log_probs)]
+    log_ratio = torch.cat(local)
+    weights = torch.exp(log_ratio).clamp(0.3, 1.7)
+    whole = [all_gather_with_cp(d, t, r) for d, t, r in zip(local, total_lengths,
+                                                            response_lengths)]
+    masks = [m * (d.abs() <= 1.5).to(m.dtype) for m, d in zip(loss_masks, whole)]
+    metrics = {"user_tis": weights.clone(), "user_rejected": (log_ratio.abs() > 1.5).float()}
+    return pg_loss * weights, masks, metrics
+
+
+
+def add_top_p_replay(batch, logits, temperature, top_p, seed):
+    """slime's rollout top-p replay keys: each response token's nucleus (the smallest set of
+    most likely ids reaching top_p of the sampling distribution), ids and per-sample offsets
+    as slime's rollout stores them; with the cases slime's code handles specially: a sampled
+    token outside its nucleus, an empty recorded nucleus, a sample whose last tokens have no
+    recorded nucleus."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(logits[0] / temperature, -1)
+    order = probs.argsort(-1, descending=True)
+    cum = probs.gather(-1, order).cumsum(-1)
+    ids_all, offsets_all, end = [], [], 0
+    for i, (tokens, t, r) in enumerate(zip(batch["unconcat_tokens"], batch["total_lengths"],
+                                           batch["response_lengths"])):
+        end += t
+        ids, offsets = [], [0]
+        recorded = r - 2 if i == 2 else r             # sample 2: last two tokens unrecorded
+        for j, row in enumerate(range(end - r - 1, end - r - 1 + recorded)):
+            size = int((cum[row] < top_p).sum()) + 1
+            kept = order[row, :size].tolist()
+            target = int(tokens[t - r + j])
+            if target not in kept and float(torch.rand((), generator=g)) < 0.7:
+                kept.append(target)                    # the rest: target outside its nucleus
+            if i == 0 and j == 1:
+                kept = []                              # an empty recorded nucleus
+            ids += kept
+            offsets.append(len(ids))
+        ids_all.append(torch.tensor(ids, dtype=torch.int32))
+        offsets_all.append(torch.tensor(offsets, dtype=torch.int32))
+    return dict(batch, rollout_top_p_token_ids=ids_all, rollout_top_p_token_offsets=offsets_all)
 
 
 def token_sum_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
@@ -173,6 +240,9 @@ def check_options(loss_mod, slime_args, run_side, rel) -> int:
     for name, flags in OPTIONS:
         for temperature, per_token in ((1.0, False), (0.7, True)):
             batch, logits = option_batch(len(name), temperature)
+            if flags.get("rollout_top_p", 1.0) != 1.0:
+                batch = add_top_p_replay(batch, logits, temperature, flags["rollout_top_p"],
+                                         len(name))
             common = dict(dict(use_tis=False, custom_tis_function_path=None,
                                kl_loss_type="k1", kl_loss_coef=0.0, use_unbiased_kl=False,
                                opsm_delta=1e-4), **flags)
@@ -211,7 +281,8 @@ def check_options(loss_mod, slime_args, run_side, rel) -> int:
 # ---- context parallelism: the option sets whose slime code gathers whole responses ----------
 
 CP_OPTIONS = ("gspo dual clip", "opsm", "mis sequence mask", "mis token mask + rs + veto",
-              "cispo + vanilla tis + kl unbiased", "gspo + opsm + mis rs + kl + entropy")
+              "cispo + vanilla tis + kl unbiased", "gspo + opsm + mis rs + kl + entropy",
+              "top-p 0.8 gspo + mis", "user tis hook + gspo + opsm")
 
 
 def _option_flags(name, **extra):
@@ -226,6 +297,9 @@ def cp_option_case(h, loss_mod, data_mod, cp, rank, allgather, name):
     """One rank's A (slime) and C (glm_kernels) for option set ``name``; ``h`` holds the main
     script's rank_micro_batch, slime_args, run_side and rel."""
     batch, logits = option_batch(len(name), 1.0)
+    top_p = dict(OPTIONS)[name].get("rollout_top_p", 1.0)
+    if top_p != 1.0:
+        batch = add_top_p_replay(batch, logits, 1.0, top_p, len(name))
     micro, local, _ = h.rank_micro_batch(loss_mod, data_mod, batch, logits, allgather,
                                          noise_seed=2000 + rank)
     common = _option_flags(name, context_parallel_size=cp, allgather_cp=allgather)

@@ -89,7 +89,8 @@ PROMPT_HEAVY = dict(prompts=(11,), responses=(1,))
 # The keys slime's train forward_step asks get_batch for (model.py), minus the optional ones.
 TRAIN_KEYS = ("tokens", "multimodal_train_inputs", "total_lengths", "response_lengths",
               "loss_masks", "log_probs", "ref_log_probs", "values", "advantages", "returns",
-              "rollout_log_probs", "teacher_log_probs", "rollout_mask_sums")
+              "rollout_log_probs", "teacher_log_probs", "rollout_mask_sums",
+              "rollout_top_p_token_ids", "rollout_top_p_token_offsets")   # with top-p < 1
 # --data-pad-size-multiplier: slime's default 128 would put these short streams whole on the
 # first --allgather-cp rank; with 8 every rank's piece cuts through samples.
 PAD_MULTIPLIER = 8
@@ -166,6 +167,25 @@ def check_opd_advantage(loss_mod) -> int:
     return failures
 
 
+def check_top_p_icepop(loss_mod) -> int:
+    """A, B and C with --rollout-top-p < 1 (slime's nucleus replay), CP = 1."""
+    from _policy_options import add_top_p_replay
+    failures = 0
+    for top_p, temperature in ((0.9, 1.0), (0.7, 0.7)):
+        batch, logits = micro_batch(3)
+        batch = add_top_p_replay(batch, logits, temperature, top_p, seed=5)
+        a, b, c = compare_sides(loss_mod, batch, logits, rollout_temperature=temperature,
+                                rollout_top_p=top_p, calculate_per_token_loss=False)
+        errors = {"B loss": rel(b[0], a[0]), "B grad": rel(b[1], a[1]),
+                  "C loss": rel(c[0], a[0]), "C grad": rel(c[1], a[1])}
+        bad = sorted(k for k, v in errors.items() if not v <= TOL)
+        failures += bool(bad)
+        print(f"top-p {top_p} IcePop T={temperature}: loss {float(a[0]):+.6f} "
+              + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
+              + (f"  MISMATCH {bad}" if bad else ""))
+    return failures
+
+
 def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -201,7 +221,10 @@ def rank_micro_batch(loss_mod, data_mod, batch, logits, allgather, noise_seed):
                "log_probs": rank_part(batch["log_probs"]),
                **({"ref_log_probs": rank_part(batch["ref_log_probs"])}
                   if batch.get("ref_log_probs") else {}),
-               "rewards": [float(adv[0]) for adv in batch["advantages"]]}
+               "rewards": [float(adv[0]) for adv in batch["advantages"]],
+               # top-p replay: whole responses per sample, as the rollout stores them
+               **{k: batch[k] for k in ("rollout_top_p_token_ids",
+                                        "rollout_top_p_token_offsets") if k in batch}}
     # GRPO: every response token of a sample gets its reward, on this rank's part (actor.train).
     loss_mod.compute_advantages_and_returns(slime_args(
         kl_coef=0.0, custom_advantage_function_path=None, use_opd=False,
@@ -375,6 +398,7 @@ def main():
                   + " ".join(f"{k} {v:.1e}" for k, v in errors.items())
                   + (f"  MISMATCH {sorted(bad)}" if bad else ""))
         failures += check_opd_advantage(loss_mod)
+        failures += check_top_p_icepop(loss_mod)
         if not args.skip_options:
             load_mis(args.slime_src)
             failures += check_options(loss_mod, slime_args, run_side, rel)

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..loss import icepop_loss, opd_advantages, selective_logprobs
+from . import _slime_topp
 
 # The mismatch metrics that are token means (the rest are per sequence: see
 # icepop_loss_function's Returns).
@@ -98,6 +99,8 @@ def _response_logprobs(args, batch, logits: torch.Tensor
     kwargs = {"temperature": temperature, "return_entropy": True}
     if tp_group is not None:
         kwargs["tp_group"] = tp_group   # logits are this rank's vocab shard
+    top_p = _slime_topp.top_p_enabled(args)
+    row_index = None            # the response rows of the stream, when it is computed whole
     if _context_parallel(args):
         # The CP layout is slime's own: its slicer yields this rank's response rows per sample
         # (zigzag chunks; with --allgather-cp a contiguous slice of the global stream).
@@ -110,8 +113,12 @@ def _response_logprobs(args, batch, logits: torch.Tensor
         targets = torch.cat([t.to(logits.device).long() for _, t in chunks]) if chunks else \
             torch.zeros(0, dtype=torch.long, device=logits.device)
         sizes = [int(c.shape[0]) for c, _ in chunks]
+        if top_p:
+            kwargs["keep_token_ids"], kwargs["keep_offsets"] = _slime_topp.nucleus_csr(
+                batch, [t for _, t in chunks], logits.device,
+                positions=_slime_topp.cp_response_positions(args, batch, logits.shape[1]))
     else:
-        flat = logits[0]
+        flat = logits.reshape(logits.shape[1], logits.shape[2])   # a view: no copy backward
         rows, target_list, sizes, end = [], [], [], 0
         for tokens, total, resp in zip(batch["unconcat_tokens"], batch["total_lengths"],
                                        batch["response_lengths"]):
@@ -124,11 +131,29 @@ def _response_logprobs(args, batch, logits: torch.Tensor
         if end > flat.shape[0]:
             raise ValueError(f"total_lengths sum to {end} but logits hold {flat.shape[0]} "
                              f"positions")
-        picked = flat.index_select(0, torch.cat(rows)) if rows else flat[:0]
+        row_index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long,
+                                                             device=flat.device)
         targets = torch.cat(target_list).to(flat.device).long() if target_list else \
             torch.zeros(0, dtype=torch.long, device=flat.device)
+        keep = _slime_topp.nucleus_csr(batch, target_list, flat.device) if top_p else None
+        # Mostly response rows (the usual RL micro-batch): every row of the stream, as slime
+        # does, prompt / padding rows with target 0 and no gradient. A copy of the response
+        # rows would cost an [N, V] copy forward and a zero-filled [T, V] plus a scatter
+        # backward; it only pays when prompts are the larger part.
+        if 2 * row_index.numel() >= flat.shape[0]:
+            stream_targets = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+            stream_targets[row_index] = targets
+            if keep is not None:
+                keep = (keep[0], _stream_offsets(keep[1], row_index, flat.shape[0]))
+            picked, targets = flat, stream_targets
+        else:
+            picked, row_index = flat.index_select(0, row_index), None
+        if keep is not None:  # slime renormalises the log-probs over the rollout's nucleus
+            kwargs["keep_token_ids"], kwargs["keep_offsets"] = keep
     # One fused call (one set of TP all-reduces) for every response row of the micro-batch.
     lp, entropy = selective_logprobs(picked, targets, **kwargs)
+    if row_index is not None:
+        lp, entropy = lp.index_select(0, row_index), entropy.index_select(0, row_index)
     lp_list, entropy_list = list(lp.split(sizes)), list(entropy.split(sizes))
     if getattr(args, "allgather_cp", False):
         # slime's loss inputs (rollout log-probs, advantages) and its CP reducer are in the
@@ -141,6 +166,14 @@ def _response_logprobs(args, batch, logits: torch.Tensor
                                    response_lengths=batch["response_lengths"])
         lp_list, entropy_list = res["log_probs"], res["entropy"]
     return lp_list, entropy_list
+
+
+def _stream_offsets(offsets: torch.Tensor, row_index: torch.Tensor, rows: int) -> torch.Tensor:
+    """CSR offsets over the response rows -> over every stream row (the others keep no
+    nucleus); ``row_index`` is increasing, so the ids keep their order."""
+    counts = torch.zeros(rows, dtype=offsets.dtype, device=offsets.device)
+    counts[row_index] = offsets.diff()
+    return torch.nn.functional.pad(counts.cumsum(0), (1, 0))
 
 
 def _local_loss_masks(args, batch) -> List[torch.Tensor]:

@@ -31,7 +31,14 @@ slime flag                      glm_kernels.policy_loss / op
   ...compute_mis_weights_with_cp  replaces the loss masks' numerators (slime's reducer
   (mis.yaml: tis/rs level, mode,  rebuilt, denominators unchanged); or this module's
   veto, batch normalisation)    mis_tis_function
+--custom-tis-function-path      token_weights *= a user's hook's weights (called as slime
+  my.module.my_tis              calls it, ``pg_loss`` a probe of ones: the hook must return
+                                pg_loss times detached weights); its masks rebuild slime's
+                                reducer, its metrics are reported (_custom_tis)
 --get-mismatch-metrics          the TIS hook's metrics without --use-tis's weights
+--rollout-top-p < 1             log-probs renormalised over the rollout's nucleus
+                                (selective_logprobs' keep_token_ids / keep_offsets, from the
+                                batch's rollout_top_p_token_ids / _offsets)
 --use-kl-loss, --kl-loss-coef,  + coef * kl_penalty_terms(lp, ref, k1 / k2 / k3), low_var_kl
   --kl-loss-type,               clamped to [-10, 10]; --use-unbiased-kl multiplies by
   --use-unbiased-kl             exp(lp - old) before that clamp (with its gradient)
@@ -44,9 +51,9 @@ slime flag                      glm_kernels.policy_loss / op
 ==============================  =========================================================
 
 Refused with a ValueError naming the flag (nothing computed): ``--rollout-top-p`` != 1
-(slime renormalises the log-probs over the rollout nucleus) and a
-``--custom-tis-function-path`` that is none of the three above (a user's own hook: keep
-slime's ``--loss-type policy_loss`` for it).
+without the replay keys, and a ``--custom-tis-function-path`` hook
+that does not return ``pg_loss`` times weights (keep slime's ``--loss-type policy_loss`` for
+it).
 
 :func:`mis_tis_function` is mis.py's ``compute_mis_weights_with_cp`` for slime's own
 ``--loss-type policy_loss`` (``--custom-tis-function-path
@@ -98,10 +105,7 @@ def _tis_kind(args) -> Optional[str]:
         return "icepop"
     if path.rpartition(".")[2] in MIS_HOOK_NAMES:
         return "mis"
-    raise ValueError(
-        f"--custom-tis-function-path {path!r} is not a hook policy_loss_function computes "
-        f"(slime's vanilla TIS, {ICEPOP_HOOKS[0]}, mis.py's compute_mis_weights_with_cp); "
-        f"run your own hook with --loss-type policy_loss")
+    return "custom"
 
 
 def _check_args(args) -> str:
@@ -110,10 +114,6 @@ def _check_args(args) -> str:
     if estimator not in ESTIMATORS:
         raise ValueError(f"--advantage-estimator must be one of {sorted(ESTIMATORS)}, got "
                          f"{estimator!r}")
-    if float(getattr(args, "rollout_top_p", 1.0)) != 1.0:
-        raise ValueError(f"--rollout-top-p {args.rollout_top_p}: slime renormalises the "
-                         f"training log-probs over the rollout nucleus, which "
-                         f"policy_loss_function does not; use --loss-type policy_loss")
     if getattr(args, "use_kl_loss", False):
         kind = getattr(args, "kl_loss_type", "k1")
         if kind not in KL_KINDS:
@@ -202,6 +202,50 @@ def _importance_weights(args, kind, train, rollout, mask, layout
     return weights, kept, {f"mis_{k}": v for k, v in metrics.items()}
 
 
+def _custom_tis(args, batch, train_list, layout, n_local, device, sum_of_sample_mean):
+    """A user's ``--custom-tis-function-path`` hook, called with slime's keyword arguments.
+
+    Its ``pg_loss`` is a probe of ones [N local] (this loss never forms slime's per-token
+    loss): the hook must return ``pg_loss`` times detached per-token weights, as slime's own
+    hooks do, so the returned values are the weights; checked through the probe's gradient
+    (on CPU a ValueError, on CUDA an asynchronous assert). Returns (whole-response weights,
+    the reducer rebuilt on the hook's masks as slime rebuilds it, the hook's metrics).
+    """
+    probe = torch.ones(n_local, device=device, requires_grad=True)
+    with torch.enable_grad():
+        weighted, masks, metrics = _load(args.custom_tis_function_path)(
+            args=args, pg_loss=probe, train_log_probs=train_list,
+            rollout_log_probs=batch["rollout_log_probs"], loss_masks=batch["loss_masks"],
+            total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"])
+        if not (torch.is_tensor(weighted) and weighted.shape == probe.shape):
+            raise ValueError(f"--custom-tis-function-path {args.custom_tis_function_path!r} "
+                             f"must return pg_loss of shape {tuple(probe.shape)} first")
+        slope = torch.autograd.grad(weighted.sum(), probe, allow_unused=True)[0] \
+            if weighted.requires_grad else None
+    weights = weighted.detach().float()
+    slope = torch.zeros_like(weights) if slope is None else slope
+    # pg_loss * w1 * w2 ...: the slope's products may round in another order (1 ulp).
+    linear = (slope == weights) | ((slope - weights).abs() <= 1e-6 * weights.abs()) | \
+        (weights != weights)                           # NaN weights pass through as slime's
+    message = (f"--custom-tis-function-path {args.custom_tis_function_path!r} must return "
+               f"pg_loss times detached weights (policy_loss_function never forms slime's "
+               f"per-token pg_loss); use --loss-type policy_loss for this hook")
+    if weights.is_cuda:
+        torch._assert_async(linear.all(), message)
+    elif not bool(linear.all()):
+        raise ValueError(message)
+    if masks is batch["loss_masks"]:
+        reduce = sum_of_sample_mean
+    else:   # slime rebuilds its reducer on the hook's masks, denominators unchanged
+        from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+        reduce = get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"], masks,
+                                        batch["rollout_mask_sums"],
+                                        bool(args.calculate_per_token_loss))
+    # At whole-response positions; under CP the other ranks' tokens get 0 (their reducer
+    # coefficient on this rank is 0 too).
+    return layout.scatter_local(weights), masks, reduce, metrics
+
+
 def _kl_terms(args, logprobs, ref, old) -> torch.Tensor:
     """slime's compute_approx_kl(lp, ref, kl_loss_type, importance_ratio) per token."""
     kind = args.kl_loss_type
@@ -274,8 +318,12 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
             raise ValueError("--use-tis / --get-mismatch-metrics need batch['rollout_log_probs']")
         rollout_w = layout.whole(batch["rollout_log_probs"]).detach()
         train_w = layout.whole(train_list).detach()
-        weights, kept, tis_metrics = _importance_weights(args, kind, train_w, rollout_w, mask_w,
-                                                         layout)
+        if kind == "custom":
+            weights, custom_masks, custom_reduce, tis_metrics = _custom_tis(
+                args, batch, train_list, layout, logprobs.numel(), device, sum_of_sample_mean)
+        else:
+            weights, kept, tis_metrics = _importance_weights(args, kind, train_w, rollout_w,
+                                                             mask_w, layout)
     segs = _slime_is.Segments(layout.seg, len(layout.sizes), mask_w)
     seq_kl = segs.expand(segs.masked_mean(old_w - lp_w.detach()))
     opsm = None
@@ -297,7 +345,9 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
     # the original one. kept is 0/1 and never above the loss mask, so x * kept under the
     # original mask is x under the rebuilt one.
     reduce_mismatch = sum_of_sample_mean
-    if kept is not None:
+    if kind == "custom":
+        reduce = custom_reduce
+    elif kept is not None:
         kept_local = layout.local(kept)
         reduce = lambda x: sum_of_sample_mean(x * kept_local)  # noqa: E731
     else:
@@ -305,7 +355,8 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
     pg_reducer = reduce
     custom_reducer = getattr(args, "custom_pg_loss_reducer_function_path", None)
     if custom_reducer is not None:
-        masks = batch["loss_masks"] if kept is None else list(kept.split(layout.sizes))
+        masks = custom_masks if kind == "custom" else \
+            batch["loss_masks"] if kept is None else list(kept.split(layout.sizes))
         pg_reducer = _load(custom_reducer)(batch["total_lengths"], batch["response_lengths"],
                                            masks, bool(args.calculate_per_token_loss))
 
@@ -343,8 +394,8 @@ def policy_loss_function(args, batch: Dict, logits: torch.Tensor,
             (compared - _cat(batch["rollout_log_probs"], device)).abs())
     if kind is not None:
         metrics["ois"] = reduce_mismatch(layout.local(ratio))
-        for key, value in tis_metrics.items():
-            metrics[key] = reduce_mismatch(layout.local(value))
+        for key, value in tis_metrics.items():     # a user's hook gives this rank's part
+            metrics[key] = reduce_mismatch(value if kind == "custom" else layout.local(value))
     if opsm is not None:
         # slime: per sample, OPSM-masked tokens of this rank over the whole response's count.
         local_opsm = layout.local_list(opsm)

@@ -24,6 +24,8 @@ import torch
 from .. import _dispatch
 from . import _checks
 from . import _logits_reference as ref
+from . import _logits_torch
+from . import _nucleus
 from . import _vocab_parallel
 
 
@@ -165,13 +167,20 @@ def prepare_call(op: str, logits: torch.Tensor, token_ids: torch.Tensor, vocab_t
     return kernels, make_launch_config(backend), flag
 
 
+def _torch_path():
+    """The torch backend's whole-row functions: the fixed-order reference under
+    batch_invariant(), the chunked ones (no [N, V] temporaries) otherwise."""
+    return ref if _dispatch.batch_invariant_enabled() else _logits_torch
+
+
 # --------------------------------------------------------------------------- custom ops
 def _logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
                    want_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, v = logits.shape
     kernels, cfg, flag = prepare_call("selective_logprobs", logits, token_ids, v)
     if kernels is None:
-        lp, lse, entropy = ref.logprobs_lse_entropy(logits, token_ids, inv_temp, want_entropy)
+        lp, lse, entropy = _torch_path().logprobs_lse_entropy(logits, token_ids, inv_temp,
+                                                              want_entropy)
         entropy = lp.new_empty(0) if entropy is None else entropy
     else:
         lp, lse = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(2))
@@ -234,8 +243,12 @@ def _grad_into(out, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_
     backend = _dispatch.select_backend("selective_logprobs", logits)
     kernels = kernels_or_none(backend)
     if kernels is None:
-        out.copy_(ref.softmax_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy,
-                                   inv_temp, vocab_start))
+        if _dispatch.batch_invariant_enabled():
+            out.copy_(ref.softmax_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy,
+                                       inv_temp, vocab_start))
+        else:
+            _logits_torch.softmax_grad_into(out, logits, token_ids, lse, entropy, grad_lp,
+                                            grad_entropy, inv_temp, vocab_start)
         return
     cfg = make_launch_config(backend)
     kernels.logits_grad(logits, token_ids, lse, entropy, grad_lp, grad_entropy, out,
@@ -295,7 +308,8 @@ def _bwd_inplace_fake(logits, token_ids, lse, entropy, grad_lp, grad_entropy, in
 # --------------------------------------------------------------------------- autograd
 class _SelectiveLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, token_ids, inv_temp, want_entropy, tp_group, inplace_backward):
+    def forward(ctx, logits, token_ids, inv_temp, want_entropy, tp_group, inplace_backward,
+                keep_ids=None, keep_offsets=None):
         if tp_group is None:
             lp, entropy, lse = run_op(_logprobs_op, _logprobs_impl, logits, token_ids, inv_temp,
                                       want_entropy)
@@ -307,7 +321,15 @@ class _SelectiveLogprobs(torch.autograd.Function):
             lp, lse, entropy = _vocab_parallel.combine_logprob_stats(partial, tp_group)
             if not want_entropy:
                 entropy = entropy.new_empty(0)
-        ctx.save_for_backward(logits, token_ids, lse, entropy)
+        lse_keep = lse[:0]
+        if keep_ids is not None:
+            # Renormalise the log-prob over the nucleus (entropy and lse stay full-vocab).
+            stats = _nucleus.run_stats(run_op, logits, token_ids, keep_ids, keep_offsets,
+                                       inv_temp, vocab_start)
+            if tp_group is not None:
+                stats = _nucleus.combine_nucleus_stats(stats, tp_group)
+            lp, lse_keep = _nucleus.finalize_nucleus(stats, keep_offsets, lp, lse)
+        ctx.save_for_backward(logits, token_ids, lse, entropy, keep_ids, keep_offsets, lse_keep)
         ctx.cfg = (inv_temp, vocab_start, want_entropy, inplace_backward)
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -315,9 +337,17 @@ class _SelectiveLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
-        logits, token_ids, lse, entropy = ctx.saved_tensors
+        logits, token_ids, lse, entropy, keep_ids, keep_offsets, lse_keep = ctx.saved_tensors
         inv_temp, vocab_start, want_entropy, inplace = ctx.cfg
-        args = (logits, token_ids, lse, entropy, grad_lp.float().contiguous(),
+        grad_lp = grad_lp.float().contiguous()
+        terms = None
+        if keep_ids is not None:
+            # The nucleus rows' log-prob terms, read from the logits before an in-place
+            # backward overwrites them; the dense pass keeps only their entropy term.
+            terms = _nucleus.grad_terms(run_op, logits, token_ids, keep_ids, keep_offsets,
+                                        lse_keep, grad_lp, inv_temp, vocab_start)
+            grad_lp = torch.where(keep_offsets.diff() > 0, 0.0, grad_lp)
+        args = (logits, token_ids, lse, entropy, grad_lp,
                 grad_entropy.float().contiguous() if want_entropy else None, inv_temp,
                 vocab_start)
         if inplace:
@@ -325,18 +355,22 @@ class _SelectiveLogprobs(torch.autograd.Function):
             grad = logits
         else:
             grad = run_op(_bwd_op, _bwd_impl, *args)
-        return grad, None, None, None, None, None
+        if terms is not None:
+            grad = _nucleus.add_grad_terms(grad, *terms)
+        return grad, None, None, None, None, None, None, None
 
 
 def logprobs_rows(logits2d, token_ids1d, *, inv_temp, want_entropy=False, tp_group=None,
-                  inplace_backward=False):
+                  inplace_backward=False, keep_ids=None, keep_offsets=None):
     """Differentiable (lp [N], entropy [N] or [0]) of [N, V] rows; no validation."""
     return _SelectiveLogprobs.apply(logits2d, token_ids1d, inv_temp, want_entropy, tp_group,
-                                    inplace_backward)
+                                    inplace_backward, keep_ids, keep_offsets)
 
 
 def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
-                       temperature: float = 1.0, return_entropy: bool = False, tp_group=None):
+                       temperature: float = 1.0, return_entropy: bool = False, tp_group=None,
+                       keep_token_ids: Optional[torch.Tensor] = None,
+                       keep_offsets: Optional[torch.Tensor] = None):
     """Log-probabilities of chosen tokens (and the entropy) straight from logits.
 
     Parameters
@@ -354,6 +388,15 @@ def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
         Vocab-parallel group; the result is the full-vocab value on every rank. Two
         all-reduces in forward (max; packed sum-exp, entropy sum and target logit), none in
         backward.
+    keep_token_ids : Tensor [K], int32 / int64, optional
+        The rollout's top-p nucleus of every position, packed (CSR): row i (of the flattened
+        [*S]) keeps ids ``keep_token_ids[keep_offsets[i]:keep_offsets[i + 1]]`` of the full
+        vocabulary, no id twice in a row. The log-prob is then renormalised over the kept ids
+        and the target (slime's ``--rollout-top-p``): lp = z[t] - log sum_{v in S u {t}} e^z_v,
+        gradient onehot(t) - softmax over S u {t} (0 outside it). A row with no ids has no
+        nucleus: the full-vocab log-prob. The entropy stays over the full vocabulary.
+    keep_offsets : Tensor [N + 1], int32 / int64, optional (with ``keep_token_ids``)
+        0 = keep_offsets[0] <= ... <= keep_offsets[N] = K, N = token_ids.numel().
 
     Returns
     -------
@@ -369,7 +412,12 @@ def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
     * token_ids are checked against the vocab: on CPU a ValueError before anything runs; on
       CUDA an asynchronous device-side assert raised by the kernel's flag (no host sync).
     * Extra memory: lse (and entropy) [N] fp32 saved for backward, plus the logits themselves.
-      Non-contiguous logits are copied once.
+      Non-contiguous logits are copied once. A nucleus adds O(K + N) (its kept logits, one
+      lse per row), never an [N, V] mask; its cost over the plain call is a gather of K
+      logits and per-row reductions of them, forward and backward.
+    * The nucleus is checked on CPU (offsets from 0 to K and non-decreasing, ids in the
+      vocabulary, no repeated id in a row: ValueError naming the argument); on CUDA the same
+      checks but the last are asynchronous device-side asserts (no host sync).
 
     Example
     -------
@@ -386,9 +434,16 @@ def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
     temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
     _checks.check_bool("return_entropy", return_entropy)
     _checks.check_tp_group(tp_group)
+    if keep_token_ids is not None or keep_offsets is not None:
+        vocab_total = logits.shape[-1] if tp_group is None else \
+            _vocab_parallel.shard_range(logits.shape[-1], tp_group)[1]
+        _nucleus.check_nucleus(keep_token_ids, keep_offsets, token_ids.numel(), vocab_total,
+                               logits.device)
+        keep_token_ids, keep_offsets = keep_token_ids.contiguous(), keep_offsets.contiguous()
     lp, entropy = logprobs_rows(rows_2d(logits), token_ids.reshape(-1).contiguous(),
                                 inv_temp=1.0 / temperature, want_entropy=return_entropy,
-                                tp_group=tp_group)
+                                tp_group=tp_group, keep_ids=keep_token_ids,
+                                keep_offsets=keep_offsets)
     lp = lp.reshape(token_ids.shape)
     if not return_entropy:
         return lp

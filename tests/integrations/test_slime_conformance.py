@@ -39,6 +39,7 @@ def test_loss_matches_slime_own_icepop():
     for layout in layouts:
         assert sum(line.startswith(layout) for line in lines) == 5, (layout, out[-3000:])
     assert sum(line.startswith("OPD advantage") for line in lines) == 2
+    assert sum(line.startswith("top-p ") for line in lines) == 2     # CP = 1 only
     assert out.count("MISMATCH") == 0 and out.count("ERROR") == 0
 
 

@@ -72,12 +72,54 @@ def make_batch(seed, temperature=1.0, vocab=23, prompts=(4, 2, 6, 3), responses=
     return batch, logits, rows, targets
 
 
-def expected(args, batch, logits, rows, targets, variant):
-    """(loss, d loss / d logits) from definitions, on the torch backend."""
+USER_TIS = f"{__name__}.user_tis"
+
+
+def user_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """A user's own --custom-tis-function-path hook: clipped ratio, its own metric."""
+    w = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).clamp(0.3, 1.7)
+    return pg_loss * w, loss_masks, {"user_w": w}
+
+
+def user_tis_not_multiplicative(args, *, pg_loss, loss_masks, **kwargs):
+    return pg_loss.clamp(max=0.5), loss_masks, {}
+
+
+def add_top_p(batch, logits, rows, targets, top_p=0.8):
+    """slime's replay keys (per-sample ids and offsets) and the dense [N, V] keep-mask they
+    mean in slime's loss (the target always kept; sample 1's only token unrecorded: full)."""
+    probs = torch.softmax(logits[0, rows], -1)
+    order = probs.argsort(-1, descending=True)
+    cum = probs.gather(-1, order).cumsum(-1)
+    keep = torch.zeros(probs.shape, dtype=torch.bool)
+    ids, offsets, start = [], [], 0
+    for i, r in enumerate(batch["response_lengths"]):
+        sample_ids, sample_offsets = [], [0]
+        for j in range(start, start + (0 if i == 1 else r)):
+            kept = order[j, :int((cum[j] < top_p).sum()) + 1].tolist()
+            sample_ids += kept
+            sample_offsets.append(len(sample_ids))
+            keep[j, kept] = True
+            keep[j, targets[j]] = True
+        if i == 1:
+            keep[start:start + r] = True
+        ids.append(torch.tensor(sample_ids, dtype=torch.int32))
+        offsets.append(torch.tensor(sample_offsets, dtype=torch.int32))
+        start += r
+    batch = dict(batch, rollout_top_p_token_ids=ids, rollout_top_p_token_offsets=offsets)
+    return batch, keep
+
+
+def expected(args, batch, logits, rows, targets, variant, keep=None):
+    """(loss, d loss / d logits) from definitions, on the torch backend; ``keep``: the
+    top-p keep-mask of the log-probs (the entropy stays over the full vocabulary)."""
     logits = logits.detach().clone().requires_grad_(True)
     logp = torch.log_softmax(logits[0, rows] / args.rollout_temperature, -1)
-    lp = logp.gather(1, targets[:, None])[:, 0]
     entropy = -(logp.exp() * logp).sum(-1)
+    if keep is not None:
+        logp = torch.log_softmax((logits[0, rows] / args.rollout_temperature).masked_fill(
+            ~keep, float("-inf")), -1)
+    lp = logp.gather(1, targets[:, None])[:, 0]
     cat = lambda xs: torch.cat([x.float() for x in xs])  # noqa: E731
     old = cat(batch["rollout_log_probs"] if args.use_rollout_logprobs else batch["log_probs"])
     rollout, adv, mask = cat(batch["rollout_log_probs"]), cat(batch["advantages"]), \
@@ -86,8 +128,9 @@ def expected(args, batch, logits, rows, targets, variant):
     seg = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
     weights = torch.ones_like(lp)
     if args.use_tis:
-        weights = torch.exp(cat(batch["log_probs"]) - rollout).clamp(args.tis_clip_low,
-                                                                     args.tis_clip)
+        low, high = (0.3, 1.7) if args.custom_tis_function_path == USER_TIS else \
+            (args.tis_clip_low, args.tis_clip)
+        weights = torch.exp(cat(batch["log_probs"]) - rollout).clamp(low, high)
     if args.use_opsm:
         n = torch.zeros(len(sizes)).index_add_(0, seg, mask).clamp(min=1)
         seq_kl = (torch.zeros(len(sizes)).index_add_(0, seg, (old - lp.detach()) * mask) / n)
@@ -127,6 +170,14 @@ CASES = {
         advantage_estimator="gspo", eps_clip=0.05, eps_clip_high=0.08, use_opsm=True,
         opsm_delta=0.02, use_tis=True, use_kl_loss=True, kl_loss_coef=0.1,
         kl_loss_type="low_var_kl", use_unbiased_kl=True, entropy_coef=0.01)),
+    "top-p": ("ppo", dict(rollout_top_p=0.8)),
+    "top-p gspo tis entropy": ("gspo", dict(
+        rollout_top_p=0.8, advantage_estimator="gspo", eps_clip=0.05, eps_clip_high=0.08,
+        use_tis=True, entropy_coef=0.01)),
+    "user tis hook": ("ppo", dict(use_tis=True, custom_tis_function_path=USER_TIS)),
+    "user tis hook cispo opsm": ("cispo", dict(
+        use_tis=True, custom_tis_function_path=USER_TIS, advantage_estimator="cispo",
+        eps_clip=1.0, eps_clip_high=0.5, use_opsm=True, opsm_delta=0.02)),
 }
 
 
@@ -138,7 +189,10 @@ def test_policy_loss_function_matches_reference(case, per_token, any_backend):
     args = slime_args(calculate_per_token_loss=per_token, rollout_temperature=temperature,
                       **flags)
     batch, logits, rows, targets = make_batch(3, temperature)
-    want_loss, want_grad = expected(args, batch, logits, rows, targets, variant)
+    keep = None
+    if args.rollout_top_p != 1.0:
+        batch, keep = add_top_p(batch, logits, rows, targets)
+    want_loss, want_grad = expected(args, batch, logits, rows, targets, variant, keep)
     logits = logits.detach().clone().requires_grad_(True)
     loss, metrics = plug.policy_loss_function(args, batch, logits,
                                               reducer(batch, per_token))
@@ -148,7 +202,9 @@ def test_policy_loss_function_matches_reference(case, per_token, any_backend):
     assert float(metrics["loss"]) == float(loss.detach())
     keys = {"loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl",
             "train_rollout_logprob_abs_diff"}
-    keys |= {"ois", "tis", "tis_clipfrac", "tis_abs"} if args.use_tis else set()
+    if args.use_tis:
+        keys |= {"ois", "user_w"} if args.custom_tis_function_path == USER_TIS else \
+            {"ois", "tis", "tis_clipfrac", "tis_abs"}
     keys |= {"opsm_clipfrac"} if args.use_opsm else set()
     keys |= {"kl_loss"} if args.use_kl_loss else set()
     assert set(metrics) == keys
@@ -221,9 +277,10 @@ def test_mis_tis_function_applies_the_weights():
 
 
 @pytest.mark.parametrize("flags, match", [
-    (dict(rollout_top_p=0.9), "rollout-top-p"),
+    (dict(rollout_top_p=0.9), "rollout_top_p_token_ids"),        # the replay keys missing
     (dict(advantage_estimator="dapo"), "advantage-estimator"),
-    (dict(use_tis=True, custom_tis_function_path="my.module.my_tis"), "custom-tis-function"),
+    (dict(use_tis=True, custom_tis_function_path=f"{__name__}.user_tis_not_multiplicative"),
+     "custom-tis-function-path"),
     (dict(use_kl_loss=True, kl_loss_type="k4"), "kl-loss-type"),
     (dict(use_tis=True, tis_clip_low=3.0, tis_clip=2.0), "tis-clip-low"),
     (dict(eps_clip_c=0.5), "eps-clip-c"),
@@ -254,3 +311,44 @@ def test_docs_mis_example_prints_what_it_says(capsys):
     said = [line.split("# ", 1)[1].split(":")[0].strip() for line in block.splitlines()
             if line.startswith("print(")]
     assert printed == said
+
+
+def user_tis_three_factors(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+                           **kwargs):
+    """pg_loss times three factors: its slope rounds in another order than its value."""
+    d = torch.cat(train_log_probs) - torch.cat(rollout_log_probs)
+    return pg_loss * torch.exp(d) * 0.3 * torch.exp(-0.5 * d), loss_masks, {}
+
+
+def user_tis_one_factor(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
+                        **kwargs):
+    d = torch.cat(train_log_probs) - torch.cat(rollout_log_probs)
+    return pg_loss * (torch.exp(d) * 0.3 * torch.exp(-0.5 * d)), loss_masks, {}
+
+
+def test_user_tis_hook_with_several_factors_is_accepted():
+    batch, logits, _, _ = make_batch(1)
+    losses = []
+    for hook in ("user_tis_three_factors", "user_tis_one_factor"):
+        args = slime_args(use_tis=True, custom_tis_function_path=f"{__name__}.{hook}")
+        losses.append(plug.policy_loss_function(args, batch, logits, reducer(batch, False))[0])
+    plain = plug.policy_loss_function(slime_args(), batch, logits, reducer(batch, False))[0]
+    assert float((losses[0] - losses[1]).abs()) <= 1e-6 * float(losses[1].abs())
+    assert float((losses[1] - plain).abs()) > 1e-3          # the weights do act
+
+
+def test_top_p_replay_packing():
+    """slime's per-sample replay -> CSR: an empty recorded nucleus keeps the target alone,
+    unrecorded tokens keep nothing (full vocabulary), bad offsets are refused."""
+    from glm_kernels.integrations._slime_topp import nucleus_csr
+    targets = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    batch = {"rollout_top_p_token_ids": [[1, 2, 3], torch.tensor([4])],
+             "rollout_top_p_token_offsets": [[0, 2, 2, 3], torch.tensor([0, 1])]}
+    ids, offsets = nucleus_csr(batch, targets, "cpu")
+    assert ids.tolist() == [1, 2, 6, 3, 4] and offsets.tolist() == [0, 2, 3, 4, 5, 5]
+    batch["rollout_top_p_token_offsets"][0] = [0, 2, 1, 3]
+    with pytest.raises(ValueError, match=r"rollout_top_p_token_offsets'\]\[0\] decreases"):
+        nucleus_csr(batch, targets, "cpu")
+    batch["rollout_top_p_token_offsets"][0] = [0, 2, 2, 9]
+    with pytest.raises(ValueError, match="points outside"):
+        nucleus_csr(batch, targets, "cpu")
