@@ -66,13 +66,16 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
-    """(w_t l_t, w_t dl_t/dlp_t, log-ratio or None, ratio or None): the four lean objectives
-    (``tw``: token weights or None)."""
+    """(s_t, g_t, log-ratio or None, ratio or None, sign): the four lean objectives with
+    ``sign * s_t`` the token's weighted loss w_t l_t and ``sign * g_t`` its w_t dl_t/dlp_t
+    (``tw``: token weights or None); s_t None for the objectives linear in lp (s_t = g_t lp_t:
+    REINFORCE, CISPO), whose sum is then one dot product. The sign is folded into the
+    reduction's scalar factor, saving a pass over the tokens."""
     obj = spec.objective
-    if obj == "reinforce":           # linear in lp: the weighted slope times lp is the loss
+    if obj == "reinforce":           # -w A lp: linear in lp, the slope w A times lp
         log_ratio = (lp - old) if need_log_ratio else None
-        slope = -adv if tw is None else adv * -tw
-        return slope * lp, slope, log_ratio, None
+        slope = adv if tw is None else adv * tw
+        return None, slope, log_ratio, None, -1.0
     raw = lp - old
     bound = spec.log_ratio_clamp
     log_ratio = raw if bound is None else torch.clamp(raw, -bound, bound)
@@ -82,21 +85,21 @@ def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
         loss = 0.5 * beta * log_ratio.square() - adv * lp
         slope = beta * log_ratio if inside is None else beta * log_ratio * inside
         slope = slope - adv
-        return (loss, slope, log_ratio, None) if tw is None else (
-            loss * tw, slope * tw, log_ratio, None)
+        return (loss, slope, log_ratio, None, 1.0) if tw is None else (
+            loss * tw, slope * tw, log_ratio, None, 1.0)
     ratio = torch.exp(log_ratio)
     if obj == "sapo":
         tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
         gate = torch.sigmoid(tau * (ratio - 1.0))
         scaled_adv = adv * 4.0
-        loss = -gate * scaled_adv / tau
-        grad = -scaled_adv * gate * (1.0 - gate) * ratio
+        loss = gate * scaled_adv / tau
+        grad = scaled_adv * gate * (1.0 - gate) * ratio
         grad = grad if inside is None else grad * inside
-        return (loss, grad, log_ratio, ratio) if tw is None else (
-            loss * tw, grad * tw, log_ratio, ratio)
+        return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -1.0)
     clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])          # cispo
-    slope = -clipped * adv if tw is None else -clipped * adv * tw
-    return slope * lp, slope, log_ratio, ratio
+    slope = clipped * adv if tw is None else clipped * adv * tw
+    return None, slope, log_ratio, ratio, -1.0
 
 
 def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, eps_low,
@@ -107,30 +110,44 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     lp_in = lp
     lp, old, adv = _f32(lp.detach()), _f32(old), _f32(adv)
     tw = None if token_weights is None else _f32(token_weights)
-    loss_t, dl, log_ratio, ratio = _objective(spec, lp, old, adv, tw, params, need_stats)
+    loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params, need_stats)
     live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
     bits = keep_bits(live)
-    terms = _and_bits(loss_t, bits)
-    num_masked = None
-    if reduction == "token_mean" or need_stats:
-        num_masked = torch.count_nonzero(mask)          # 2/3 of a bool sum's time on the CPU
-    if reduction == "none":
-        value, token_scale = terms, None
-    elif reduction == "sum":
-        value, token_scale = terms.sum(), None
-    elif reduction == "token_mean":
-        denom = num_masked.clamp(min=1).float() if denominator is None else denominator
-        value, token_scale = terms.sum() / denom, torch.reciprocal(torch.as_tensor(denom))
+    if loss_t is None:               # linear in lp: sum_t g_t lp_t over the live tokens
+        dl = _and_bits(dl, bits)
+        lp_live = _and_bits(lp, bits)
+        terms = None
     else:
-        row_scale = seq_row_scale(rows.sum(mask.float()), reduction, denominator, norm_length)
-        value, token_scale = (rows.sum(terms) * row_scale).sum(), rows.spread(row_scale)
-    if loss_scale != 1.0:
-        value = value * loss_scale
-        token_scale = loss_scale if token_scale is None else token_scale * loss_scale
+        terms = _and_bits(loss_t, bits)
+
+    def total():
+        return terms.sum() if terms is not None else torch.dot(dl, lp_live)
+
+    def per_token():
+        return terms if terms is not None else dl * lp_live
+    num_masked = None
+    if (reduction == "token_mean" and denominator is None) or need_stats:
+        num_masked = torch.count_nonzero(mask)          # 2/3 of a bool sum's time on the CPU
+    # The loss is factor * (sum of the terms), factor a python float or a 0-d tensor (one
+    # multiply of a scalar), and each token's gradient coefficient is factor (token_mean,
+    # sum) or its row's factor (seq_mean_*) times its g_t.
+    factor = sign * loss_scale
+    token_scale = None
+    if reduction == "none":
+        value = per_token() if factor == 1.0 else per_token() * factor
+    elif reduction == "sum":
+        value = total() * factor
+    elif reduction == "token_mean":
+        # python float / int64 count: the fp32 quotient in one op
+        factor = factor / (num_masked.clamp(min=1) if denominator is None else denominator)
+        value = total() * factor
+    else:
+        row_scale = seq_row_scale(rows.sum(mask.float()), reduction, denominator,
+                                  norm_length) * factor
+        value, token_scale = (rows.sum(per_token()) * row_scale).sum(), rows.spread(row_scale)
     if lp_in.requires_grad and torch.is_grad_enabled():
-        coef = _and_bits(dl, bits)
-        if token_scale is not None:
-            coef = coef * token_scale
+        coef = dl if terms is None else _and_bits(dl, bits)
+        coef = coef * (factor if token_scale is None else token_scale)
         loss = _LossWithCoefficients.apply(lp_in, value, coef)
     else:
         loss = value
