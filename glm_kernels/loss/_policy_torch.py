@@ -16,6 +16,7 @@ exactly (whatever the inputs) outside the mask and where w = 0, as the reference
 tests' oracle); these objectives cost ~0.3-1 ms in verl, so the reference's fixed cost of
 an autograd graph (~10 nodes) and its masking passes showed against them.
 """
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -24,6 +25,7 @@ from ._policy_reference import Rows, _and_bits, keep_bits
 from ._policy_spec import PolicyLossSpec
 
 LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo")
+_GATE_CLAMP = 20.0          # IcePop's log-ratio clamp before exp (loss/_reference.py)
 
 
 def seq_row_scale(row_tokens: torch.Tensor, reduction: str, denominator, norm_length):
@@ -161,3 +163,91 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
         stats = {"pg_clipfrac": clip.float(), "pg_clipfrac_lower": zero,
                  "ppo_kl": kl.float(), "pop_frac": zero}
     return loss, stats
+
+
+def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, eps_high,
+                dual_clip, need_grad, store_loss
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch backend of :func:`glm_kernels.icepop_loss`: the vanilla PPO objective (dual
+    clip optional) under the IcePop gate, with IcePop's contract (``loss/_reference.py``: the
+    readable version and the tests' oracle). Flat [N] inputs (``adv`` per token, ``mask``
+    bool / 0-1 or None, ``old`` None = coupled). Returns (per-token loss [N] or [0], per-token
+    d(l m)/d lp [N] or [0], stats [8]: loss sum, masked, popped, clipped, gate-ratio sum /
+    max / min / count over the masked tokens with finite log-probs).
+
+    Closed form, no autograd: kept tokens are masked once by a bitwise AND, so a popped,
+    unmasked or non-finite token is exactly 0 (its log-ratio 0, its advantage 0) without a
+    ``where`` per term; the PPO terms -rA and -clip(r)A give the loss (their max), the clip
+    indicator (clipped > unclipped) and, times the decoupled weight, the gradient."""
+    f32 = torch.float32
+    lp, rollout, adv = lp.to(f32), rollout.to(f32), adv.to(f32)
+    old = None if old is None else old.to(f32)
+    n = lp.numel()
+    device = lp.device
+    empty = lp.new_empty(0)
+    if n == 0:
+        stats = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, math.inf, 0.0],
+                             device=device)
+        return empty, empty, stats
+    masked = None if mask is None else (mask if mask.dtype == torch.bool else mask != 0)
+    # |x| < inf is isfinite(x) (NaN fails it too) in two passes instead of four; one
+    # comparison of the larger |.| covers both train-side tensors.
+    train_abs = lp.abs() if old is None else torch.maximum(lp.abs(), old.abs())
+    train_ok = train_abs < math.inf
+    masked_ok = train_ok if masked is None else train_ok & masked
+    base = rollout if old is None else old
+    raw_log_ratio = lp - base                          # the ratio's; coupled, the gate's too
+    log_ratio_clamped = torch.clamp(raw_log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
+    gate_ratio = torch.exp(log_ratio_clamped if old is None else torch.clamp(
+        old - rollout, -_GATE_CLAMP, _GATE_CLAMP))
+    # lo <= k <= hi as clamp(k, lo, hi) == k: one comparison (NaN fails it: popped)
+    in_gate = torch.clamp(gate_ratio, gate_low, gate_high) == gate_ratio
+    keep = in_gate & masked_ok
+    bits = keep_bits(keep)
+    log_ratio = _and_bits(raw_log_ratio, bits)         # 0 off the kept tokens
+    if old is None:
+        # coupled: the ratio is the gate's ratio (the same clamp); 0 off the kept tokens,
+        # where the advantage is 0 too, so every term there is still +-0
+        ratio = _and_bits(gate_ratio, bits)
+        in_range = log_ratio_clamped == raw_log_ratio
+    else:
+        ratio = torch.exp(torch.clamp(log_ratio, -_GATE_CLAMP, _GATE_CLAMP))
+        in_range = None
+    neg_adv = _and_bits(adv, bits).neg_()               # -A on kept tokens, -0 elsewhere
+    unclipped = ratio * neg_adv
+    clipped_term = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * neg_adv
+    cut = clipped_term > unclipped                      # the clipped branch is active
+    num_clipped = torch.count_nonzero(cut)              # only kept tokens can be cut
+    per_token = torch.maximum(unclipped, clipped_term)
+    if dual_clip is not None:
+        bound = neg_adv * dual_clip
+        cap = (neg_adv > 0) & (per_token > bound)       # A < 0 and the cap binds
+        per_token = torch.where(cap, bound, per_token)
+        cut |= cap
+    weight = None if old is None else _and_bits(gate_ratio, bits)
+    if weight is not None:
+        per_token = weight * per_token
+    loss_terms = _and_bits(per_token, bits) if store_loss else empty
+    grad = empty
+    if need_grad:
+        # -w r A in the reference's association ((w r) A), so both give the same bits
+        slope = unclipped if weight is None else (weight * ratio) * neg_adv
+        # the clamp's gradient: 0 where the kept log-ratio lies outside [-20, 20]
+        live = ~cut & (in_range if in_range is not None else log_ratio.abs() <= _GATE_CLAMP)
+        grad = _and_bits(slope, keep_bits(live))
+    # Ratio statistics over M: masked tokens with finite train-side and rollout log-probs.
+    counted = masked_ok & (rollout.abs() < math.inf)
+    num_counted = torch.count_nonzero(counted)
+    counted_ratio = _and_bits(gate_ratio, keep_bits(counted))    # > 0 on M, 0 elsewhere
+    has = num_counted > 0
+    num_masked = (torch.tensor(n, device=device) if masked is None
+                  else torch.count_nonzero(masked))
+    f64 = torch.float64
+    stats = torch.stack([
+        per_token.sum(dtype=f64), num_masked.to(f64),
+        (torch.count_nonzero(masked_ok) - torch.count_nonzero(keep)).to(f64),
+        num_clipped.to(f64), counted_ratio.sum(dtype=f64),
+        torch.where(has, counted_ratio.max(), -math.inf).to(f64),
+        torch.where(counted, gate_ratio, math.inf).min().to(f64),
+        num_counted.to(f64)]).to(f32)
+    return loss_terms, grad, stats

@@ -27,7 +27,8 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from .. import _dispatch
-from . import _checks, _reference
+from . import _checks
+from ._policy_torch import lean_icepop
 from .mismatch import mismatch_from_tokens, raise_if_nonfinite
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
@@ -40,19 +41,15 @@ _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max 
 
 
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                       eps_high, dual_clip, need_grad):
-    """The torch backend: reference terms, their written-out gradient, and the stats."""
-    # Autograd is off inside a custom op's implementation, hence the closed-form gradient.
-    kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
-                  eps_high=eps_high, dual_clip=dual_clip)
-    loss_terms, popped, clipped, gate_ratio, masked = _reference.icepop_token_terms(
-        logprobs, rollout, adv, mask, **kwargs)
-    grad = (_reference.icepop_token_grad(logprobs, rollout, adv, mask, **kwargs)
-            if need_grad else logprobs.new_empty(0, dtype=torch.float32))
-    rows = _reference.icepop_stats_rows(
-        loss_terms.detach(), popped, clipped, gate_ratio, masked,
-        _reference.ratio_counted(masked, logprobs, rollout, old))
-    return loss_terms.detach().reshape(-1), grad.reshape(-1), _stats_from_partials(rows)
+                       eps_high, dual_clip, need_grad, store_loss):
+    """The torch backend: the policy-loss family's lean torch path for the gated PPO
+    objective (``loss/_policy_torch.lean_icepop``; closed-form gradient: autograd is off
+    inside a custom op's implementation)."""
+    flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
+    return lean_icepop(flat(logprobs), flat(rollout), flat(adv), flat(mask), flat(old),
+                       gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
+                       eps_high=eps_high, dual_clip=dual_clip, need_grad=need_grad,
+                       store_loss=store_loss)
 
 
 def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
@@ -132,7 +129,7 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         adv_full = advantages.unsqueeze(-1).expand(shape) if adv_per_seq else advantages
         loss_terms, grad, stats = _token_stats_torch(
             logprobs, rollout_logprobs, adv_full, loss_mask, old_logprobs, gate_low,
-            gate_high, eps_low, eps_high, dual_clip, need_grad)
+            gate_high, eps_low, eps_high, dual_clip, need_grad, store_loss)
     else:
         flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731 (inputs contiguous)
         loss_terms, grad, stats = _token_stats_triton(
