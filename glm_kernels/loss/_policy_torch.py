@@ -26,6 +26,9 @@ from ._policy_spec import PolicyLossSpec
 
 LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo")
 _GATE_CLAMP = 20.0          # IcePop's log-ratio clamp before exp (loss/_reference.py)
+# A gate strictly inside these bounds pops every token whose gated log-ratio reaches the
+# clamp (a factor 2 of margin over e^-+20 for the fp32 rounding of exp and of the bounds).
+_GATE_MIN, _GATE_MAX = 2.0 * math.exp(-_GATE_CLAMP), 0.5 * math.exp(_GATE_CLAMP)
 
 
 def seq_row_scale(row_tokens: torch.Tensor, reduction: str, denominator, norm_length):
@@ -166,14 +169,16 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
 
 
 def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, eps_high,
-                dual_clip, need_grad, store_loss
+                dual_clip, need_grad, store_loss, need_metrics=True
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch backend of :func:`glm_kernels.icepop_loss`: the vanilla PPO objective (dual
     clip optional) under the IcePop gate, with IcePop's contract (``loss/_reference.py``: the
     readable version and the tests' oracle). Flat [N] inputs (``adv`` per token, ``mask``
     bool / 0-1 or None, ``old`` None = coupled). Returns (per-token loss [N] or [0], per-token
     d(l m)/d lp [N] or [0], stats [8]: loss sum, masked, popped, clipped, gate-ratio sum /
-    max / min / count over the masked tokens with finite log-probs).
+    max / min / count over the masked tokens with finite log-probs). ``need_metrics=False``
+    computes the loss sum and the masked count only (the rest NaN): the loss and the
+    gradient are the same bits either way.
 
     Closed form, no autograd: kept tokens are masked once by a bitwise AND, so a popped,
     unmasked or non-finite token is exactly 0 (its log-ratio 0, its advantage 0) without a
@@ -190,34 +195,43 @@ def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, ep
                              device=device)
         return empty, empty, stats
     masked = None if mask is None else (mask if mask.dtype == torch.bool else mask != 0)
+    # A gate inside (e^-20, e^20) keeps only tokens whose gated log-ratio is finite and
+    # inside the clamp, so both of its log-probs are finite: the train-side finiteness test
+    # is then needed for the metrics (pop_frac counts finite tokens only) and, decoupled,
+    # for lp (not in the gate), not for the loss.
+    gate_finite = gate_low > _GATE_MIN and gate_high < _GATE_MAX
     # |x| < inf is isfinite(x) (NaN fails it too) in two passes instead of four; one
     # comparison of the larger |.| covers both train-side tensors.
-    train_abs = lp.abs() if old is None else torch.maximum(lp.abs(), old.abs())
-    train_ok = train_abs < math.inf
-    masked_ok = train_ok if masked is None else train_ok & masked
+    if need_metrics or not gate_finite:
+        train_abs = lp.abs() if old is None else torch.maximum(lp.abs(), old.abs())
+        train_ok = train_abs < math.inf
+    else:
+        train_ok = None if old is None else lp.abs() < math.inf
+    masked_ok = _and_opt(train_ok, masked)
     base = rollout if old is None else old
     raw_log_ratio = lp - base                          # the ratio's; coupled, the gate's too
-    log_ratio_clamped = torch.clamp(raw_log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
-    gate_ratio = torch.exp(log_ratio_clamped if old is None else torch.clamp(
-        old - rollout, -_GATE_CLAMP, _GATE_CLAMP))
+    gate_log_ratio = raw_log_ratio if old is None else old - rollout
+    gate_clamped = torch.clamp(gate_log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
+    gate_ratio = torch.exp(gate_clamped)
     # lo <= k <= hi as clamp(k, lo, hi) == k: one comparison (NaN fails it: popped)
     in_gate = torch.clamp(gate_ratio, gate_low, gate_high) == gate_ratio
-    keep = in_gate & masked_ok
+    keep = _and_opt(in_gate, masked_ok)
     bits = keep_bits(keep)
     log_ratio = _and_bits(raw_log_ratio, bits)         # 0 off the kept tokens
     if old is None:
         # coupled: the ratio is the gate's ratio (the same clamp); 0 off the kept tokens,
         # where the advantage is 0 too, so every term there is still +-0
         ratio = _and_bits(gate_ratio, bits)
-        in_range = log_ratio_clamped == raw_log_ratio
+        in_range = gate_clamped == raw_log_ratio
     else:
-        ratio = torch.exp(torch.clamp(log_ratio, -_GATE_CLAMP, _GATE_CLAMP))
-        in_range = None
+        kept_clamped = torch.clamp(log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
+        ratio = torch.exp(kept_clamped)
+        in_range = kept_clamped == log_ratio
     neg_adv = _and_bits(adv, bits).neg_()               # -A on kept tokens, -0 elsewhere
     unclipped = ratio * neg_adv
     clipped_term = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * neg_adv
     cut = clipped_term > unclipped                      # the clipped branch is active
-    num_clipped = torch.count_nonzero(cut)              # only kept tokens can be cut
+    num_clipped = torch.count_nonzero(cut) if need_metrics else None   # kept tokens only
     per_token = torch.maximum(unclipped, clipped_term)
     if dual_clip is not None:
         bound = neg_adv * dual_clip
@@ -233,21 +247,29 @@ def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, ep
         # -w r A in the reference's association ((w r) A), so both give the same bits
         slope = unclipped if weight is None else (weight * ratio) * neg_adv
         # the clamp's gradient: 0 where the kept log-ratio lies outside [-20, 20]
-        live = ~cut & (in_range if in_range is not None else log_ratio.abs() <= _GATE_CLAMP)
-        grad = _and_bits(slope, keep_bits(live))
+        grad = _and_bits(slope, keep_bits(~cut & in_range))
+    f64 = torch.float64
+    num_masked = (torch.tensor(n, device=device) if masked is None
+                  else torch.count_nonzero(masked))
+    loss_sum = per_token.sum(dtype=f64)
+    if not need_metrics:
+        stats = torch.full((8,), math.nan, dtype=f32, device=device)
+        stats[0], stats[1] = loss_sum, num_masked
+        return loss_terms, grad, stats
     # Ratio statistics over M: masked tokens with finite train-side and rollout log-probs.
     counted = masked_ok & (rollout.abs() < math.inf)
     num_counted = torch.count_nonzero(counted)
     counted_ratio = _and_bits(gate_ratio, keep_bits(counted))    # > 0 on M, 0 elsewhere
-    has = num_counted > 0
-    num_masked = (torch.tensor(n, device=device) if masked is None
-                  else torch.count_nonzero(masked))
-    f64 = torch.float64
     stats = torch.stack([
-        per_token.sum(dtype=f64), num_masked.to(f64),
+        loss_sum, num_masked.to(f64),
         (torch.count_nonzero(masked_ok) - torch.count_nonzero(keep)).to(f64),
         num_clipped.to(f64), counted_ratio.sum(dtype=f64),
-        torch.where(has, counted_ratio.max(), -math.inf).to(f64),
+        torch.where(num_counted > 0, counted_ratio.max(), -math.inf).to(f64),
         torch.where(counted, gate_ratio, math.inf).min().to(f64),
         num_counted.to(f64)]).to(f32)
     return loss_terms, grad, stats
+
+
+def _and_opt(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """a & b of optional bool tensors (None: all true)."""
+    return b if a is None else a if b is None else a & b

@@ -41,7 +41,7 @@ _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max 
 
 
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                       eps_high, dual_clip, need_grad, store_loss):
+                       eps_high, dual_clip, need_grad, store_loss, need_metrics):
     """The torch backend: the policy-loss family's lean torch path for the gated PPO
     objective (``loss/_policy_torch.lean_icepop``; closed-form gradient: autograd is off
     inside a custom op's implementation)."""
@@ -49,7 +49,7 @@ def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, e
     return lean_icepop(flat(logprobs), flat(rollout), flat(adv), flat(mask), flat(old),
                        gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
                        eps_high=eps_high, dual_clip=dual_clip, need_grad=need_grad,
-                       store_loss=store_loss)
+                       store_loss=store_loss, need_metrics=need_metrics)
 
 
 def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
@@ -116,9 +116,11 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                advantages: torch.Tensor, loss_mask: Optional[torch.Tensor],
                old_logprobs: Optional[torch.Tensor], gate_low: float, gate_high: float,
                eps_low: float, eps_high: float, dual_clip: Optional[float], reduction: str,
-               need_grad: bool
+               need_grad: bool, need_metrics: bool = True
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32 [8])."""
+    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32 [8]).
+    ``need_metrics=False``: stats[2:] may be NaN (the torch backend skips the metric-only
+    statistics; the loss and the gradient are the same bits)."""
     shape = logprobs.shape
     adv_per_seq = advantages.shape != shape
     seq_len = shape[-1] if adv_per_seq else 1
@@ -129,7 +131,7 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         adv_full = advantages.unsqueeze(-1).expand(shape) if adv_per_seq else advantages
         loss_terms, grad, stats = _token_stats_torch(
             logprobs, rollout_logprobs, adv_full, loss_mask, old_logprobs, gate_low,
-            gate_high, eps_low, eps_high, dual_clip, need_grad, store_loss)
+            gate_high, eps_low, eps_high, dual_clip, need_grad, store_loss, need_metrics)
     else:
         flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731 (inputs contiguous)
         loss_terms, grad, stats = _token_stats_triton(
@@ -142,7 +144,8 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
 
 @_icepop_op.register_fake
 def _icepop_fake(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, gate_low,
-                 gate_high, eps_low, eps_high, dual_clip, reduction, need_grad):
+                 gate_high, eps_low, eps_high, dual_clip, reduction, need_grad,
+                 need_metrics=True):
     loss_shape = logprobs.shape if reduction == "none" else ()
     scale_shape = logprobs.shape[:-1] if reduction == "seq_mean_token_mean" else ()
     return (logprobs.new_empty(loss_shape, dtype=torch.float32),
@@ -160,7 +163,9 @@ def _setup_context(ctx, inputs, output):
     ctx.lp_dtype = logprobs.dtype
 
 
-def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
+def _scaled_gradient(ctx, grad_loss):
+    """d loss / d logprobs: the forward's per-token coefficient times the reduction's scale
+    and the upstream gradient (one multiply)."""
     grad, scale = ctx.saved_tensors
     shape = ctx.lp_shape
     if grad.numel() != shape.numel():
@@ -172,11 +177,33 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
         out = coef * (scale * grad_loss).unsqueeze(-1)
     else:
         out = coef * (scale * grad_loss)
-    return (out.to(ctx.lp_dtype),) + (None,) * 11
+    return out.to(ctx.lp_dtype)
+
+
+def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
+    return (_scaled_gradient(ctx, grad_loss),) + (None,) * 12
 
 
 torch.library.register_autograd("glm_kernels::icepop_loss", _backward,
                                 setup_context=_setup_context)
+
+
+class _EagerGradient(torch.autograd.Function):
+    """Eager mode's autograd node for the op's outputs: the registered formula
+    (:func:`_scaled_gradient`) on a plain ``autograd.Function``. torch.library's autograd
+    wrapper of a custom op costs ~0.1 ms a call forward and as much backward on the CPU
+    (argument normalisation, pytree, its generated node) -- a tenth of a 32K-token loss;
+    traced code (``torch.compile``) keeps the registered custom op and its autograd."""
+
+    @staticmethod
+    def forward(ctx, logprobs, loss, grad, scale, reduction):
+        ctx.save_for_backward(grad, scale)
+        ctx.reduction, ctx.lp_shape, ctx.lp_dtype = reduction, logprobs.shape, logprobs.dtype
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _scaled_gradient(ctx, grad_loss), None, None, None, None
 
 
 def icepop_metrics(stats: torch.Tensor, train, rollout, loss_mask, also_finite, gate_low,
@@ -320,10 +347,16 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                           else (old_logprobs, logprobs))
     if raise_on_nonfinite:
         raise_if_nonfinite("icepop_loss", train, loss_mask, also_finite)
-    loss, _, _, stats = _icepop_op(
-        contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
-        contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
-        reduction, bool(logprobs.requires_grad and torch.is_grad_enabled()))
+    need_grad = bool(logprobs.requires_grad and torch.is_grad_enabled())
+    args = (contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
+            contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
+            reduction, need_grad, return_metrics)
+    if need_grad and not torch.compiler.is_compiling():
+        with torch.no_grad():
+            loss, grad, scale, stats = _icepop_op(*args)
+        loss = _EagerGradient.apply(logprobs, loss, grad, scale, reduction)
+    else:
+        loss, _, _, stats = _icepop_op(*args)
     if not return_metrics:
         return loss
     return loss, icepop_metrics(stats, train, rollout_logprobs, loss_mask, also_finite, lo, hi)
