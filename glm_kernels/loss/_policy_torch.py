@@ -185,8 +185,8 @@ def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, ep
     ``where`` per term; the PPO terms -rA and -clip(r)A give the loss (their max), the clip
     indicator (clipped > unclipped) and, times the decoupled weight, the gradient."""
     f32 = torch.float32
-    lp, rollout, adv = lp.to(f32), rollout.to(f32), adv.to(f32)
-    old = None if old is None else old.to(f32)
+    lp, rollout, adv = _f32(lp), _f32(rollout), _f32(adv)
+    old = None if old is None else _f32(old)
     n = lp.numel()
     device = lp.device
     empty = lp.new_empty(0)
@@ -253,9 +253,8 @@ def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, ep
                   else torch.count_nonzero(masked))
     loss_sum = per_token.sum(dtype=f64)
     if not need_metrics:
-        stats = torch.full((8,), math.nan, dtype=f32, device=device)
-        stats[0], stats[1] = loss_sum, num_masked
-        return loss_terms, grad, stats
+        known = torch.stack([loss_sum, num_masked.to(f64)]).to(f32)
+        return loss_terms, grad, torch.cat([known, known.new_full((6,), math.nan)])
     # Ratio statistics over M: masked tokens with finite train-side and rollout log-probs.
     counted = masked_ok & (rollout.abs() < math.inf)
     num_counted = torch.count_nonzero(counted)

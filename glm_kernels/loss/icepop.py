@@ -14,7 +14,18 @@ One Triton pass reads each token once, writes the per-token gradient coefficient
 dl/dlp (and the per-token loss when the reduction needs it) plus per-program sums for the
 loss and the metrics; backward only scales the coefficient by the reduction's factor and
 ``grad_output``. Registered as the ``glm_kernels::icepop_loss`` custom op, so it traces
-through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs.
+through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs; eager calls
+run the op's body directly under a plain autograd node (the same backward formula) and skip
+the dispatcher's fixed cost.
+
+The torch backend (CPU) is the policy-loss family's lean torch path for the gated PPO
+objective (``loss/_policy_torch.lean_icepop``): the loss, the gradient coefficient and the
+statistics in closed form, kept tokens masked by one bitwise AND. The Triton backend keeps
+this module's kernel (``_kernels.py``): the family's kernel (``_policy_kernels.py``) has no
+gate-ratio mean / max / min statistics, counts a NaN / inf train-side token as popped (here
+it is left out of ``pop_frac`` and contributes 0, both modes), gives a decoupled token with
+a NaN log-prob a NaN loss (here 0) and counts ``pg_clipfrac`` over all masked tokens (here
+``clip_frac`` over kept tokens only) -- see benchmarks/NOTES.md (icepop_loss).
 
 ``return_metrics`` adds the train/rollout mismatch metrics (verl's names and values,
 ``loss/mismatch.py``), computed from the same per-token inputs after the kernel: turning them on
@@ -111,8 +122,7 @@ def _reduce(loss_terms, loss_mask, stats, reduction, shape):
     return (row_sums * row_scale).sum(), row_scale
 
 
-@torch.library.custom_op("glm_kernels::icepop_loss", mutates_args=())
-def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+def _icepop_impl(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                advantages: torch.Tensor, loss_mask: Optional[torch.Tensor],
                old_logprobs: Optional[torch.Tensor], gate_low: float, gate_high: float,
                eps_low: float, eps_high: float, dual_clip: Optional[float], reduction: str,
@@ -140,6 +150,9 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
             store_loss, seq_len, adv_per_seq, interpret=backend == "interpret")
     loss, scale = _reduce(loss_terms, loss_mask, stats, reduction, shape)
     return loss, grad, scale, stats
+
+
+_icepop_op = torch.library.custom_op("glm_kernels::icepop_loss", mutates_args=())(_icepop_impl)
 
 
 @_icepop_op.register_fake
@@ -190,10 +203,11 @@ torch.library.register_autograd("glm_kernels::icepop_loss", _backward,
 
 class _EagerGradient(torch.autograd.Function):
     """Eager mode's autograd node for the op's outputs: the registered formula
-    (:func:`_scaled_gradient`) on a plain ``autograd.Function``. torch.library's autograd
-    wrapper of a custom op costs ~0.1 ms a call forward and as much backward on the CPU
-    (argument normalisation, pytree, its generated node) -- a tenth of a 32K-token loss;
-    traced code (``torch.compile``) keeps the registered custom op and its autograd."""
+    (:func:`_scaled_gradient`) on a plain ``autograd.Function``. In eager mode
+    :func:`icepop_loss` calls the op's body directly: the custom op's dispatch and
+    torch.library's autograd wrapper cost ~0.1 ms a call forward and as much backward on the
+    CPU (argument normalisation, pytree, its generated node), a tenth of a 32K-token loss.
+    Traced code (``torch.compile``) calls the registered custom op and its autograd."""
 
     @staticmethod
     def forward(ctx, logprobs, loss, grad, scale, reduction):
@@ -351,12 +365,13 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     args = (contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
             contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
             reduction, need_grad, return_metrics)
-    if need_grad and not torch.compiler.is_compiling():
-        with torch.no_grad():
-            loss, grad, scale, stats = _icepop_op(*args)
-        loss = _EagerGradient.apply(logprobs, loss, grad, scale, reduction)
-    else:
+    if torch.compiler.is_compiling():
         loss, _, _, stats = _icepop_op(*args)
+    else:
+        with torch.no_grad():
+            loss, grad, scale, stats = _icepop_impl(*args)
+        if need_grad:
+            loss = _EagerGradient.apply(logprobs, loss, grad, scale, reduction)
     if not return_metrics:
         return loss
     return loss, icepop_metrics(stats, train, rollout_logprobs, loss_mask, also_finite, lo, hi)
