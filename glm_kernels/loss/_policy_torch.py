@@ -211,7 +211,12 @@ def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, ep
     base = rollout if old is None else old
     raw_log_ratio = lp - base                          # the ratio's; coupled, the gate's too
     gate_log_ratio = raw_log_ratio if old is None else old - rollout
-    gate_clamped = torch.clamp(gate_log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
+    if old is not None and gate_finite and not need_metrics:
+        # the clamp changes no gate decision (|log k| > 20 is outside the gate either way)
+        # nor a kept token's k; only the metrics read the clamped k of popped tokens
+        gate_clamped = gate_log_ratio
+    else:
+        gate_clamped = torch.clamp(gate_log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
     gate_ratio = torch.exp(gate_clamped)
     # lo <= k <= hi as clamp(k, lo, hi) == k: one comparison (NaN fails it: popped)
     in_gate = torch.clamp(gate_ratio, gate_low, gate_high) == gate_ratio
@@ -244,14 +249,13 @@ def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, ep
     loss_terms = _and_bits(per_token, bits) if store_loss else empty
     grad = empty
     if need_grad:
-        # -w r A in the reference's association ((w r) A), so both give the same bits
-        slope = unclipped if weight is None else (weight * ratio) * neg_adv
+        slope = unclipped if weight is None else unclipped * weight     # -w r A
         # the clamp's gradient: 0 where the kept log-ratio lies outside [-20, 20]
         grad = _and_bits(slope, keep_bits(~cut & in_range))
     f64 = torch.float64
     num_masked = (torch.tensor(n, device=device) if masked is None
                   else torch.count_nonzero(masked))
-    loss_sum = per_token.sum(dtype=f64)
+    loss_sum = per_token.sum().to(f64)          # fp32 pairwise sum, as the reference's
     if not need_metrics:
         known = torch.stack([loss_sum, num_masked.to(f64)]).to(f32)
         return loss_terms, grad, torch.cat([known, known.new_full((6,), math.nan)])
