@@ -1,5 +1,6 @@
-"""The torch backend's lean path for the short token objectives (verl gpg / REINFORCE, DRO,
-SAPO, CISPO; no IcePop gate): the Triton kernel's design in torch ops.
+"""The torch backend's lean path for the token objectives that take neither a dual clip nor
+a selection (verl gpg / REINFORCE, DRO, SAPO, CISPO, DPPO-TV / -KL; no IcePop gate) and for
+IcePop's gated PPO (:func:`lean_icepop`): the Triton kernel's design in torch ops.
 
 The loss and each token's gradient coefficient ``g_t = d(loss)/d lp_t`` are computed in one
 forward without an autograd graph over the [N] tensors; one autograd node's backward is the
@@ -9,6 +10,8 @@ multiply ``g * dL``. With ``u_t = w_t l_t`` (w: token weights, detached) and r =
 * dro ``l = -(A lp - beta/2 lr^2)``: ``dl/dlp = beta lr - A``;
 * sapo ``l = -(4/tau) A sigmoid(tau (r - 1))``: ``dl/dlp = -4 A s (1 - s) r``;
 * cispo ``l = -sg(clip(r)) A lp``: ``dl/dlp = -clip(r) A``;
+* dppo ``l = -sg(min(r, cap)) A lp`` on tokens inside the divergence band, else 0:
+  ``dl/dlp = -min(r, cap) A`` there;
 
 each times 1[|lr| <= clamp] on the terms through r or lr (the clamp's gradient), and zeroed
 exactly (whatever the inputs) outside the mask and where w = 0, as the reference's
@@ -24,7 +27,7 @@ import torch
 from ._policy_reference import Rows, _and_bits, keep_bits
 from ._policy_spec import PolicyLossSpec
 
-LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo")
+LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo", "dppo_tv", "dppo_kl")
 _GATE_CLAMP = 20.0          # IcePop's log-ratio clamp before exp (loss/_reference.py)
 # A gate strictly inside these bounds pops every token whose gated log-ratio reaches the
 # clamp (a factor 2 of margin over e^-+20 for the fp32 rounding of exp and of the bounds).
@@ -102,9 +105,31 @@ def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
         grad = grad if inside is None else grad * inside
         return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
             loss * tw, grad * tw, log_ratio, ratio, -1.0)
+    if obj in ("dppo_tv", "dppo_kl"):  # -A sg(min(r, cap)) lp where the divergence is in band
+        truncated = torch.clamp(ratio, max=p["ratio_cap"])
+        slope = truncated * adv if tw is None else truncated * adv * tw
+        return None, slope, log_ratio, ratio, -1.0
     clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])          # cispo
     slope = clipped * adv if tw is None else clipped * adv * tw
     return None, slope, log_ratio, ratio, -1.0
+
+
+def _dppo_valid(spec, lp, old, adv, eps_low, eps_high):
+    """DPPO's trust region (``_policy_reference.token_objective``): the tokens whose total
+    variation (dppo_tv) or binary KL (dppo_kl) between pi and pi_old stays in the band on the
+    side the advantage pushes; the others get no loss. The advantage's sign picks the side by
+    two bool operations instead of a ``where``."""
+    prob, old_prob = torch.exp(lp), torch.exp(old)
+    if spec.objective == "dppo_tv":
+        diff = prob - old_prob
+        valid_pos, valid_neg = diff <= eps_high, diff >= -eps_low
+    else:
+        binary_kl = old_prob * (old - lp) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        valid_pos = (binary_kl <= eps_high) | (prob <= old_prob)
+        valid_neg = (binary_kl <= eps_low) | (prob >= old_prob)
+    positive = adv > 0
+    return (positive & valid_pos) | (~positive & valid_neg)
 
 
 def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, eps_low,
@@ -117,6 +142,10 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     tw = None if token_weights is None else _f32(token_weights)
     loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params, need_stats)
     live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
+    valid = None
+    if spec.objective in ("dppo_tv", "dppo_kl"):
+        valid = _dppo_valid(spec, lp, old, adv, eps_low, eps_high)
+        live = live & valid
     bits = keep_bits(live)
     if loss_t is None:               # linear in lp: sum_t g_t lp_t over the live tokens
         dl = _and_bits(dl, bits)
@@ -161,9 +190,16 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
         denom = num_masked + 1e-8                      # verl's masked_mean denominator
         zero = torch.zeros((), device=lp.device)
         kl = -_and_bits(log_ratio, keep_bits(mask)).sum() / denom
-        clip = (((ratio != torch.clamp(ratio, params["cispo_min"], params["cispo_max"]))
-                 & mask).sum() / denom if spec.objective == "cispo" else zero)
-        stats = {"pg_clipfrac": clip.float(), "pg_clipfrac_lower": zero,
+        clip_lower = zero
+        if spec.objective == "cispo":
+            clip = ((ratio != torch.clamp(ratio, params["cispo_min"], params["cispo_max"]))
+                    & mask).sum() / denom
+        elif valid is not None:          # DPPO: outside the band; truncated inside it
+            clip = (mask & ~valid).sum() / denom
+            clip_lower = (mask & valid & (ratio > params["ratio_cap"])).sum() / denom
+        else:
+            clip = zero
+        stats = {"pg_clipfrac": clip.float(), "pg_clipfrac_lower": clip_lower.float(),
                  "ppo_kl": kl.float(), "pop_frac": zero}
     return loss, stats
 
