@@ -20,15 +20,19 @@ first ``--tokens`` value); the other rows use loss_type dapo.
 Peak memory is the step's high-water mark above what was live before it: on CUDA
 ``max_memory_allocated``; on CPU the process's peak RSS (VmHWM, reset through
 /proc/self/clear_refs) in a separate process where glibc serves every block over 64 KiB by
-mmap, so freed memory leaves the RSS. Times are medians over repeats after one warm-up step,
-each variant in its own process: wall time, and on CPU also the process CPU time (user +
-sys of all threads), which a machine shared with other jobs disturbs less. No generation is
-timed (the batch is random token ids).
+mmap, so freed memory leaves the RSS. Times are medians over interleaved repeats: each
+(variant, loss_type) lives in its own process, built and warmed up once, and round r times
+one step of each, in an order rotated by r, one process at a time (a busy stretch of a shared
+machine then spreads over every variant). Wall time, and on CPU also the process CPU time
+(user + sys of all threads; one torch thread by default, ``--threads``), which other jobs
+disturb less; ``cpu_spread`` is (max - min) / median of the CPU times. The timed processes
+are alive together, so the run needs the sum of their footprints (at the CPU defaults, V =
+151,936: ~1.5-3 GiB each). No generation is timed (the batch is random token ids).
 
     python benchmarks/bench_trl.py              # GPU: hidden 2048, 4 layers, bf16
     python benchmarks/bench_trl.py --cpu        # CPU: hidden 256, 2 layers, fp32
-    python benchmarks/bench_trl.py --cpu --tokens 1024 --repeats 1
-    python benchmarks/bench_trl.py --cpu --tokens 512 --repeats 1 --loss-types grpo cispo vespo
+    python benchmarks/bench_trl.py --cpu --tokens 1024 --repeats 3
+    python benchmarks/bench_trl.py --cpu --tokens 512 --vocab 32768 --loss-types cispo vespo
 """
 from __future__ import annotations
 
@@ -181,49 +185,116 @@ def one_step(variant: str, trainer, optimizer, inputs):
     return float(loss.detach())
 
 
-def worker(args) -> dict:
-    import torch
-    cuda = args.device.startswith("cuda")
+def memory_worker(args) -> dict:
+    """--measure memory: the peak of one step after a warm-up step, in this fresh process."""
     with tempfile.TemporaryDirectory() as workdir:
         trainer, optimizer, inputs = build(args.worker, args, workdir)
         one_step(args.worker, trainer, optimizer, inputs)             # warm-up, optimizer state
-        if args.measure == "memory":
-            with PeakMemory(args.device) as mem:
-                one_step(args.worker, trainer, optimizer, inputs)
-            return {"peak_bytes": mem.peak}
-        wall, cpu = [], []
-        for _ in range(args.repeats):
+        with PeakMemory(args.device) as mem:
+            one_step(args.worker, trainer, optimizer, inputs)
+    return {"peak_bytes": mem.peak}
+
+
+def serve(args) -> None:
+    """--measure time: build the variant, take the warm-up step, print READY, then time one
+    step per ``step`` line read from stdin (RESULT: wall and process CPU seconds)."""
+    import torch
+    cuda = args.device.startswith("cuda")
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer, optimizer, inputs = build(args.worker, args, workdir)
+        one_step(args.worker, trainer, optimizer, inputs)             # warm-up, optimizer state
+        print("READY", flush=True)
+        for line in sys.stdin:
+            if line.strip() != "step":
+                break
             if cuda:
                 torch.cuda.synchronize()
             start, start_cpu = time.perf_counter(), time.process_time()
             one_step(args.worker, trainer, optimizer, inputs)
             if cuda:
                 torch.cuda.synchronize()
-            wall.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    return {"step_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
+            print("RESULT " + json.dumps({"step_s": time.perf_counter() - start,
+                                          "cpu_s": time.process_time() - start_cpu}),
+                  flush=True)
 
 
-def run_variant(variant: str, tokens: int, args, loss_type: str = "dapo") -> dict:
-    """Time and memory of one variant, each in a fresh process (memory: glibc serves blocks
-    over 64 KiB by mmap, so the RSS follows the live tensors; slower, so not timed)."""
-    out = {}
-    for measure in ("time", "memory"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--measure",
-               measure, "--tokens", str(tokens), "--vocab", str(args.vocab), "--hidden",
-               str(args.hidden), "--layers", str(args.layers), "--dtype", args.dtype,
-               "--repeats", str(args.repeats), "--device", args.device,
-               "--loss-type", loss_type]
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        if measure == "memory" and not args.device.startswith("cuda"):
-            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"{variant} ({measure}) at {tokens} tokens failed:\n"
-                               f"{proc.stderr[-3000:]}")
-        out.update(json.loads(lines[-1][len("RESULT "):]))
-        print(f"  {variant:9s} {loss_type:7s} {tokens:5d} tokens {measure}: {out}", flush=True)
+def _worker_cmd(variant: str, tokens: int, args, loss_type: str, measure: str) -> list:
+    return [sys.executable, os.path.abspath(__file__), "--worker", variant, "--measure",
+            measure, "--tokens", str(tokens), "--vocab", str(args.vocab), "--hidden",
+            str(args.hidden), "--layers", str(args.layers), "--dtype", args.dtype,
+            "--device", args.device, "--loss-type", loss_type, "--threads", str(args.threads)]
+
+
+def _read_line(proc, tag: str, err, what: str) -> str:
+    """The next stdout line of ``proc`` starting with ``tag`` (its stderr in the error)."""
+    for line in proc.stdout:
+        if line.startswith(tag):
+            return line[len(tag):].strip()
+    proc.wait()
+    err.seek(0)
+    raise RuntimeError(f"{what} ended (rc {proc.returncode}) without {tag.strip()}:\n"
+                       f"{err.read()[-3000:]}")
+
+
+def time_interleaved(specs, tokens: int, args) -> dict:
+    """Medians over ``args.repeats`` rounds of one timed step per (variant, loss_type), each
+    in its own long-lived process (built and warmed up once), the rounds interleaved: round r
+    runs the variants in an order rotated by r, one process at a time, so a slow or busy
+    stretch of a shared machine spreads over every variant instead of landing on one."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    procs, errs = {}, {}
+    try:
+        for spec in specs:
+            errs[spec] = tempfile.TemporaryFile(mode="w+")
+            procs[spec] = subprocess.Popen(
+                _worker_cmd(spec[0], tokens, args, spec[1], "time"), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=errs[spec], text=True, env=env)
+        for spec, proc in procs.items():
+            _read_line(proc, "READY", errs[spec], f"{spec} at {tokens} tokens")
+        samples = {spec: {"step_s": [], "cpu_s": []} for spec in specs}
+        for r in range(args.repeats):
+            for spec in specs[r % len(specs):] + specs[:r % len(specs)]:
+                proc = procs[spec]
+                proc.stdin.write("step\n")
+                proc.stdin.flush()
+                out = json.loads(_read_line(proc, "RESULT ", errs[spec],
+                                            f"{spec} at {tokens} tokens"))
+                for key in ("step_s", "cpu_s"):
+                    samples[spec][key].append(out[key])
+    finally:
+        for proc in procs.values():
+            if proc.stdin and not proc.stdin.closed:
+                proc.stdin.close()
+            proc.wait()
+        for err in errs.values():
+            err.close()
+    results = {}
+    for spec, s in samples.items():
+        cpu = s["cpu_s"]
+        results[spec] = {"step_s": statistics.median(s["step_s"]),
+                         "cpu_s": statistics.median(cpu),
+                         "cpu_spread": (max(cpu) - min(cpu)) / statistics.median(cpu)}
+        print(f"  {spec[0]:9s} {spec[1]:7s} {tokens:5d} tokens: cpu s "
+              f"{[round(c, 3) for c in cpu]}", flush=True)
+    return results
+
+
+def peak_memory(variant: str, tokens: int, args, loss_type: str = "dapo") -> dict:
+    """Peak memory of one step in a fresh process (glibc serves blocks over 64 KiB by mmap,
+    so the RSS follows the live tensors; slower, so not timed)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if not args.device.startswith("cuda"):
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    proc = subprocess.run(_worker_cmd(variant, tokens, args, loss_type, "memory"),
+                          capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{variant} (memory) at {tokens} tokens failed:\n"
+                           f"{proc.stderr[-3000:]}")
+    out = json.loads(lines[-1][len("RESULT "):])
+    print(f"  {variant:9s} {loss_type:7s} {tokens:5d} tokens memory: {out}", flush=True)
     return out
 
 
@@ -238,6 +309,8 @@ def _parse(argv=None):
         parser.add_argument("--repeats", type=int)
         parser.add_argument("--device")
         parser.add_argument("--measure", choices=("time", "memory"), default="time")
+        parser.add_argument("--threads", type=int, default=1,
+                            help="torch threads per timed CPU process (default 1)")
         parser.add_argument("--loss-type", default="dapo")
         parser.add_argument("--loss-types", nargs="*", default=[])
     args = _common.bench_args(__doc__, hook, argv)
@@ -246,7 +319,7 @@ def _parse(argv=None):
     args.hidden = args.hidden or (2048 if gpu else 256)
     args.layers = args.layers or (4 if gpu else 2)
     args.dtype = args.dtype or ("bf16" if gpu else "fp32")
-    args.repeats = args.repeats or (5 if gpu else 2)
+    args.repeats = args.repeats or (5 if gpu or not args.quick else 3)
     return args
 
 
@@ -263,51 +336,55 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
     return _table(_parse((["--quick"] if quick else []) + (["--cpu"] if cpu else [])))
 
 
+def _row(tokens, name, r, base, decoupled=None) -> dict:
+    return {"tokens": tokens, "variant": name, "step_ms": r["step_s"] * 1e3,
+            "cpu_ms": r["cpu_s"] * 1e3, "cpu_spread": r["cpu_spread"],
+            "peak_MiB": r["peak_bytes"] / 2**20,
+            "time_vs_trl": r["step_s"] / base["step_s"], "cpu_vs_trl": r["cpu_s"] / base["cpu_s"],
+            "mem_vs_trl": r["peak_bytes"] / max(base["peak_bytes"], 1),
+            "time_vs_decoupled": (float("nan") if decoupled is None
+                                  else r["step_s"] / decoupled["step_s"]),
+            "cpu_vs_decoupled": (float("nan") if decoupled is None
+                                 else r["cpu_s"] / decoupled["cpu_s"])}
+
+
 def _table(args) -> dict:
     tokens = args.tokens or ([1024] if args.quick else [1024, 2048, 4096])
     rows = []
-    for n in tokens:
-        results = {v: run_variant(v, n, args) for v in VARIANTS}
-        base = results["trl"]
-        for v in VARIANTS:
-            r = results[v]
-            rows.append({"tokens": n, "variant": v, "step_ms": r["step_s"] * 1e3,
-                         "cpu_ms": r["cpu_s"] * 1e3,
-                         "peak_MiB": r["peak_bytes"] / 2**20,
-                         "time_vs_trl": r["step_s"] / base["step_s"],
-                         "cpu_vs_trl": r["cpu_s"] / base["cpu_s"],
-                         "mem_vs_trl": r["peak_bytes"] / max(base["peak_bytes"], 1),
-                         "time_vs_decoupled": r["step_s"] / results["decoupled"]["step_s"],
-                         "cpu_vs_decoupled": r["cpu_s"] / results["decoupled"]["cpu_s"]})
-    for loss_type in args.loss_types:
-        n = tokens[0]
-        results = {v: run_variant(v, n, args, loss_type) for v in ("trl", "fused")}
-        base = results["trl"]
-        for v in ("trl", "fused"):
-            r = results[v]
-            rows.append({"tokens": n, "variant": f"{v}:{loss_type}",
-                         "step_ms": r["step_s"] * 1e3, "cpu_ms": r["cpu_s"] * 1e3,
-                         "peak_MiB": r["peak_bytes"] / 2**20,
-                         "time_vs_trl": r["step_s"] / base["step_s"],
-                         "cpu_vs_trl": r["cpu_s"] / base["cpu_s"],
-                         "mem_vs_trl": r["peak_bytes"] / max(base["peak_bytes"], 1),
-                         "time_vs_decoupled": float("nan"), "cpu_vs_decoupled": float("nan")})
+    for i, n in enumerate(tokens):
+        specs = [(v, "dapo") for v in VARIANTS]
+        if i == 0:
+            specs += [(v, lt) for lt in args.loss_types for v in ("trl", "fused")]
+        results = time_interleaved(specs, n, args)
+        for spec in specs:
+            results[spec].update(peak_memory(spec[0], n, args, spec[1]))
+        base, decoupled = results[("trl", "dapo")], results[("decoupled", "dapo")]
+        rows += [_row(n, v, results[(v, "dapo")], base, decoupled) for v in VARIANTS]
+        for lt in (args.loss_types if i == 0 else []):
+            base = results[("trl", lt)]
+            rows += [_row(n, f"{v}:{lt}", results[(v, lt)], base) for v in ("trl", "fused")]
     where = "GPU" if args.device.startswith("cuda") else "CPU (not measured on GPU)"
     _common.print_table(
         f"GRPO optimizer step, V={args.vocab}, hidden {args.hidden}, {args.layers} layers, "
-        f"{args.dtype}, {where}", rows,
-        ["tokens", "variant", "step_ms", "cpu_ms", "peak_MiB", "time_vs_trl", "cpu_vs_trl",
-         "mem_vs_trl", "time_vs_decoupled", "cpu_vs_decoupled"])
+        f"{args.dtype}, {where}, medians of {args.repeats} interleaved repeats"
+        + ("" if args.device.startswith("cuda") else f", {args.threads} torch thread(s)"),
+        rows, ["tokens", "variant", "step_ms", "cpu_ms", "cpu_spread", "peak_MiB",
+               "time_vs_trl", "cpu_vs_trl", "mem_vs_trl", "time_vs_decoupled",
+               "cpu_vs_decoupled"])
     return {"benchmark": "trl", "environment": _common.environment(), "vocab": args.vocab,
             "hidden": args.hidden, "layers": args.layers, "dtype": args.dtype,
-            "device": args.device, "rows": rows}
+            "device": args.device, "repeats": args.repeats, "threads": args.threads,
+            "rows": rows}
 
 
 def main() -> None:
     args = _parse()
     if args.worker:
         args.tokens = args.tokens[0]
-        print("RESULT " + json.dumps(worker(args)))
+        if args.measure == "time":
+            serve(args)
+        else:
+            print("RESULT " + json.dumps(memory_worker(args)))
         return
     _common.write_json(args.json, _table(args))
 

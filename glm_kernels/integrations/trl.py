@@ -24,23 +24,28 @@ it, modes (``IcePopGRPOConfig.icepop_mode``):
 * ``"coupled"`` (default; GLM-5's TITO): the ratio's base is the generation engine's own
   log-prob of each sampled token (``sampling_per_token_logps``: vLLM's, or a
   ``rollout_func``'s such as :func:`generate_with_logprobs`), rho = exp(logp - rollout),
-  gated to [gate_low, gate_high]. No pi_old is needed, so TRL's extra old-log-prob forward is
-  skipped (the trainer turns TRL's own IS correction off, which is what triggers it; with
-  ``num_iterations > 1`` or generation steps not aligned with gradient accumulation TRL
-  still runs that forward, and its result is not used).
+  gate g = 1[gate_low <= sg(rho) <= gate_high]. No pi_old is needed, so TRL's extra
+  old-log-prob forward is skipped (with ``num_iterations > 1`` or generation steps not
+  aligned with gradient accumulation TRL still runs it, and its result is not used).
 * ``"decoupled"``: base pi_old (TRL's ``old_per_token_logps``, computed by the trainer when
-  TRL did not), gate on k = exp(old - rollout) according to TRL's
-  ``vllm_importance_sampling_mode``: ``"token_mask"`` is the IcePop gate
-  ``w = k * 1[gate_low <= k <= gate_high]`` (TRL's token_mask with C_min/C_max = the gate),
-  ``"token_truncate"`` is TIS ``w = clamp(k, C_min, C_max)`` with TRL's
-  ``vllm_importance_sampling_clip_min/max``. The sequence-level modes are TRL's sequence
-  IS correction, which the token gate replaces: use ``FusedGRPOTrainer`` for them.
+  TRL did not), gate g = 1[gate_low <= k <= gate_high], k = exp(old - rollout).
+
+Every ``vllm_importance_sampling_mode`` composes with both: the token's IS weight is TRL's
+ratio computed exactly as TRL computes it (``trl_loss.vllm_is_ratio``, with TRL's
+``vllm_importance_sampling_clip_min/max``) on (ratio base, rollout) -- coupled: base =
+rollout, so the ratio is the mode applied to 1 (1 for the usual bounds) -- times g, where TRL
+multiplies its ratio (VESPO: inside phi, where TRL's token_mask puts a masked token's 0). So
+decoupled token_mask is IcePop's k 1[...] with the gate and TRL's bounds intersected,
+token_truncate is TIS with the tokens outside the gate popped, the sequence modes weight a
+sequence by TRL's sequence ratio and pop tokens in it; with the gate open ([0, inf]) the loss
+is stock TRL's. ``vllm_importance_sampling_correction=False`` keeps the gate alone. The
+trainer applies the correction itself (with or without vLLM) and turns TRL's off.
 
 Gate bounds: ``icepop_gate_low`` / ``icepop_gate_high``, default 1/``icepop_beta`` and
 ``icepop_beta`` (beta = 2). Every loss option of ``FusedGRPOTrainer`` composes with the gate.
 The default recipe (``loss_type`` grpo / bnpo / dr_grpo / dapo at token level, no KL, no
 entropy option, no off-policy mask, no MoE auxiliary loss, ``delta`` None or
->= 1 + ``epsilon_high``) runs in one
+>= 1 + ``epsilon_high``; coupled, or decoupled token_mask; finite gate) runs in one
 fused pass (``fused_linear_icepop_loss``: log-probs, gate, clip and the gradients of the
 hidden states and the LM head together) and logs ``icepop/*`` metrics (pop / clip fractions,
 ratio range, the mismatch metrics); any other option goes through the general path
@@ -48,8 +53,9 @@ ratio range, the mismatch metrics); any other option goes through the general pa
 ``icepop/pop_frac``.
 
 Differences from TRL's own token_mask loss, by design (DESIGN 3.1): a token whose rollout
-log-prob is NaN is popped (TRL gives it ratio 1); log-ratios are clamped to [-20, 20] on the
-single-pass path.
+log-prob is NaN is popped (TRL gives it ratio 1; coupled mode takes a non-finite rollout
+log-prob's log-ratio as 0 in the sequence mean and the KL correction); log-ratios are clamped
+to [-20, 20] on the single-pass path.
 """
 from __future__ import annotations
 
@@ -62,7 +68,8 @@ import torch
 
 from ..loss import fused_linear_icepop_loss
 from ..loss.mismatch import MISMATCH_KEYS
-from .trl_loss import DEFAULT_MEMORY_BUDGET, LOSS_TYPES, FusedGRPOLoss, check_loss_options
+from .trl_loss import (DEFAULT_MEMORY_BUDGET, LOSS_TYPES, FusedGRPOLoss, check_loss_options,
+                       vllm_is_ratio)
 
 __all__ = ["FusedGRPOTrainer", "IcePopGRPOTrainer", "IcePopGRPOConfig", "generate_with_logprobs",
            "INSTALL_HINT", "LOSS_TYPES", "SUPPORTED_LOSS_TYPES"]
@@ -72,7 +79,7 @@ INSTALL_HINT = "pip install 'trl==1.16.0' 'transformers==5.10.4'"
 # vocabulary); every other option goes through trl_loss's path (log-probs, then the loss).
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 MODES = ("coupled", "decoupled")
-DECOUPLED_IS_MODES = ("token_mask", "token_truncate")
+TOKEN_IS_MODES = ("token_mask", "token_truncate")
 
 _classes: Dict[str, type] = {}
 
@@ -226,17 +233,14 @@ def _build_classes() -> None:
             if not 0.0 <= low <= high:
                 raise ValueError(f"IcePop gate needs 0 <= icepop_gate_low <= icepop_gate_high, "
                                  f"got [{low}, {high}]")
-            if self.icepop_mode == "decoupled" and \
-                    self.vllm_importance_sampling_mode not in DECOUPLED_IS_MODES:
+            # The trainer applies TRL's IS correction with or without vLLM, so it refuses
+            # what TRL refuses when it applies it (TRL: GRPOTrainer.__init__ with vLLM).
+            if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
+                    self.vllm_importance_sampling_mode not in TOKEN_IS_MODES:
                 raise ValueError(
-                    f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: "
-                    f"decoupled IcePop supports {list(DECOUPLED_IS_MODES)} (token_mask = the "
-                    f"IcePop gate, token_truncate = TIS)")
-            if self.icepop_mode == "coupled" and \
-                    self.vllm_importance_sampling_mode == "token_truncate":
-                raise ValueError("vllm_importance_sampling_mode='token_truncate' (TIS) needs "
-                                 "icepop_mode='decoupled'; coupled mode gates on "
-                                 "exp(logp - rollout) itself")
+                    f"VESPO loss requires `vllm_importance_sampling_mode` to be either "
+                    f"'token_truncate' or 'token_mask'. Got: "
+                    f"{self.vllm_importance_sampling_mode}.")
 
         def icepop_gate(self):
             low = (1.0 / self.icepop_beta if self.icepop_gate_low is None
@@ -277,8 +281,10 @@ def _build_classes() -> None:
             self.icepop_config = args
             self.fused_chunk_size = args.icepop_chunk_size
             self.fused_memory_budget = args.icepop_memory_budget
-            # The gate is the IS correction, from the raw log-probs; TRL's own (and the
-            # old-log-prob forward it triggers) is turned off.
+            # The trainer applies TRL's IS correction itself (with the gate, from the raw
+            # log-probs, also without vLLM); TRL's own, and the old-log-prob forward it
+            # triggers, is turned off.
+            self.icepop_is_correction = bool(args.vllm_importance_sampling_correction)
             self.vllm_importance_sampling_correction = False
             self.icepop_calls = 0
 
@@ -311,14 +317,49 @@ def _build_classes() -> None:
         # ------------------------------------------------------------------ loss
         def _single_pass(self) -> bool:
             """The default recipe (token-level clip, no KL, no entropy option, no OPSM, no
-            delta below 1 + epsilon_high): one fused pass computes the loss and its gradient
-            (``fused_linear_icepop_loss``: the logits once, not twice)."""
+            delta below 1 + epsilon_high) with a gate the fused pass expresses: one fused
+            pass computes the loss and its gradient (``fused_linear_icepop_loss``: the logits
+            once, not twice)."""
             return (self.loss_type in SUPPORTED_LOSS_TYPES
                     and self.importance_sampling_level == "token" and self.beta == 0.0
                     and not self.aux_loss_enabled
                     and self.top_entropy_quantile >= 1.0 and not self._entropy_bonus_enabled
                     and self.off_policy_mask_threshold is None
-                    and (self.args.delta is None or self.args.delta >= 1 + self.epsilon_high))
+                    and (self.args.delta is None or self.args.delta >= 1 + self.epsilon_high)
+                    and self._single_pass_gate() is not None)
+
+        def _single_pass_gate(self):
+            """(gate_low, gate_high) of the fused pass, or None when the IS mode does not
+            reduce to its gate (finite bounds, low < high). Coupled: TRL's IS ratio is 1, kept
+            by the mode as 1 for the usual bounds. Decoupled token_mask: TRL's weight
+            k 1[C_min <= k <= C_max] times the gate 1[lo <= k <= hi] is the fused decoupled
+            weight k 1[max(lo, C_min) <= k <= min(hi, C_max)]."""
+            low, high = self.icepop_config.icepop_gate()
+            if self.icepop_config.icepop_mode == "coupled":
+                if self.icepop_is_correction and self._coupled_is_weight() != 1.0:
+                    return None
+            elif not self.icepop_is_correction or \
+                    self.vllm_importance_sampling_mode != "token_mask":
+                return None
+            else:
+                c_min, c_max = self.vllm_importance_sampling_clip_min, \
+                    self.vllm_importance_sampling_clip_max
+                low = low if c_min is None else max(low, c_min)
+                high = high if c_max is None else min(high, c_max)
+            if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low < high):
+                return None
+            return low, high
+
+        def _coupled_is_weight(self) -> float:
+            """TRL's IS weight in coupled mode: pi_old is the rollout policy, so the ratio is 1
+            and the mode acts on 1 (clamp to [C_min, C_max], or 0 outside it)."""
+            c_min, c_max = self.vllm_importance_sampling_clip_min, \
+                self.vllm_importance_sampling_clip_max
+            c_min = -math.inf if c_min is None else c_min
+            c_max = math.inf if c_max is None else c_max
+            if self.vllm_importance_sampling_mode.endswith("_truncate"):
+                return min(max(1.0, c_min), c_max)
+            return 1.0 if c_min <= 1.0 <= c_max else 0.0
 
         def _compute_loss(self, model, inputs):
             self.icepop_calls += 1
@@ -326,34 +367,46 @@ def _build_classes() -> None:
                 return self._single_pass_loss(model, inputs)
             return FusedGRPOLoss._compute_loss(self, model, inputs)
 
-        def _gate(self, inputs, old):
+        def _ratio_base(self, inputs, old, lp):
+            """Coupled: the rollout log-probs; one the engine could not give (NaN, -inf) is
+            popped by the gate and its log-ratio taken as 0 (TRL's NaN -> ratio 1) where the
+            row enters: the sequence ratio's mean, the KL's bias correction."""
+            if self.icepop_config.icepop_mode == "coupled":
+                rollout = inputs["sampling_per_token_logps"].float()
+                return torch.where(torch.isfinite(rollout), rollout, lp)
+            return old
+
+        def _is_weights(self, inputs, lp, mask):
+            """TRL's IS ratio on (ratio base, rollout) in the configured mode (coupled: base =
+            rollout, so the mode acts on 1) times the IcePop gate, as a 0/1 factor: the
+            weight TRL's token_mask gives a masked token. VESPO takes it inside phi, as TRL
+            takes its IS ratio (a popped token's log(0) is clamped to log(1e-8))."""
             cfg = self.icepop_config
-            low, high = cfg.icepop_gate()
             rollout = inputs["sampling_per_token_logps"].float()
-            if cfg.icepop_mode == "coupled":
-                return rollout, dict(rollout_logprobs=rollout, gate="coupled", gate_low=low,
-                                     gate_high=high)
-            if cfg.vllm_importance_sampling_mode == "token_mask":
-                return old, dict(rollout_logprobs=rollout, gate="decoupled", gate_low=low,
-                                 gate_high=high)
-            return old, {}                        # token_truncate: TIS weights (_is_weights)
+            base = rollout if cfg.icepop_mode == "coupled" else \
+                inputs["old_per_token_logps"].float()
+            keep = self._icepop_keep(lp if cfg.icepop_mode == "coupled" else base, rollout,
+                                     mask)
+            maskf = mask.float()
+            self._icepop_pop_frac = ((~keep) & mask).sum() / maskf.sum().clamp(min=1.0)
+            if not self.icepop_is_correction:
+                return keep.float()
+            ratio = vllm_is_ratio(base, rollout, mask, self.vllm_importance_sampling_mode,
+                                  self.vllm_importance_sampling_clip_min,
+                                  self.vllm_importance_sampling_clip_max)
+            # where, not a product: a popped token's TRL ratio may be inf (mask mode, no C_max)
+            return torch.where(keep, ratio, torch.zeros((), device=ratio.device))
 
-        def _is_weights(self, inputs):
-            cfg = self.icepop_config
-            if cfg.icepop_mode == "decoupled" and \
-                    cfg.vllm_importance_sampling_mode == "token_truncate":
-                return self._tis_weights(inputs)
-            return None
-
-        def _tis_weights(self, inputs):
-            """TIS: w = clamp(k, C_min, C_max), k = exp(old - rollout) (TRL's clip bounds)."""
-            k = torch.exp((inputs["old_per_token_logps"].float()
-                           - inputs["sampling_per_token_logps"].float()).clamp(-20.0, 20.0))
-            return k.clamp(min=self.vllm_importance_sampling_clip_min,
-                           max=self.vllm_importance_sampling_clip_max)
+        def _icepop_keep(self, numerator, rollout, mask):
+            """The gate [B, T] bool: lo <= exp(numerator - rollout) <= hi (numerator: log
+            pi_theta coupled, pi_old decoupled; a NaN rollout log-prob fails it), True off the
+            mask (a padding token is not popped: it would enter VESPO's phi)."""
+            low, high = self.icepop_config.icepop_gate()
+            ratio = torch.exp(numerator.float() - rollout)
+            return ((ratio >= low) & (ratio <= high)) | ~mask
 
         def _after_loss(self, stats, mode):
-            value = self.accelerator.gather(stats["pop_frac"].reshape(1)).float()
+            value = self.accelerator.gather(self._icepop_pop_frac.reshape(1)).float()
             self._metrics[mode]["icepop/pop_frac"].append(value.nanmean().item())
 
         def _single_pass_loss(self, model, inputs):
@@ -367,29 +420,17 @@ def _build_classes() -> None:
             if advantages.dim() == 2 and advantages.shape[1] == 1:
                 advantages = advantages.squeeze(1)
             rollout = inputs["sampling_per_token_logps"].float()
+            old = None if cfg.icepop_mode == "coupled" else inputs["old_per_token_logps"].float()
+            gate_low, gate_high = self._single_pass_gate()
+            reduction, factor = self._single_pass_reduction(inputs, mask)
             # TRL's two-sided clipping: -min(min(r, delta) A, clip(r) A) caps a negative-
             # advantage token at -delta A, the dual clip (delta >= 1 + epsilon_high here).
-            kwargs = dict(temperature=temperature, eps_low=self.epsilon_low,
-                          eps_high=self.epsilon_high, dual_clip=self.args.delta,
-                          chunk_size=cfg.icepop_chunk_size,
-                          memory_budget=cfg.icepop_memory_budget, return_metrics=True)
-            gate_low, gate_high = cfg.icepop_gate()
-            if cfg.icepop_mode == "coupled":
-                base, old = rollout, None
-            else:
-                old = inputs["old_per_token_logps"].float()
-                if cfg.vllm_importance_sampling_mode == "token_mask":
-                    base = rollout
-                else:   # token_truncate (TIS): w folded into A, gate always open
-                    w = self._tis_weights(inputs)
-                    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-                    advantages = torch.where(mask, adv * w, torch.zeros_like(w))
-                    base, gate_low, gate_high = old, 0.0, 1.0     # k' = 1: always kept
-
-            reduction, factor = self._single_pass_reduction(inputs, mask)
             loss, metrics = fused_linear_icepop_loss(
-                hidden, weight, completion_ids, base, advantages, mask, old_logprobs=old,
-                gate_low=gate_low, gate_high=gate_high, reduction=reduction, **kwargs)
+                hidden, weight, completion_ids, rollout, advantages, mask, old_logprobs=old,
+                gate_low=gate_low, gate_high=gate_high, reduction=reduction,
+                temperature=temperature, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+                dual_clip=self.args.delta, chunk_size=cfg.icepop_chunk_size,
+                memory_budget=cfg.icepop_memory_budget, return_metrics=True)
             loss = loss * factor
             self._log_icepop(metrics)
             return loss

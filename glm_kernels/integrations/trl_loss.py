@@ -14,8 +14,8 @@ logits never exist), then
   ``vllm_importance_sampling_mode``; VESPO takes it inside phi instead), the off-policy
   sequence mask (``off_policy_mask_threshold``) and the high-entropy mask
   (``top_entropy_quantile``), reduced by policy_loss with the ``loss_type``'s denominator
-  and TRL's gradient-accumulation scale; the IcePop gate composes here
-  (:class:`IcePopGRPOTrainer`);
+  and TRL's gradient-accumulation scale; the IcePop gate composes here, as a
+  0/1 factor on that IS ratio (:class:`IcePopGRPOTrainer`);
 * ``kl_penalty_terms`` -- TRL's ``beta > 0`` reference KL, k3 without clamp,
   exp(ref - lp) - (ref - lp) - 1, times the (token or sequence) ratio with its gradient when
   ``use_bias_correction_kl``,
@@ -31,6 +31,7 @@ keys with TRL's values (``entropy``, ``kl``, ``clip_ratio/*``, ``cispo_clip_rati
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -87,6 +88,28 @@ def reduce_per_token(terms, maskf, reduction, denominator):
     return row.sum() / denominator
 
 
+def vllm_is_ratio(old, rollout, mask, mode, clip_min, clip_max):
+    """TRL 1.16's vLLM importance-sampling ratio (``_generate_and_score_completions``), [B, T]
+    for the token modes, [B, 1] for the sequence modes, detached fp32: d = (old - rollout) *
+    mask with NaN -> 0 (a token the engine could not score gets ratio 1), summed over the row
+    for sequence modes, exp(d); ``*_truncate`` clamps it to [clip_min, clip_max], ``*_mask``
+    sets it to 0 outside [clip_min, clip_max] (a bound that is None is open)."""
+    with torch.no_grad():
+        diff = torch.nan_to_num((old.float() - rollout.float()) * mask.float(), nan=0.0)
+        if mode in ("sequence_mask", "sequence_truncate"):
+            diff = diff.sum(-1, keepdim=True)
+        elif mode not in ("token_mask", "token_truncate"):
+            raise ValueError(f"Unknown vLLM importance sampling level: {mode}. Possible values "
+                             f"are 'token_truncate', 'token_mask', 'sequence_truncate', and "
+                             f"'sequence_mask'.")
+        ratio = torch.exp(diff)
+        if mode.endswith("_truncate"):
+            return torch.clamp(ratio, min=clip_min, max=clip_max)
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def ratio_with_grad(logprobs, old, mask, level):
     """TRL's coef_1: exp(lp - old) [B, T], or exp(masked mean) [B, 1] at sequence level."""
     log_ratio = logprobs - old
@@ -98,7 +121,7 @@ def ratio_with_grad(logprobs, old, mask, level):
 class FusedGRPOLoss:
     """``_compute_loss`` of TRL's GRPOTrainer on glm_kernels' ops (module docstring). Mixed
     into a ``trl.GRPOTrainer`` subclass; reads the trainer's own attributes, as TRL's loss
-    does. Subclasses add the IcePop gate through :meth:`_gate`."""
+    does. Subclasses add the IcePop gate through :meth:`_ratio_base` and :meth:`_is_weights`."""
 
     fused_chunk_size: Optional[int] = None
     fused_memory_budget: Optional[int] = DEFAULT_MEMORY_BUDGET
@@ -183,13 +206,15 @@ class FusedGRPOLoss:
         return lp.reshape(b, t), entropy.reshape(b, t), aux_loss
 
     # ------------------------------------------------------------------ loss
-    def _gate(self, inputs, old):
-        """(ratio base, policy_loss gate kwargs); the plain trainer: TRL's pi_old, no gate."""
-        return old, {}
+    def _ratio_base(self, inputs, old, lp):
+        """The log-probs the policy ratio is taken against: TRL's pi_old (IcePop's coupled mode:
+        the rollout's). ``lp``: log pi_theta, detached."""
+        return old
 
-    def _is_weights(self, inputs):
+    def _is_weights(self, inputs, lp, mask):
         """TRL's vLLM importance-sampling ratio [B, T] or [B, 1] where TRL applies one (VESPO:
-        whenever the batch carries one, as TRL reads it)."""
+        whenever the batch carries one, as TRL reads it). ``lp`` (log pi_theta, detached) and
+        ``mask`` [B, T] are for subclasses whose weights depend on them (the IcePop gate)."""
         if self.loss_type == "vespo":
             return inputs.get("importance_sampling_ratio")
         if self.use_vllm and self.vllm_importance_sampling_correction:
@@ -214,7 +239,7 @@ class FusedGRPOLoss:
             advantages = advantages.unsqueeze(1)
         old = inputs.get("old_per_token_logps")
         old = lp.detach() if old is None else old
-        base, gate_kwargs = self._gate(inputs, old)
+        base = self._ratio_base(inputs, old, lp.detach())
 
         # Detached multipliers of each token's policy term, as TRL applies them: the
         # off-policy sequence mask, the high-entropy mask, TRL's vLLM IS ratio (VESPO: the IS
@@ -227,7 +252,7 @@ class FusedGRPOLoss:
                 mask=mask, off_policy_threshold=self.off_policy_mask_threshold).float()
         if entropy_mask is not None:
             masks = entropy_mask.float() if masks is None else masks * entropy_mask
-        is_ratio = self._is_weights(inputs)
+        is_ratio = self._is_weights(inputs, lp.detach(), mask != 0)
         if is_ratio is not None:
             is_ratio = is_ratio.float().expand_as(maskf).contiguous()
 
@@ -237,7 +262,7 @@ class FusedGRPOLoss:
         mode = "train" if self.model.training else "eval"
         reduction, denominator, scale = self._reduction(inputs, mode, lp.shape[0])
         common = dict(variant=spec, eps_low=self.epsilon_low, eps_high=self.epsilon_high,
-                      return_stats=True, **gate_kwargs, **params)
+                      return_stats=True, **params)
         if self.loss_type == "vespo":
             per_token, stats = policy_loss(lp, base, adv, mask.bool(), token_weights=is_ratio,
                                            reduction="none", **common)

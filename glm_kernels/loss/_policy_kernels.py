@@ -1,20 +1,26 @@
 """Triton kernels of the policy-loss family. No validation here: callers pass contiguous flat
 views (``loss/policy.py``).
 
-Two launch shapes of one design, both built from the same per-token helpers (this file's
-``policy_objective`` and ``_kernels.icepop_gate`` / ``ppo_clip_term``, shared with IcePop):
+Two launch shapes of one design, both built from the same per-tile helpers
+(``loss/_policy_tile.py``: ``policy_objective``, ``token_terms``, ...; and
+``_kernels.icepop_gate`` / ``ppo_clip_term``, shared with IcePop):
 
 * token-ratio variants: one program per BLOCK of flat tokens, a single pass.
-* sequence-ratio variants (GSPO, TRL sequence level, GMPO, VESPO): one program per sequence,
-  looping over its tokens in BLOCK chunks: phase 1 reduces the masked log-ratio (GMPO: the
-  clipped log-ratio, the advantage and the log-weights) in registers; TRL's sequence ratio
-  takes a phase 2 that sums dl/dratio over the row (its gradient reaches every token through
-  the mean); the last phase writes each token's loss and gradient. The phases re-read the
+* sequence-ratio variants (GSPO, TRL sequence level, GMPO, VESPO), and the token-ratio ones
+  under sequence TIS / MIS (``seq_is``): one program per sequence, looping over its tokens in
+  BLOCK chunks: phase 1 reduces the masked log-ratio (GMPO: the clipped log-ratio, the
+  advantage and the log-weights) in registers; TRL's sequence ratio takes a phase 2 that
+  sums dl/dratio over the row (its gradient reaches every token through the mean); the last
+  phase writes each token's loss and gradient. Sequence IS sums the row's masked
+  old - rollout in phase 1 (GSPO, TRL), or in a phase 0 of its own where phase 1 needs the
+  weight already (GMPO's log-weight sum) or there is no phase 1 (token ratios: their last
+  phase is the token kernel's math with the row's weight; :func:`row_splits` programs share
+  a row when rows are few). The phases re-read the
   row (from L2 for rows up to a few MB), nothing is written between them and no host sync
   is needed; a two-phase segmented reduction over flat blocks would need a second launch and
-  a [B] scratch round trip instead. One program per row keeps the row's sums exact and
-  ordered (deterministic), for padded [B, T] (row b spans [b T, (b+1) T)) and packed
-  (``cu_seqlens``) layouts alike.
+  a [B] scratch round trip instead (and, packed, each token's row: a search of cu_seqlens).
+  One program per row keeps the row's sums exact and ordered (deterministic), for padded
+  [B, T] (row b spans [b T, (b+1) T)) and packed (``cu_seqlens``) layouts alike.
 
 Each program writes one stats row: loss sum, masked tokens, popped tokens, and the sums of
 the clip / clip-lower / kl indicators over the masked tokens (verl's metrics' numerators).
@@ -24,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels import icepop_gate, ppo_clip_term
+from ._policy_tile import (load_tile, pick_tie, policy_objective, row_bounds,
+                           row_seq_is_weight, seq_is_weight, store_stats, token_terms)
 
 # Left to itself, ptxas gives some sequence-kernel variants (4 warps) 128 registers and an 8 B
 # stack frame on sm_90 (AOT: GMPO on triton 3.6; GSPO with sequence IS on 3.9); capped at 168
@@ -42,152 +49,6 @@ NUM_STATS = 7                 # STAT_PHI: VESPO's phi of the row (sequence kerne
 
 
 @triton.jit
-def _pick_tie(a, b, da, db):
-    """d max(a, b) as autograd takes it: the larger branch's derivative, the mean at a tie."""
-    return tl.where(a > b, da, tl.where(b > a, db, 0.5 * (da + db)))
-
-
-@triton.jit
-def policy_objective(lp, old, adv, ratio, log_ratio, sel, clip_low, clip_high, eps_low,
-                     eps_high, dual_clip, p0, p1, p2, p3,
-                     OBJECTIVE: tl.constexpr, HAS_DELTA: tl.constexpr, DUAL_CLIP: tl.constexpr):
-    """Per-token loss of one objective (fp32 tile) and its partial derivatives.
-
-    Returns (loss, dl/dratio, dl/dlp held ratio fixed, dl/dlog_ratio held ratio fixed,
-    clip indicator, clip-lower indicator). ``ratio`` is the variant's (token or sequence)
-    ratio, ``log_ratio`` the token's (clamped) log-ratio, ``sel`` the clip_cov / kl_cov
-    selection. Formulas: docs/policy_loss.md; p0..p3 are the objective's parameters.
-    """
-    zero = tl.zeros_like(lp)
-    d_ratio = zero
-    d_lp = zero
-    d_log_ratio = zero
-    clip = zero
-    clip_lower = zero
-    if OBJECTIVE == 0 or OBJECTIVE == 7:                      # ppo, clip_cov
-        loss, unclipped, clipped_term, branch_cut = ppo_clip_term(ratio, adv, clip_low,
-                                                                  clip_high)
-        d_clipped = tl.where((ratio >= clip_low) & (ratio <= clip_high), -adv, 0.0)
-        if HAS_DELTA:                                         # TRL: min(ratio, delta) A
-            unclipped = -tl.minimum(ratio, p0) * adv
-            loss = tl.maximum(unclipped, clipped_term)
-            d_unclipped = tl.where(ratio <= p0, -adv, 0.0)
-        else:
-            d_unclipped = -adv
-        d_ratio = _pick_tie(unclipped, clipped_term, d_unclipped, d_clipped)
-        clip = branch_cut.to(tl.float32)
-        if OBJECTIVE == 7:
-            keep = 1.0 - sel
-            loss = loss * keep
-            d_ratio = d_ratio * keep
-            clip = sel
-        elif DUAL_CLIP:
-            bound = -dual_clip * adv
-            neg = adv < 0.0
-            clip_lower = (neg & (loss > bound)).to(tl.float32)
-            d_capped = tl.where(loss < bound, d_ratio, tl.where(loss > bound, 0.0, 0.5 * d_ratio))
-            d_ratio = tl.where(neg, d_capped, d_ratio)
-            loss = tl.where(neg, tl.minimum(loss, bound), loss)
-    elif OBJECTIVE == 1:                                      # cispo: -sg(clip(r)) A lp
-        clipped = tl.minimum(tl.maximum(ratio, p0), p1)
-        loss = -clipped * adv * lp
-        d_lp = -clipped * adv
-        clip = (ratio != clipped).to(tl.float32)
-    elif OBJECTIVE == 2:                                      # sapo: soft gate
-        tau = tl.where(adv > 0.0, p0, p1)
-        soft = tl.sigmoid(tau * (ratio - 1.0))
-        loss = -soft * (4.0 / tau) * adv
-        d_ratio = -4.0 * adv * soft * (1.0 - soft)
-    elif OBJECTIVE == 3:                                      # reinforce / gpg
-        loss = -adv * lp
-        d_lp = -adv
-    elif OBJECTIVE == 4 or OBJECTIVE == 5:                    # dppo_tv, dppo_kl
-        truncated = tl.minimum(ratio, p0)
-        prob = tl.exp(lp)
-        old_prob = tl.exp(old)
-        if OBJECTIVE == 4:
-            valid_pos = (prob - old_prob) <= eps_high
-            valid_neg = (prob - old_prob) >= -eps_low
-        else:
-            binary_kl = old_prob * (old - lp) + (1.0 - old_prob) * tl.log(
-                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
-            valid_pos = (binary_kl <= eps_high) | (prob <= old_prob)
-            valid_neg = (binary_kl <= eps_low) | (prob >= old_prob)
-        valid = tl.where(adv > 0.0, valid_pos, valid_neg).to(tl.float32)
-        loss = -adv * truncated * lp * valid
-        d_lp = -adv * truncated * valid
-        clip = 1.0 - valid
-        clip_lower = (ratio > p0).to(tl.float32) * valid
-    elif OBJECTIVE == 6:                                      # dro
-        loss = -(lp * adv - 0.5 * p0 * log_ratio * log_ratio)
-        d_lp = -adv
-        d_log_ratio = p0 * log_ratio
-    elif OBJECTIVE == 8:                                      # kl_cov
-        abs_lr = tl.abs(log_ratio)
-        loss = -adv * ratio + sel * p0 * abs_lr
-        d_ratio = -adv
-        sign = tl.where(log_ratio > 0.0, 1.0, tl.where(log_ratio < 0.0, -1.0, 0.0))
-        d_log_ratio = sel * p0 * sign
-    else:                                                     # vespo: ratio holds phi
-        loss = -ratio * adv * lp
-        d_lp = -ratio * adv
-    return loss, d_ratio, d_lp, d_log_ratio, clip, clip_lower
-
-
-@triton.jit
-def _load_tile(offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, sel_ptr,
-               gate_low, gate_high, log_clamp,
-               HAS_MASK: tl.constexpr, HAS_TW: tl.constexpr, GATE: tl.constexpr,
-               HAS_SEL: tl.constexpr, CLAMP: tl.constexpr):
-    """Per-token inputs of a tile: (lp, old, masked, keep, factor, popped, sel, raw log-ratio,
-    clamped log-ratio, its in-range indicator)."""
-    lp = tl.load(lp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    old = tl.load(old_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    masked = valid
-    if HAS_MASK:
-        masked = masked & (tl.load(mask_ptr + offs, mask=valid, other=0) != 0)
-    if GATE != 0:
-        rollout = tl.load(rollout_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-        if GATE == 1:
-            gate_log_ratio = lp - rollout
-        else:
-            gate_log_ratio = old - rollout
-        keep, in_gate, gate_ratio, factor = icepop_gate(gate_log_ratio, masked, valid,
-                                                        gate_low, gate_high, GATE == 2)
-        popped = masked & ~in_gate
-    else:
-        keep = masked
-        factor = tl.where(masked, 1.0, 0.0)
-        popped = masked & (lp != lp) & (lp == lp)             # all False, a tile's shape
-    if HAS_TW:
-        tw = tl.load(tw_ptr + offs, mask=valid, other=1.0).to(tl.float32)
-    else:
-        tw = tl.full(lp.shape, 1.0, tl.float32)
-    if HAS_SEL:
-        sel = (tl.load(sel_ptr + offs, mask=valid, other=0) != 0).to(tl.float32)
-    else:
-        sel = tl.zeros_like(lp)
-    raw = lp - old
-    if CLAMP:
-        log_ratio = tl.clamp(raw, -log_clamp, log_clamp)
-        in_range = ((raw >= -log_clamp) & (raw <= log_clamp)).to(tl.float32)
-    else:
-        log_ratio = raw
-        in_range = tl.full(lp.shape, 1.0, tl.float32)
-    return lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range
-
-
-@triton.jit
-def _store_stats(stats, loss_sum, masked, popped, clip, clip_lower, kl):
-    tl.store(stats + 0, loss_sum)
-    tl.store(stats + 1, tl.sum(masked.to(tl.float32), axis=0))
-    tl.store(stats + 2, tl.sum(popped.to(tl.float32), axis=0))
-    tl.store(stats + 3, tl.sum(tl.where(masked, clip, 0.0), axis=0))
-    tl.store(stats + 4, tl.sum(tl.where(masked, clip_lower, 0.0), axis=0))
-    tl.store(stats + 5, tl.sum(tl.where(masked, kl, 0.0), axis=0))
-
-
-@triton.jit
 def _policy_token_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, tw_ptr, rollout_ptr, sel_ptr,
     loss_ptr, grad_ptr, stats_ptr,
@@ -202,147 +63,136 @@ def _policy_token_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n_tokens
-    lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = _load_tile(
+    lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = load_tile(
         offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, sel_ptr, gate_low,
         gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, HAS_SEL, CLAMP)
     if ADV_PER_SEQ:
         adv = tl.load(adv_ptr + offs // seq_len, mask=valid, other=0.0).to(tl.float32)
     else:
         adv = tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    ratio = tl.exp(log_ratio)
-    loss, d_ratio, d_lp, d_log_ratio, clip, clip_lower = policy_objective(
-        lp, old, adv, ratio, log_ratio, sel, clip_low, clip_high, eps_low, eps_high, dual_clip,
-        p0, p1, p2, p3, OBJECTIVE, HAS_DELTA, DUAL_CLIP)
-    factor = factor * tw
-    # factor 0 (popped, zero IS weight): exactly 0 in loss and gradient, whatever the inputs
-    live = keep & (factor != 0.0)
-    terms = tl.where(live, factor * loss, 0.0)
-    grad = tl.where(live, factor * ((d_ratio * ratio + d_log_ratio) * in_range + d_lp), 0.0)
+    terms, grad, clip, clip_lower, kl = token_terms(
+        lp, old, adv, keep, factor * tw, sel, log_ratio, in_range, clip_low, clip_high,
+        eps_low, eps_high, dual_clip, p0, p1, p2, p3, OBJECTIVE, HAS_DELTA, DUAL_CLIP)
     if STORE_LOSS:
         tl.store(loss_ptr + offs, terms, mask=valid)
     if STORE_GRAD:
         tl.store(grad_ptr + offs, grad, mask=valid)
-    if OBJECTIVE == 8:
-        kl = tl.abs(log_ratio)
-    else:
-        kl = -log_ratio
-    _store_stats(stats_ptr + pid.to(tl.int64) * 7, tl.sum(terms, axis=0), masked, popped, clip,
-                 clip_lower, kl)
-
-
-@triton.jit
-def _row_bounds(cu_ptr, row, seq_len, HAS_CU: tl.constexpr):
-    if HAS_CU:
-        start = tl.load(cu_ptr + row).to(tl.int64)
-        end = tl.load(cu_ptr + row + 1).to(tl.int64)
-    else:
-        start = row.to(tl.int64) * seq_len
-        end = start + seq_len
-    return start, end
+    store_stats(stats_ptr + pid.to(tl.int64) * 7, tl.sum(terms, axis=0), masked, popped, clip,
+                clip_lower, kl)
 
 
 @triton.jit
 def _policy_seq_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, tw_ptr, rollout_ptr, cu_ptr,
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, tw_ptr, rollout_ptr, sel_ptr, cu_ptr,
     loss_ptr, grad_ptr, stats_ptr,
-    seq_len, gate_low, gate_high, log_clamp, clip_low, clip_high, eps_low, eps_high,
+    seq_len, n_splits, gate_low, gate_high, log_clamp, clip_low, clip_high, eps_low, eps_high,
     dual_clip, seq_log_max, p0, p1, p2, p3, seq_is_low, seq_is_high,
     RATIO: tl.constexpr, OBJECTIVE: tl.constexpr, GATE: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_TW: tl.constexpr, CLAMP: tl.constexpr, HAS_SEQ_MAX: tl.constexpr,
-    HAS_DELTA: tl.constexpr, DUAL_CLIP: tl.constexpr, HAS_CU: tl.constexpr,
-    ADV_PER_SEQ: tl.constexpr, STORE_LOSS: tl.constexpr, STORE_GRAD: tl.constexpr,
-    SEQ_IS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TW: tl.constexpr, HAS_SEL: tl.constexpr, CLAMP: tl.constexpr,
+    HAS_SEQ_MAX: tl.constexpr, HAS_DELTA: tl.constexpr, DUAL_CLIP: tl.constexpr,
+    HAS_CU: tl.constexpr, ADV_PER_SEQ: tl.constexpr, STORE_LOSS: tl.constexpr,
+    STORE_GRAD: tl.constexpr, SEQ_IS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Sequence-ratio variants: one program per sequence (module docstring), one stats row
-    per sequence. GMPO (RATIO 3) writes its sequence loss to loss_ptr[row].
-    SEQ_IS (RATIO 1 / 2 only; 1 truncate, 2 mask): phase 1 also sums the row's masked
-    old - rollout, w_b = exp(clamp(., -20, 20)) truncated at seq_is_high or masked to
-    [seq_is_low, seq_is_high], and every later phase multiplies the token weights by w_b
-    (loss/sequence_is.py's weight, without its pass over the row or its [N] tensor)."""
-    row = tl.program_id(0)
-    start, end = _row_bounds(cu_ptr, row, seq_len, HAS_CU)
+    """One program per sequence (module docstring), one stats row per sequence: the
+    sequence-ratio variants, and the token-ratio ones (RATIO 0) under sequence IS. GMPO
+    (RATIO 3) writes its sequence loss to loss_ptr[row].
+    SEQ_IS (1 truncate, 2 mask; not VESPO): w_b = exp(clamp(sum_m (old - rollout), -20, 20))
+    truncated at seq_is_high or zeroed outside [seq_is_low, seq_is_high] multiplies every
+    token weight of the row (loss/sequence_is.py's weight, without its [N] tensor). RATIO 1 /
+    2 sum the row's old - rollout in phase 1; RATIO 0 and 3 need w_b in their first pass
+    already (GMPO sums log(weight) over the row) and take a phase 0 over old, rollout, mask.
+    n_splits programs share a row (RATIO 0 only; 1 elsewhere): each reduces the whole row's
+    w_b (the others' re-reads come from L2) and takes every n_splits-th chunk of the last
+    phase, with a stats row of its own (program r n_splits + s)."""
+    program = tl.program_id(0)
+    row = program // n_splits
+    split = program - row * n_splits
+    start, end = row_bounds(cu_ptr, row, seq_len, HAS_CU)
     lane = tl.arange(0, BLOCK)
     if ADV_PER_SEQ:
         row_adv = tl.load(adv_ptr + row).to(tl.float32)
 
-    # Phase 1: the row's reductions.
-    acc_a = tl.zeros([BLOCK], tl.float32)      # masked log-ratio sum / GMPO clipped log-ratio
-    acc_b = tl.zeros([BLOCK], tl.float32)      # masked tokens / GMPO kept tokens
-    acc_c = tl.zeros([BLOCK], tl.float32)      # GMPO kept advantage sum
-    acc_d = tl.zeros([BLOCK], tl.float32)      # GMPO log-weight sum; VESPO log token weights
-    acc_e = tl.zeros([BLOCK], tl.float32)      # sequence IS: masked old - rollout
-    for chunk in range(start, end, BLOCK):
-        offs = chunk + lane
-        valid = offs < end
-        lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = _load_tile(
-            offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr, gate_low,
-            gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
-        if RATIO == 3:
-            if ADV_PER_SEQ:
-                adv = tl.where(valid, row_adv, 0.0)
-            else:
-                adv = tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-            sign = tl.where(adv > 0.0, 1.0, tl.where(adv < 0.0, -1.0, 0.0))
-            band = tl.clamp(log_ratio, -eps_low, eps_high)
-            log_min = sign * tl.minimum(sign * log_ratio, sign * band)
-            acc_a += tl.where(keep, log_min, 0.0)
-            acc_b += keep.to(tl.float32)
-            acc_c += tl.where(keep, adv, 0.0)
-            if HAS_TW or GATE == 2:
-                acc_d += tl.where(keep, tl.log(factor * tw + 1e-10), 0.0)
-        elif RATIO == 4:
-            acc_a += tl.where(masked, log_ratio, 0.0)
-            if HAS_TW:
-                # -18.42... = log(1e-8), TRL get_gamma_weights' lower clamp
-                acc_d += tl.where(valid, tl.clamp(tl.log(tw), -18.420680743952367, 20.0), 0.0)
-        else:
-            acc_a += tl.where(masked, raw, 0.0)
-            acc_b += masked.to(tl.float32)
-            if SEQ_IS != 0:
-                is_rollout = tl.load(rollout_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-                acc_e += tl.where(masked, old - is_rollout, 0.0)
-    sum_a = tl.sum(acc_a, axis=0)
     seq_is_w = 1.0
-    if SEQ_IS != 0:
-        # 20.0 = verl rollout_corr_helper.SAFETY_BOUND (loss/sequence_is.py)
-        seq_is_w = tl.exp(tl.clamp(tl.sum(acc_e, axis=0), -20.0, 20.0))
-        if SEQ_IS == 1:
-            seq_is_w = tl.minimum(seq_is_w, seq_is_high)
+    if SEQ_IS != 0 and (RATIO == 0 or RATIO == 3):
+        # Phase 0: the row's sequence IS weight.
+        seq_is_w = row_seq_is_weight(start, end, old_ptr, rollout_ptr, mask_ptr, seq_is_low,
+                                     seq_is_high, HAS_MASK, SEQ_IS, BLOCK)
+
+    # Phase 1 (sequence ratios): the row's reductions.
+    if RATIO != 0:
+        acc_a = tl.zeros([BLOCK], tl.float32)  # masked log-ratio sum / GMPO clipped log-ratio
+        acc_b = tl.zeros([BLOCK], tl.float32)  # masked tokens / GMPO kept tokens
+        acc_c = tl.zeros([BLOCK], tl.float32)  # GMPO kept advantage sum
+        acc_d = tl.zeros([BLOCK], tl.float32)  # GMPO log-weight sum; VESPO log token weights
+        acc_e = tl.zeros([BLOCK], tl.float32)  # sequence IS (RATIO 1 / 2): masked old - rollout
+        for chunk in range(start, end, BLOCK):
+            offs = chunk + lane
+            valid = offs < end
+            lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = \
+                load_tile(offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr,
+                          gate_low, gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
+            if RATIO == 3:
+                if ADV_PER_SEQ:
+                    adv = tl.where(valid, row_adv, 0.0)
+                else:
+                    adv = tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+                sign = tl.where(adv > 0.0, 1.0, tl.where(adv < 0.0, -1.0, 0.0))
+                band = tl.clamp(log_ratio, -eps_low, eps_high)
+                log_min = sign * tl.minimum(sign * log_ratio, sign * band)
+                acc_a += tl.where(keep, log_min, 0.0)
+                acc_b += keep.to(tl.float32)
+                acc_c += tl.where(keep, adv, 0.0)
+                if HAS_TW or GATE == 2 or SEQ_IS != 0:
+                    acc_d += tl.where(keep, tl.log(factor * tw * seq_is_w + 1e-10), 0.0)
+            elif RATIO == 4:
+                acc_a += tl.where(masked, log_ratio, 0.0)
+                if HAS_TW:
+                    # -18.42... = log(1e-8), TRL get_gamma_weights' lower clamp
+                    acc_d += tl.where(valid, tl.clamp(tl.log(tw), -18.420680743952367, 20.0),
+                                      0.0)
+            else:
+                acc_a += tl.where(masked, raw, 0.0)
+                acc_b += masked.to(tl.float32)
+                if SEQ_IS != 0:
+                    is_rollout = tl.load(rollout_ptr + offs, mask=valid,
+                                         other=0.0).to(tl.float32)
+                    acc_e += tl.where(masked, old - is_rollout, 0.0)
+        sum_a = tl.sum(acc_a, axis=0)
+        if SEQ_IS != 0 and (RATIO == 1 or RATIO == 2):
+            seq_is_w = seq_is_weight(tl.sum(acc_e, axis=0), seq_is_low, seq_is_high, SEQ_IS)
+        count = tl.sum(acc_b, axis=0)
+        if RATIO == 3:
+            denom = count + 1e-8
+            seq_ratio = tl.exp(sum_a / denom)
+            seq_adv = tl.sum(acc_c, axis=0) / denom
+            seq_weight = 1.0
+            if HAS_TW or GATE == 2 or SEQ_IS != 0:
+                seq_weight = tl.exp(tl.sum(acc_d, axis=0) / denom)
+            seq_loss = -seq_adv * seq_ratio * seq_weight
+            seq_d_ratio = -seq_adv * seq_weight * seq_ratio / denom
+            ratio_val = seq_ratio
+            d_seq = 0.0
+        elif RATIO == 4:
+            seq_log_w = tl.clamp(sum_a + tl.sum(acc_d, axis=0), -18.420680743952367, 20.0)
+            ratio_val = tl.exp(seq_log_w)
+            d_seq = 0.0
+            # the row's phi for the stats (TRL's vespo/phi_seq_mean): the row's first advantage
+            if ADV_PER_SEQ:
+                first_adv = row_adv
+            else:
+                first_adv = tl.load(adv_ptr + start, mask=start < end, other=0.0).to(tl.float32)
+            row_nonneg = first_adv >= 0.0
+            row_lam = tl.maximum(tl.where(row_nonneg, p1, p3), 1e-4)
+            row_phi = tl.exp(row_lam + tl.where(row_nonneg, p0, p2) * seq_log_w
+                             - row_lam * ratio_val)
+            row_phi = tl.where(tl.abs(row_phi) < float("inf"), row_phi, 0.0)
         else:
-            seq_is_w = tl.where((seq_is_w >= seq_is_low) & (seq_is_w <= seq_is_high),
-                                seq_is_w, 0.0)
-    count = tl.sum(acc_b, axis=0)
-    if RATIO == 3:
-        denom = count + 1e-8
-        seq_ratio = tl.exp(sum_a / denom)
-        seq_adv = tl.sum(acc_c, axis=0) / denom
-        seq_weight = 1.0
-        if HAS_TW or GATE == 2:
-            seq_weight = tl.exp(tl.sum(acc_d, axis=0) / denom)
-        seq_loss = -seq_adv * seq_ratio * seq_weight
-        seq_d_ratio = -seq_adv * seq_weight * seq_ratio / denom
-        ratio_val = seq_ratio
-        d_seq = 0.0
-    elif RATIO == 4:
-        seq_log_w = tl.clamp(sum_a + tl.sum(acc_d, axis=0), -18.420680743952367, 20.0)
-        ratio_val = tl.exp(seq_log_w)
-        d_seq = 0.0
-        # the row's phi for the stats (TRL's vespo/phi_seq_mean): the row's first advantage
-        if ADV_PER_SEQ:
-            first_adv = row_adv
-        else:
-            first_adv = tl.load(adv_ptr + start, mask=start < end, other=0.0).to(tl.float32)
-        row_nonneg = first_adv >= 0.0
-        row_lam = tl.maximum(tl.where(row_nonneg, p1, p3), 1e-4)
-        row_phi = tl.exp(row_lam + tl.where(row_nonneg, p0, p2) * seq_log_w - row_lam * ratio_val)
-        row_phi = tl.where(tl.abs(row_phi) < float("inf"), row_phi, 0.0)
-    else:
-        seq_log = sum_a / tl.maximum(count, 1.0)
-        d_seq = 1.0
-        if HAS_SEQ_MAX:
-            d_seq = tl.where(seq_log <= seq_log_max, 1.0, 0.0)
-            seq_log = tl.minimum(seq_log, seq_log_max)
-        ratio_val = tl.exp(seq_log)
+            seq_log = sum_a / tl.maximum(count, 1.0)
+            d_seq = 1.0
+            if HAS_SEQ_MAX:
+                d_seq = tl.where(seq_log <= seq_log_max, 1.0, 0.0)
+                seq_log = tl.minimum(seq_log, seq_log_max)
+            ratio_val = tl.exp(seq_log)
 
     # Phase 2 (TRL sequence ratio): S = sum over the row of factor * dl/dratio.
     row_d_ratio = 0.0
@@ -352,7 +202,7 @@ def _policy_seq_kernel(
             offs = chunk + lane
             valid = offs < end
             lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = \
-                _load_tile(offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr,
+                load_tile(offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr,
                            gate_low, gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
             if SEQ_IS != 0:
                 tw = tw * seq_is_w
@@ -374,12 +224,12 @@ def _policy_seq_kernel(
     acc_clip = tl.zeros([BLOCK], tl.float32)
     acc_lower = tl.zeros([BLOCK], tl.float32)
     acc_kl = tl.zeros([BLOCK], tl.float32)
-    for chunk in range(start, end, BLOCK):
+    for chunk in range(start + split * BLOCK, end, n_splits * BLOCK):
         offs = chunk + lane
         valid = offs < end
-        lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = _load_tile(
-            offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, lp_ptr, gate_low,
-            gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, False, CLAMP)
+        lp, old, masked, keep, factor, popped, tw, sel, raw, log_ratio, in_range = load_tile(
+            offs, valid, lp_ptr, old_ptr, mask_ptr, tw_ptr, rollout_ptr, sel_ptr, gate_low,
+            gate_high, log_clamp, HAS_MASK, HAS_TW, GATE, HAS_SEL, CLAMP)
         if SEQ_IS != 0:
             tw = tw * seq_is_w
         if ADV_PER_SEQ:
@@ -387,13 +237,20 @@ def _policy_seq_kernel(
         else:
             adv = tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         kl = -raw
-        if RATIO == 3:
+        if RATIO == 0:
+            terms, grad, clip, clip_lower, kl = token_terms(
+                lp, old, adv, keep, factor * tw, sel, log_ratio, in_range, clip_low, clip_high,
+                eps_low, eps_high, dual_clip, p0, p1, p2, p3, OBJECTIVE, HAS_DELTA, DUAL_CLIP)
+            if STORE_LOSS:
+                tl.store(loss_ptr + offs, terms, mask=valid)
+            acc_loss += terms
+        elif RATIO == 3:
             sign = tl.where(adv > 0.0, 1.0, tl.where(adv < 0.0, -1.0, 0.0))
             band = tl.clamp(log_ratio, -eps_low, eps_high)
             plain = sign * log_ratio
             banded = sign * band
             d_band = tl.where((log_ratio >= -eps_low) & (log_ratio <= eps_high), sign, 0.0)
-            d_min = sign * _pick_tie(-plain, -banded, sign, d_band)     # min = -max(-a, -b)
+            d_min = sign * pick_tie(-plain, -banded, sign, d_band)     # min = -max(-a, -b)
             grad = tl.where(keep, seq_d_ratio * d_min * in_range, 0.0)
             is_clipped = log_ratio != band
             clip = (is_clipped & (adv > 0.0)).to(tl.float32)
@@ -433,7 +290,7 @@ def _policy_seq_kernel(
         acc_clip += tl.where(masked, clip, 0.0)
         acc_lower += tl.where(masked, clip_lower, 0.0)
         acc_kl += tl.where(masked, kl, 0.0)
-    stats = stats_ptr + row.to(tl.int64) * 7
+    stats = stats_ptr + program.to(tl.int64) * 7
     if RATIO == 3:
         tl.store(loss_ptr + row, seq_loss)
         tl.store(stats + 0, seq_loss)
@@ -448,6 +305,30 @@ def _policy_seq_kernel(
         tl.store(stats + 6, row_phi)
 
 
+def row_programs(ratio_code, seq_is):
+    """Whether a launch runs one program per sequence (the sequence kernel: every
+    sequence-level ratio, and token ratios under sequence IS) rather than one per block of
+    tokens."""
+    return ratio_code != 0 or seq_is != 0
+
+
+# Token ratios under seq_is run one program per sequence; few long rows would leave most SMs
+# idle, so up to _MAX_ROW_SPLITS programs share a row (each re-reads the row's old / rollout /
+# mask for w_b, from L2), aiming at _PROGRAMS_PER_SM programs per SM. The interpreter aims at
+# _INTERPRET_PROGRAMS so that the tests meet split rows.
+_MAX_ROW_SPLITS, _PROGRAMS_PER_SM, _INTERPRET_PROGRAMS = 16, 4, 8
+
+
+def row_splits(n, num_rows, block, device, interpret):
+    """Programs per sequence for token ratios under seq_is: enough for the GPU when the rows
+    are few, never more than the mean row's chunks (sizes the host has: no sync)."""
+    from .logprobs import _sm_count
+    rows = max(num_rows, 1)
+    mean_chunks = -(-n // (rows * block))
+    target = _INTERPRET_PROGRAMS if interpret else _PROGRAMS_PER_SM * _sm_count(device.index or 0)
+    return max(1, min(mean_chunks, -(-target // rows), _MAX_ROW_SPLITS))
+
+
 def seq_maxnreg():
     """The register cap a sequence-kernel launch passes."""
     return _SEQ_MAXNREG
@@ -456,9 +337,10 @@ def seq_maxnreg():
 def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selection, cu_seqlens,
                loss_out, grad_out, stats_out, *, row_len, adv_per_seq, gate_low, gate_high,
                eps_low, eps_high, dual_clip, params, has_delta, block, num_warps,
-               seq_is=0, seq_is_low=0.0, seq_is_high=0.0):
-    """Launch the family's kernel for ``spec``: token kernel over cdiv(N, block) programs or
-    sequence kernel over one program per row (``stats_out`` rows must match)."""
+               seq_is=0, seq_is_low=0.0, seq_is_high=0.0, row_splits=1):
+    """Launch the family's kernel for ``spec``: token kernel over cdiv(N, block) programs or,
+    where :func:`row_programs`, the sequence kernel over ``row_splits`` programs per row
+    (token ratios only; ``stats_out`` rows must match)."""
     ratio_code, objective_code, gate_code = codes
     floats = dict(gate_low=gate_low, gate_high=gate_high,
                   log_clamp=spec.log_ratio_clamp or 0.0, clip_low=1.0 - eps_low,
@@ -475,17 +357,18 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
     pointers = [lp, old, adv, fallback if mask is None else mask,
                 fallback if token_weights is None else token_weights,
                 fallback if rollout is None else rollout]
-    if ratio_code == 0:
-        grid = (stats_out.shape[0],)
+    grid = (stats_out.shape[0],)
+    if not row_programs(ratio_code, seq_is):
         _policy_token_kernel[grid](
             *pointers, fallback if selection is None else selection, loss_out, grad_out,
             stats_out, lp.numel(), max(row_len, 1), HAS_SEL=selection is not None,
             **floats, **switches)
     else:
-        grid = (stats_out.shape[0],)
         _policy_seq_kernel[grid](
-            *pointers, fallback if cu_seqlens is None else cu_seqlens, loss_out, grad_out,
-            stats_out, max(row_len, 1), seq_log_max=spec.seq_log_ratio_max or 0.0,
+            *pointers, fallback if selection is None else selection,
+            fallback if cu_seqlens is None else cu_seqlens, loss_out, grad_out,
+            stats_out, max(row_len, 1), row_splits, HAS_SEL=selection is not None,
+            seq_log_max=spec.seq_log_ratio_max or 0.0,
             seq_is_low=seq_is_low, seq_is_high=seq_is_high, SEQ_IS=seq_is,
             RATIO=ratio_code, HAS_SEQ_MAX=spec.seq_log_ratio_max is not None,
             HAS_CU=cu_seqlens is not None, maxnreg=seq_maxnreg(), **floats, **switches)
@@ -513,18 +396,28 @@ def _policy_aot_specs():
         sig.update({k: "constexpr" for k in constexprs})
         specs.append(AotSpec(f"policy_token[{name},gate,weights]", _policy_token_kernel, sig,
                              constexprs, num_warps=8))
-    seq = [("gspo", 1, 0, 0), ("grpo_sequence", 2, 0, 0), ("geo_mean", 3, 0, 0),
-           ("vespo", 4, 9, 0), ("gspo", 1, 0, 2), ("grpo_sequence", 2, 0, 2)]
-    for name, ratio, objective, seq_is in seq:
-        sig = dict(base, cu_ptr="*i32", **outputs, seq_len="i32",
-                   **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
+    # (name, ratio, objective, seq_is, extra constexprs); the token presets under sequence IS
+    # run the sequence kernel (RATIO 0: phase 0 + the token math), as GMPO does (phase 0)
+    seq = [("gspo", 1, 0, 0, {}), ("grpo_sequence", 2, 0, 0, {}), ("geo_mean", 3, 0, 0, {}),
+           ("vespo", 4, 9, 0, {}), ("gspo", 1, 0, 2, {}), ("grpo_sequence", 2, 0, 2, {}),
+           ("geo_mean", 3, 0, 2, {}), ("vanilla", 0, 0, 2, dict(DUAL_CLIP=True)),
+           ("vanilla", 0, 0, 1, dict(DUAL_CLIP=True)), ("cispo", 0, 1, 1, {}),
+           ("sapo", 0, 2, 2, {}), ("dppo_kl", 0, 5, 2, {}),
+           ("kl_cov", 0, 8, 2, dict(HAS_SEL=True, CLAMP=False))]
+    for name, ratio, objective, seq_is, extra in seq:
+        sig = dict(base, sel_ptr="*u8", cu_ptr="*i32", **outputs, seq_len="i32",
+                   n_splits="i32", **{f: "fp32" for f in floats[:8]}, seq_log_max="fp32",
                    **{f: "fp32" for f in floats[8:]}, seq_is_low="fp32", seq_is_high="fp32")
         constexprs = dict(RATIO=ratio, OBJECTIVE=objective, GATE=2, HAS_MASK=True,
-                          HAS_TW=True, CLAMP=ratio != 2, HAS_SEQ_MAX=ratio == 1,
-                          HAS_DELTA=False, DUAL_CLIP=False, HAS_CU=True, ADV_PER_SEQ=True,
-                          STORE_LOSS=False, STORE_GRAD=True, SEQ_IS=seq_is, BLOCK=1024)
+                          HAS_TW=True, HAS_SEL=False, CLAMP=ratio != 2,
+                          HAS_SEQ_MAX=ratio == 1, HAS_DELTA=False, DUAL_CLIP=False,
+                          HAS_CU=True, ADV_PER_SEQ=True, STORE_LOSS=False, STORE_GRAD=True,
+                          SEQ_IS=seq_is, BLOCK=1024)
+        constexprs.update(extra)
+        if ratio != 0:
+            constexprs["n_splits"] = 1     # a runtime 1: Triton's JIT specializes it so
         sig.update({k: "constexpr" for k in constexprs})
-        label = f"{name},packed,gate,weights" + (",seq_mis" if seq_is else "")
+        label = f"{name},packed,gate,weights" + ("", ",seq_tis", ",seq_mis")[seq_is]
         specs.append(AotSpec(f"policy_seq[{label}]", _policy_seq_kernel, sig, constexprs,
                              num_warps=4, maxnreg=seq_maxnreg()))
     return specs

@@ -117,7 +117,10 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         lp, entropy, lse = run_op(_forward_op, _forward_impl, hidden, weight, token_ids,
                                   inv_temp, want_entropy, chunk_size)
-        ctx.save_for_backward(hidden, weight, token_ids, lse, entropy)
+        # token_ids saved through a view: torch 2.4's Dynamo, tracing this Function, saved the
+        # hidden states in its place and the compiled backward read them as token ids (wrong
+        # gradients, no error); the view costs nothing and is saved as itself.
+        ctx.save_for_backward(hidden, weight, token_ids.view(-1), lse, entropy)
         ctx.cfg = (inv_temp, want_entropy, chunk_size, fp32_weight_grad)
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)

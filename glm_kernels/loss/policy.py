@@ -5,7 +5,8 @@ Per-token math: docs/policy_loss.md (one row per preset); readable version in
 (``loss/_policy_spec.py``); its hyper-parameters are runtime floats.
 
 Forward writes the gradient (``loss/_policy_kernels.py``). With ``u_t = m_t w_t l_t`` the
-token's weighted term (w: token weights x gate weight, detached) and ``c_b`` the reduction's
+token's weighted term (w: token weights x gate weight x the row's sequence IS weight w_b,
+detached; w_b is reduced in the kernel's first pass over the row) and ``c_b`` the reduction's
 factor of row b (1/D for token_mean, 1/(n_b D) for seq_mean_token_mean, ...: constant within a
 row), the loss is ``sum_b c_b sum_{t in b} u_t`` and the kernel writes
 ``g_t = d(sum_{s in row(t)} u_s) / d lp_t``; backward returns ``g_t c_row(t) dL`` (dL the
@@ -130,9 +131,10 @@ def _check_reduction(spec, reduction, denominator, norm_length, logprobs, cu_seq
     return reduction, denominator, norm_length
 
 
-def _reduce(spec, reduction, loss_terms, partials, mask, rows, denominator, norm_length,
+def _reduce(row_layout, reduction, loss_terms, partials, mask, rows, denominator, norm_length,
             loss_scale):
-    """(loss, backward scale: 0-d, or [rows] for seq_mean_*) from the kernel's outputs."""
+    """(loss, backward scale: 0-d, or [rows] for seq_mean_*) from the kernel's outputs;
+    ``row_layout``: one stats row per sequence (the sequence kernel) rather than per block."""
     device = partials.device
     one = torch.ones((), device=device)
     if reduction == "none":
@@ -147,7 +149,7 @@ def _reduce(spec, reduction, loss_terms, partials, mask, rows, denominator, norm
         tokens = partials[:, 1].double().sum().float()
         inv = 1.0 / (tokens.clamp(min=1.0) if denominator is None else denominator)
         return total * inv * loss_scale, inv * loss_scale * one
-    if spec.ratio != "token":                      # one stats row per sequence
+    if row_layout:                                 # one stats row per sequence
         row_sums, row_tokens = partials[:, 0], partials[:, 1]
     else:
         row_sums, row_tokens = rows.sum(loss_terms), rows.sum(mask.float())
@@ -169,9 +171,9 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
 
     gate '' = none; floats: log-ratio clamp
     (0 = none), sequence log-ratio cap (nan = none), gate_low, gate_high, eps_low, eps_high,
-    dual_clip, norm_length, loss_scale[, sequence IS mode (0 none, 1 truncate, 2 mask; ratio
-    sequence / sequence_stopgrad only: reduced in the sequence kernel's phase 1 from
-    ``rollout_logprobs``), its low and high bounds]."""
+    dual_clip, norm_length, loss_scale[, sequence IS mode (0 none, 1 truncate, 2 mask: the
+    weight reduced from ``rollout_logprobs`` inside the sequence kernel, which then runs token
+    ratios too), its low and high bounds]."""
     from . import _policy_kernels as kernels
     log_clamp, seq_max, gate_low, gate_high, eps_low, eps_high, dual, norm_length, \
         loss_scale, seq_is_code, seq_is_low, seq_is_high = (list(floats) + [0.0] * 3)[:12]
@@ -184,17 +186,22 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     device = logprobs.device
     adv_per_seq = advantages.shape[0] != n
     rows = Rows(n, num_rows, row_len, cu_seqlens, device)
-    if adv_per_seq and ratio == "token" and cu_seqlens is not None:
+    ratio_code = kernels.RATIO_CODES[ratio]
+    row_layout = kernels.row_programs(ratio_code, int(seq_is_code))
+    row_splits = 1
+    if adv_per_seq and not row_layout and cu_seqlens is not None:
         advantages, adv_per_seq = rows.spread(advantages), False
-    store_loss = reduction == "none" or (reduction.startswith("seq_mean") and ratio == "token")
+    store_loss = reduction == "none" or (reduction.startswith("seq_mean") and not row_layout)
     if ratio == "geo_mean":
         loss_terms = torch.zeros(num_rows, dtype=torch.float32, device=device)
         programs = num_rows
         block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
-    elif ratio != "token":
+    elif row_layout:
         loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
-        programs = num_rows
         block = _BLOCK_INTERPRET if interpret else _BLOCK_SEQ_GPU
+        if ratio == "token":
+            row_splits = kernels.row_splits(n, num_rows, block, device, interpret)
+        programs = num_rows * row_splits
     else:
         loss_terms = torch.empty(n if store_loss else 0, dtype=torch.float32, device=device)
         block = _BLOCK_INTERPRET if interpret else _BLOCK_GPU
@@ -203,11 +210,13 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     partials = torch.zeros((programs, _NUM_STATS), dtype=torch.float32, device=device)
     as_bytes = lambda t: None if t is None else (   # noqa: E731
         t.view(torch.uint8) if t.dtype == torch.bool else t)
-    mask = (torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None
-            else loss_mask != 0)
+    mask = None                    # read by the token layout's seq_mean_* reductions only
+    if reduction.startswith("seq_mean") and not row_layout:
+        mask = (torch.ones(n, dtype=torch.bool, device=device) if loss_mask is None
+                else loss_mask != 0)
     if programs and n:            # no tokens: every sum stays 0 (rows without tokens: 0)
         kernels.policy_fwd(
-            spec, (kernels.RATIO_CODES[ratio], kernels.OBJECTIVE_CODES[objective],
+            spec, (ratio_code, kernels.OBJECTIVE_CODES[objective],
                    kernels.GATE_CODES[gate or None]),
             logprobs, old_logprobs, advantages, as_bytes(loss_mask), token_weights,
             rollout_logprobs, as_bytes(selection), cu_seqlens, loss_terms, grad, partials,
@@ -215,9 +224,12 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
             eps_low=eps_low, eps_high=eps_high, dual_clip=dual if has_dual else None,
             params=params, has_delta=has_delta, block=block,
             num_warps=4 if interpret or block <= 1024 else _WARPS_GPU,
-            seq_is=int(seq_is_code), seq_is_low=seq_is_low, seq_is_high=seq_is_high)
-    loss, scale = _reduce(spec, reduction, loss_terms, partials, mask, rows, denominator,
-                          norm_length, loss_scale)
+            seq_is=int(seq_is_code), seq_is_low=seq_is_low, seq_is_high=seq_is_high,
+            row_splits=row_splits)
+    row_partials = (partials if row_splits == 1 else
+                    partials.view(num_rows, row_splits, _NUM_STATS).sum(1))
+    loss, scale = _reduce(row_layout, reduction, loss_terms, row_partials, mask, rows,
+                          denominator, norm_length, loss_scale)
     stats = partials.double().sum(0).float()
     return loss, grad, scale, stats
 
@@ -336,10 +348,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         TRL sequence TIS / MIS): every token of sequence b is weighted by
         w_b = exp(clamp(sum_m (old - rollout), -20, 20)), "truncate": min(w_b, seq_is_high);
         "mask": w_b where seq_is_low <= w_b <= seq_is_high (low default 1 / high), else 0.
-        Sequence-ratio variants on the Triton backend (gspo, grpo_sequence, luspo) reduce
-        w_b in the sequence kernel's first phase; the others take one row reduction before
-        the kernel (:mod:`loss.sequence_is`) as a token weight (times ``token_weights``).
-        Not with vespo (TRL puts IS in its log w).
+        On the Triton / interpreter backends every preset reduces w_b inside the sequence
+        kernel (programs per sequence; token-ratio presets run there too under seq_is),
+        with no pass before it and no [N] weight tensor; the torch backend makes it a token
+        weight (times ``token_weights``, :mod:`loss.sequence_is`). Not with vespo (TRL puts
+        IS in its log w).
     **variant_params : float
         The objective's parameters (docs/policy_loss.md): delta; cispo_min, cispo_max; tau_pos,
         tau_neg; ratio_cap; dro_beta; ppo_kl_coef; k_pos, lambda_pos, k_neg, lambda_neg.
@@ -399,20 +412,18 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                                        loss_mask, token_weights, rollout_logprobs)
     flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
     mask = None
-    if seq_is is not None or backend == "torch":
+    if backend == "torch":
         mask = _bool_mask(flat(loss_mask), logprobs)
-    # The sequence kernel reduces the sequence IS weight in its first phase (no pass, no [N]
-    # weights); elsewhere one torch row reduction makes it a token weight.
-    seq_is_in_kernel = (seq_is is not None and backend != "torch"
-                        and spec.ratio in ("sequence_stopgrad", "sequence"))
-    if seq_is is not None and not seq_is_in_kernel:
-        rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
-        seq_weights = seq_is_token_weights(flat(old_logprobs), flat(rollout_logprobs), mask,
-                                           rows, seq_is, seq_is_high,
-                                           seq_is_low).reshape(logprobs.shape)
-        token_weights = (seq_weights if token_weights is None
-                         else token_weights.float() * seq_weights)
-    if gate is None and not seq_is_in_kernel:
+        if seq_is is not None:
+            # The kernels reduce the sequence IS weight in the sequence kernel (every preset:
+            # no pass before it, no [N] weights); the torch backend makes it a token weight.
+            rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
+            seq_weights = seq_is_token_weights(flat(old_logprobs), flat(rollout_logprobs),
+                                               mask, rows, seq_is, seq_is_high,
+                                               seq_is_low).reshape(logprobs.shape)
+            token_weights = (seq_weights if token_weights is None
+                             else token_weights.float() * seq_weights)
+    if gate is None and (seq_is is None or backend == "torch"):
         rollout_logprobs = None               # read by seq_is only
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros(logprobs.shape, dtype=torch.bool, device=logprobs.device)
@@ -448,7 +459,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                   float("nan") if spec.seq_log_ratio_max is None else spec.seq_log_ratio_max,
                   lo, hi, eps_low, eps_high, 1.0 if dual is None else dual,
                   1.0 if norm_length is None else norm_length, loss_scale]
-        if seq_is_in_kernel:
+        if seq_is is not None:
             floats += [1.0 if seq_is == "truncate" else 2.0,
                        0.0 if seq_is_low is None else seq_is_low, seq_is_high]
         loss, _, _, sums = _policy_op(

@@ -3,9 +3,10 @@
 verl's ``rollout_is="sequence"`` (and slime's / TRL's sequence modes) weight every token of
 sequence b by w_b = exp(clamp(sum_{t in b} m_t (old_t - rollout_t), -20, 20)), truncated
 (TIS: min(w_b, high)) or masked (MIS: w_b 1[low <= w_b <= high]). :func:`policy_loss` takes
-them through ``seq_is=``: the Triton sequence kernel (gspo, grpo_sequence, luspo) reduces them
-in its first phase; elsewhere they enter the kernel as token weights made here (one row
-reduction in torch before the kernel: ~12 B/token of extra traffic, no sync).
+them through ``seq_is=``: on the Triton / interpreter backends the sequence kernel reduces
+them for every preset (``loss/_policy_kernels.py``; token-ratio presets run its per-sequence
+layout under ``seq_is``), with no [N] tensor; the torch backend makes them token weights
+here (one row reduction in torch, no sync). :func:`sequence_is_weights` gives them alone.
 """
 from typing import Optional
 

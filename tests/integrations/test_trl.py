@@ -238,13 +238,14 @@ def test_nan_rollout_logprob_is_popped(tmp_path):
     assert_close(results[0][1], results[1][1], tol=TOL, name="grad")
 
 
-def test_token_truncate_is_tis(tmp_path):
-    """token_truncate: TRL's TIS weight clamp(k, C_min, C_max) on the same batch."""
+def test_token_truncate_with_the_gate_open_is_tis(tmp_path):
+    """token_truncate, gate [0, inf] (nothing popped): TRL's TIS weight clamp(k, C_min,
+    C_max) on the same batch (the gate composed with it: test_trl_losses.py)."""
     theirs, ours, rollout = trainers(tmp_path, "bnpo", "decoupled")
     for tr in (theirs, ours):
         tr.vllm_importance_sampling_mode = "token_truncate"
         tr.vllm_importance_sampling_clip_min, tr.vllm_importance_sampling_clip_max = 0.5, 1.5
-    ours.icepop_config.vllm_importance_sampling_mode = "token_truncate"
+    ours.icepop_config.icepop_gate_low, ours.icepop_config.icepop_gate_high = 0.0, math.inf
     old = logprobs_of(theirs, generate(theirs, rollout))
     g = torch.Generator().manual_seed(8)
     inputs = generate(theirs, rollout, old + 0.4 * torch.randn(old.shape, generator=g))
@@ -367,9 +368,19 @@ def test_bad_configs_are_refused(tmp_path):
         assert build(config(gt.IcePopGRPOConfig, tmp_path, **options)).icepop_calls == 0
     with pytest.raises(ValueError, match="icepop_mode"):
         config(gt.IcePopGRPOConfig, tmp_path, icepop_mode="tito")
-    with pytest.raises(ValueError, match="vllm_importance_sampling_mode"):
-        config(gt.IcePopGRPOConfig, tmp_path, icepop_mode="decoupled",
+    # every IcePop mode x IS mode is accepted (test_trl_losses.py checks what they compute)
+    for mode in ("coupled", "decoupled"):
+        for is_mode in ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate"):
+            config(gt.IcePopGRPOConfig, tmp_path, icepop_mode=mode,
+                   vllm_importance_sampling_mode=is_mode)
+    # VESPO with a sequence IS mode: TRL refuses it (its __init__, with vLLM); so does the
+    # IcePop config, which applies the IS correction with or without vLLM
+    with pytest.raises(ValueError, match="VESPO loss requires"):
+        config(gt.IcePopGRPOConfig, tmp_path, loss_type="vespo",
                vllm_importance_sampling_mode="sequence_mask")
+    config(gt.IcePopGRPOConfig, tmp_path, loss_type="vespo",
+           vllm_importance_sampling_mode="sequence_mask",
+           vllm_importance_sampling_correction=False)
     with pytest.raises(ValueError, match="icepop_gate_low"):
         config(gt.IcePopGRPOConfig, tmp_path, icepop_gate_low=3.0)
     with pytest.raises(ValueError, match="icepop_beta"):

@@ -15,9 +15,10 @@ option set (none; beta > 0 with and without use_bias_correction_kl; delta below 
 1 + epsilon_high; top_entropy_quantile < 1 with an entropy bonus; off_policy_mask_threshold;
 all of them) and every vLLM IS mode (none, token_mask, token_truncate, sequence_mask,
 sequence_truncate; vespo with the token modes only, as TRL) -- see ``combinations``. On the
-kernels (interpreter on CPU): one combination per loss_type with every option on. Also: bf16
-autocast, TRL's adaptive entropy controller, a MoE model's load-balancing loss, IcePop's
-general path (coupled and decoupled) against TRL, TRL's refusals, the docs page's example
+kernels (interpreter on CPU): a covering set, every loss_type x level x beta pairwise with
+the IS modes and option sets cycling -- see ``kernel_rows``. Also: bf16
+autocast, TRL's adaptive entropy controller, a MoE model's load-balancing loss, TRL's
+refusals (IcePop x every IS mode against TRL: test_trl_icepop_is.py), the docs page's example
 (a real run with beta > 0) and a real IcePop run on the general path.
 """
 import copy
@@ -110,6 +111,18 @@ class Setup:
         none = dict(self.inputs["token_mask"])
         del none["importance_sampling_ratio"]
         self.inputs[None] = none
+        # Rollout log-probs = TRL's pi_old exactly: TRL's IS ratio on a zero log-difference,
+        # what IcePop's coupled mode (pi_old := the rollout policy) composes with.
+        rollout.logprobs = [old[i, :len(c)].tolist() for i, c in enumerate(COMPLETIONS)]
+        self.on_policy = {}
+        for mode in IS_MODES[1:]:
+            stock.vllm_importance_sampling_mode = mode
+            inputs = stock._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
+            inputs["ref_per_token_logps"] = inputs["old_per_token_logps"].clone()
+            self.on_policy[mode] = inputs
+        on_policy_none = dict(self.on_policy["token_mask"])
+        del on_policy_none["importance_sampling_ratio"]
+        self.on_policy[None] = on_policy_none
         perturb(stock.model, self.ours.model, scale=0.1)
 
 
@@ -161,9 +174,11 @@ def assert_same_metrics(got, ref, tol=TOL):
                 assert abs(a - b) <= tol * max(1.0, abs(b)), (key, a, b)
 
 
-def check_against_trl(stock, ours, stock_inputs, our_inputs, name, *, tol=TOL):
+def check_against_trl(stock, ours, stock_inputs, our_inputs, name, *, tol=TOL,
+                      metrics=True):
     """One _compute_loss call of each on its inputs: loss, gradients, metrics (IcePop's
-    ``icepop/pop_frac`` aside, returned) equal."""
+    ``icepop/pop_frac`` aside, returned; ``metrics=False``: IcePop's single pass, which logs
+    its own ``icepop/*`` keys instead of TRL's) equal."""
     ref = run(stock, stock_inputs)
     got = run(ours, our_inputs)
     # A mean over random-sign advantages cancels far below its terms: judge the loss
@@ -177,7 +192,8 @@ def check_against_trl(stock, ours, stock_inputs, our_inputs, name, *, tol=TOL):
                      name=f"loss {name}")
     assert_close(got[1], ref[1], tol=tol, name=f"grad {name}")
     pop_frac = got[2].pop("icepop/pop_frac", None)
-    assert_same_metrics(got[2], ref[2], tol=10 * tol)
+    if metrics:
+        assert_same_metrics(got[2], ref[2], tol=10 * tol)
     return pop_frac
 
 
@@ -230,14 +246,56 @@ def test_the_batch_exercises_the_options(setup):
     assert (keep == 0).any() and (keep[inputs["advantages"] < 0] == 1).any()
 
 
+KERNEL_OPTIONS_OFF = ("plain", "delta_below", "entropy", "opsm", "delta_above")
+KERNEL_OPTIONS_KL = ("all", "kl", "kl_no_bias_correction")
+
+
+def kernel_rows(loss_type):
+    """The interpreter's covering set, two rows per loss_type: (level, IS mode, option set).
+
+    Loss type i runs token level with beta = 0 if i is even (> 0 if odd) and sequence level
+    with the other beta, so every loss_type meets both levels and both betas, and the pairs
+    (level, beta) all occur. The IS modes cycle through the 16 rows (row 2i token, 2i + 1
+    sequence), which puts every IS mode at both levels and with both betas (VESPO takes
+    token_truncate for a sequence mode, as TRL allows). The option sets rotate: beta > 0 rows
+    among the KL ones ("all" carries every option), beta = 0 rows among the others."""
+    i = LOSS_TYPES.index(loss_type)
+    rows = []
+    for j, level in enumerate(("token", "sequence")):
+        r = 2 * i + j
+        mode = IS_MODES[r % len(IS_MODES)]
+        if loss_type == "vespo" and mode in ("sequence_mask", "sequence_truncate"):
+            mode = "token_truncate"
+        with_kl = (i + j) % 2 == 1
+        options = KERNEL_OPTIONS_KL[r % len(KERNEL_OPTIONS_KL)] if with_kl else \
+            KERNEL_OPTIONS_OFF[r % len(KERNEL_OPTIONS_OFF)]
+        rows.append((level, mode, options))
+    return rows
+
+
+def test_kernel_rows_cover_the_pairs():
+    """The covering set holds what kernel_rows promises (so a change to it cannot quietly
+    drop a pair): loss_type x level, loss_type x beta, level x beta, IS mode x level, IS mode
+    x beta."""
+    rows = [(lt,) + row for lt in LOSS_TYPES for row in kernel_rows(lt)]
+    beta = {name: OPTION_SETS[name].get("beta", 0.0) > 0 for name in OPTION_SETS}
+    pairs = lambda a, b: {(x[a], beta[x[3]] if b == 3 else x[b]) for x in rows}  # noqa: E731
+    assert pairs(0, 1) == {(lt, lv) for lt in LOSS_TYPES for lv in ("token", "sequence")}
+    assert pairs(0, 3) == {(lt, kl) for lt in LOSS_TYPES for kl in (False, True)}
+    assert pairs(1, 3) == {(lv, kl) for lv in ("token", "sequence") for kl in (False, True)}
+    assert pairs(2, 1) == {(m, lv) for m in IS_MODES for lv in ("token", "sequence")}
+    assert pairs(2, 3) == {(m, kl) for m in IS_MODES for kl in (False, True)}
+    assert {x[3] for x in rows} == set(OPTION_SETS)
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_matches_trl_on_the_kernels(setup, loss_type):
     """The Triton kernels (interpreter on CPU) behind fused_linear_logprobs, policy_loss and
-    kl_penalty_terms, one combination per loss_type with every option on."""
+    kl_penalty_terms against stock TRL, on the covering set of kernel_rows."""
     skip_without_kernels()
-    level = "token" if loss_type == "vespo" else "sequence"
     with glm_kernels.force_backend(KERNEL_BACKEND):
-        compare(setup, loss_type, level, "token_truncate", OPTION_SETS["all"])
+        for level, is_mode, options in kernel_rows(loss_type):
+            compare(setup, loss_type, level, is_mode, OPTION_SETS[options])
 
 
 def test_matches_trl_under_bf16_autocast(tmp_path):
@@ -289,32 +347,6 @@ def test_adaptive_entropy_controller_matches_trl(setup):
     finally:
         for tr in (stock, ours):
             tr.use_adaptive_entropy = False
-
-
-def test_icepop_general_path_is_trls_token_mask(setup, tmp_path):
-    """IcePopGRPOTrainer, decoupled, gate = TRL's token_mask bounds: TRL's loss with its
-    token_mask IS correction, for options off the single fused pass."""
-    icepop = _build(gt.IcePopGRPOTrainer, tmp_path, make_tokenizer(),
-                    CraftedRollout(make_tokenizer()), make_model(), icepop_mode="decoupled",
-                    icepop_gate_low=0.5, icepop_gate_high=2.0)
-    icepop.model.load_state_dict(setup.ours.model.state_dict())
-    inputs = setup.inputs["token_mask"]
-    finite = dict(inputs)       # TRL gives a NaN rollout log-prob ratio 1, IcePop pops it
-    sampled = inputs["sampling_per_token_logps"].clone()
-    sampled[0, 1] = inputs["old_per_token_logps"][0, 1]
-    finite["sampling_per_token_logps"] = sampled
-    for loss_type, level, options in (("cispo", "token", {}),
-                                      ("grpo", "sequence", OPTION_SETS["all"]),
-                                      ("sapo", "token", OPTION_SETS["kl"]),
-                                      ("luspo", "sequence", OPTION_SETS["entropy"])):
-        configure(icepop, loss_type, level, None, options)
-        assert not icepop._single_pass()
-        for tr in (setup.stock, icepop):
-            configure(tr, loss_type, level, "token_mask", options)
-        icepop.vllm_importance_sampling_correction = False       # as its __init__ sets it
-        with glm_kernels.force_backend("torch"):
-            pop_frac = check_against_trl(setup.stock, icepop, finite, finite, loss_type)
-        assert pop_frac[0] > 0
 
 
 def test_refuses_what_trl_refuses(tmp_path):
@@ -376,40 +408,6 @@ def test_docs_fused_example_prints_what_the_page_shows(tmp_path, monkeypatch, ca
     assert printed[-len(expected):] == expected, "\n".join(printed[-len(expected) - 2:])
     trainer = namespace["trainer"]
     assert isinstance(trainer, gt.FusedGRPOTrainer) and trainer.state.global_step == 2
-
-
-def test_icepop_coupled_general_path_is_trls_loss_on_the_rollout_base(setup, tmp_path):
-    """IcePopGRPOTrainer, coupled, options off the single pass: TRL's loss with
-    pi_old := the rollout log-probs and its IS weight := the gate
-    1[lo <= exp(logp - rollout) <= hi] (logp: TRL's own, current policy)."""
-    icepop = _build(gt.IcePopGRPOTrainer, tmp_path, make_tokenizer(),
-                    CraftedRollout(make_tokenizer()), make_model(), icepop_mode="coupled",
-                    icepop_gate_low=0.5, icepop_gate_high=2.0)
-    icepop.model.load_state_dict(setup.ours.model.state_dict())
-    inputs = dict(setup.inputs["token_mask"])
-    current = logprobs_of(setup.stock, inputs)
-    g = torch.Generator().manual_seed(3)
-    rollout = current + 0.5 * torch.randn(current.shape, generator=g)
-    for _ in range(3):         # keep every ratio away from the bounds (different kernels)
-        rho = torch.exp(current - rollout)
-        near = ((rho - 0.5).abs() < 1e-3) | ((rho - 2.0).abs() < 1e-3)
-        rollout = torch.where(near, rollout + 0.01, rollout)
-    rho = torch.exp(current - rollout)
-    gate = ((rho >= 0.5) & (rho <= 2.0)).float()
-    mask = inputs["completion_mask"].bool()
-    assert (gate[mask] == 0).any() and (gate[mask] == 1).any()
-    inputs["sampling_per_token_logps"] = rollout
-    trl_inputs = dict(inputs, old_per_token_logps=rollout, importance_sampling_ratio=gate)
-    for loss_type, level, options in (("cispo", "sequence", OPTION_SETS["all"]),
-                                      ("dr_grpo", "token", OPTION_SETS["delta_below"]),
-                                      ("sapo", "sequence", OPTION_SETS["entropy"])):
-        for tr in (setup.stock, icepop):
-            configure(tr, loss_type, level, "token_mask", options)
-        icepop.vllm_importance_sampling_correction = False       # as its __init__ sets it
-        assert not icepop._single_pass()
-        with glm_kernels.force_backend("torch"):
-            pop_frac = check_against_trl(setup.stock, icepop, trl_inputs, inputs, loss_type)
-        assert pop_frac[0] > 0
 
 
 def test_icepop_real_run_on_the_general_path(tmp_path):

@@ -463,9 +463,9 @@ def test_vespo_weight_is_trls_gamma_weight(any_backend, weighted):
 
 @pytest.mark.parametrize("name", ["vanilla", "grpo_sequence", "gspo", "geo_mean", "cispo"])
 def test_seq_is_kernel_matches_reference(kernel_backend, name):
-    """Sequence IS composed with the gate, packed rows: kernels vs the torch reference (gspo /
-    grpo_sequence: the weight reduced inside the sequence kernel; the others: a torch row
-    reduction before it)."""
+    """Sequence IS composed with the gate, packed rows: kernels (the weight reduced inside the
+    sequence kernel, every preset) vs the torch reference (a torch row reduction before it).
+    Every preset, layout and gate mode: tests/loss/test_policy_seq_is.py."""
     batch, cu = pack(make_batch(51))
     reduction = POLICY_VARIANTS[name].default_reduction
     check_against_reference(name, batch, reduction, gate="coupled", cu_seqlens=cu,
