@@ -147,44 +147,36 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
         valid = _dppo_valid(spec, lp, old, adv, eps_low, eps_high)
         live = live & valid
     bits = keep_bits(live)
-    if loss_t is None:               # linear in lp: sum_t g_t lp_t over the live tokens
-        dl = _and_bits(dl, bits)
-        lp_live = _and_bits(lp, bits)
-        terms = None
-    else:
-        terms = _and_bits(loss_t, bits)
-
-    def total():
-        return terms.sum() if terms is not None else torch.dot(dl, lp_live)
-
-    def per_token():
-        return terms if terms is not None else dl * lp_live
+    linear = loss_t is None          # linear in lp: the loss is sum_t coef_t lp_t
     num_masked = None
     if (reduction == "token_mean" and denominator is None) or need_stats:
         num_masked = torch.count_nonzero(mask)          # 2/3 of a bool sum's time on the CPU
-    # The loss is factor * (sum of the terms), factor a python float or a 0-d tensor (one
-    # multiply of a scalar), and each token's gradient coefficient is factor (token_mean,
-    # sum) or its row's factor (seq_mean_*) times its g_t.
+    # Each token's gradient coefficient is the reduction's factor (token_mean, sum: a python
+    # float or a 0-d tensor) or its row's (seq_mean_*) times its g_t, masked after the
+    # multiply so that a dropped token's is +0.0 whatever the factor's sign.
     factor = sign * loss_scale
     token_scale = None
-    if reduction == "none":
-        value = per_token() if factor == 1.0 else per_token() * factor
-    elif reduction == "sum":
-        value = total() * factor
-    elif reduction == "token_mean":
+    if reduction == "token_mean":
         # python float / int64 count: the fp32 quotient in one op
         factor = factor / (num_masked.clamp(min=1) if denominator is None else denominator)
-        value = total() * factor
-    else:
+    elif reduction not in ("none", "sum"):
         row_scale = seq_row_scale(rows.sum(mask.float()), reduction, denominator,
                                   norm_length) * factor
-        value, token_scale = (rows.sum(per_token()) * row_scale).sum(), rows.spread(row_scale)
-    if lp_in.requires_grad and torch.is_grad_enabled():
-        coef = dl if terms is None else _and_bits(dl, bits)
-        coef = coef * (factor if token_scale is None else token_scale)
-        loss = _LossWithCoefficients.apply(lp_in, value, coef)
+        token_scale = rows.spread(row_scale)
+    need_grad = lp_in.requires_grad and torch.is_grad_enabled()
+    coef = None
+    if need_grad or linear:
+        coef = _and_bits(dl * (factor if token_scale is None else token_scale), bits)
+    if linear:                       # one dot product, no per-token loss tensor
+        lp_live = _and_bits(lp, bits)
+        value = coef * lp_live if reduction == "none" else torch.dot(coef, lp_live)
+    elif reduction == "none":                           # +0.0 where dropped, as the grad
+        value = _and_bits(loss_t if factor == 1.0 else loss_t * factor, bits)
+    elif token_scale is None:                           # sum, token_mean
+        value = _and_bits(loss_t, bits).sum() * factor
     else:
-        loss = value
+        value = (rows.sum(_and_bits(loss_t, bits)) * row_scale).sum()
+    loss = _LossWithCoefficients.apply(lp_in, value, coef) if need_grad else value
     stats = None
     if need_stats:
         denom = num_masked + 1e-8                      # verl's masked_mean denominator
