@@ -28,7 +28,11 @@ the fp32 gradient; 21 with IS weights) over the copy bandwidth measured in the s
 variant touches a [T, V] tensor: they take log-probs.
 
 CPU timing: one torch thread, median process CPU time (a shared machine's wall clock also
-counts waiting for a core); GPU: ``do_bench`` medians.
+counts waiting for a core); GPU: ``do_bench`` medians. Every provider is timed once per round,
+round after round (``GLM_BENCH_ROUNDS``, default 3; ``--quick``: 1), so a slow spell of a
+shared machine lands on all of them: a figure is the median over rounds, a ratio's range
+(``plugin/verl_range``) is over the rounds' own ratios. The note ``icepop/vanilla`` compares
+``icepop_loss`` with the vanilla preset's ``policy_loss``.
 
     python benchmarks/bench_losses.py            # GPU: 4M tokens (1M with --quick)
     python benchmarks/bench_losses.py --cpu      # CPU: 32K tokens, torch backend
@@ -36,6 +40,7 @@ counts waiting for a core); GPU: ``do_bench`` medians.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import torch
@@ -53,6 +58,7 @@ TRL_ONLY = ("trl_cispo", "trl_sapo", "luspo", "vespo", "grpo_sequence")
 VERL_NAMES = ("vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo", "dro",
               "dppo_kl", "dppo_tv", "bypass_mode")
 CORE_PARAMS = {"dro": dict(dro_beta=0.1)}
+ROUNDS = int(os.environ.get("GLM_BENCH_ROUNDS", "3"))   # interleaved rounds (--quick: 1)
 
 
 def _verl():
@@ -116,23 +122,26 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
         torch.set_num_threads(1)
     tokens = 1 << 15 if device == "cpu" else (1 << 20 if quick else 1 << 22)
     repeats = 5 if quick else 11
+    rounds = 1 if quick else ROUNDS
     log_prob, old, rollout, adv, mask = make_batch(tokens, device)
     bandwidth = _common.copy_bandwidth(device)
     notes = {}
     verl, why = _verl()
     if why:
         notes["verl"] = why
+    steps = {}                        # (row label, provider) -> fwd+bwd step
 
-    def timed(label, fn, seeded=False):
+    def add(key, fn, seeded=False):
+        step = _fwd_bwd(fn, log_prob, seeded)
         try:
-            return _common.time_fn(_fwd_bwd(fn, log_prob, seeded), device=device,
-                                   repeats=repeats, process_clock=device == "cpu")
-        except Exception as exc:  # a provider that fails is reported, not hidden
-            notes[label] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            return None
+            step()                    # a provider that fails is reported, not hidden
+        except Exception as exc:
+            notes[f"{key[1]}[{key[0]}]"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            return
+        steps[key] = step
 
-    icepop_s = timed("icepop", lambda x: glm_kernels.icepop_loss(x, rollout, adv, mask,
-                                                                 old_logprobs=old))
+    add(("icepop", "icepop"), lambda x: glm_kernels.icepop_loss(x, rollout, adv, mask,
+                                                                old_logprobs=old))
     weights = verl["icepop_weights"](old, rollout, mask) if verl else None
     cases = [("icepop", "vanilla", "icepop", weights)]
     for name in VERL_NAMES:
@@ -140,16 +149,12 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
         if name != "bypass_mode":           # bypass_mode makes its own weights
             cases.append((f"{name}+is_w", name, f"glm_{name}", weights))
     cases += [(name, name, None, None) for name in TRL_ONLY]
-    rows = []
     for label, variant, plugin, w in cases:
-        level = "sequence" if variant in SEQUENCE_LEVEL else "token"
-        floor_s = tokens * (BYTES_PER_TOKEN + (4 if w is not None else 0)) / bandwidth
-        row = {"variant": label, "level": level, "floor_us": floor_s * 1e6}
-        times = {}
         if label != "icepop" and variant in glm_kernels.POLICY_VARIANTS:
             params = CORE_PARAMS.get(variant, {})
-            times["policy_loss"] = timed(f"policy_loss[{label}]", lambda x: glm_kernels.policy_loss(
-                x, old, adv, mask, variant=variant, token_weights=w, **params))
+            add((label, "policy_loss"), lambda x, variant=variant, w=w, params=params:
+                glm_kernels.policy_loss(x, old, adv, mask, variant=variant, token_weights=w,
+                                        **params))
         if verl and plugin is not None:
             config = verl["config"](variant)
             for key, fn_name in (("verl", variant), ("glm_plugin", plugin)):
@@ -157,35 +162,63 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
                 if fn is None:
                     notes[f"{key}[{label}]"] = f"{fn_name} is not registered"
                     continue
-                times[key] = timed(f"{key}[{label}]", lambda x, fn=fn: fn(
+                add((label, key), lambda x, fn=fn, config=config, w=w: fn(
                     old_log_prob=old, log_prob=x, advantages=adv, response_mask=mask,
                     loss_agg_mode="token-mean", config=config, rollout_is_weights=w)[0],
                     seeded=variant == "clip_cov")
-        times["icepop"] = icepop_s
-        for key, seconds in times.items():
-            if seconds is not None:
-                row[f"{key}_us"] = seconds * 1e6
-        core = times.get("policy_loss")
-        if core and icepop_s:
-            row["policy_loss/icepop"] = core / icepop_s
-            row["goal_met"] = row["policy_loss/icepop"] <= (1.2 if level == "sequence" else 1.05)
-            row["policy_loss/floor"] = core / floor_s
-        if times.get("glm_plugin") and times.get("verl"):
-            row["plugin/verl"] = times["glm_plugin"] / times["verl"]
+    # Interleaved rounds: every provider once per round, so a slow spell of a shared machine
+    # lands on all of them; each figure is the median over rounds of per-round medians, and
+    # each ratio's range is over the rounds' own ratios.
+    per_round = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            per_round[key].append(_common.time_fn(step, device=device, repeats=repeats,
+                                                  process_clock=device == "cpu"))
+    med = {key: statistics.median(times) for key, times in per_round.items()}
+
+    def ratio(a, b):
+        if a not in per_round or b not in per_round:
+            return None, None
+        values = [x / y for x, y in zip(per_round[a], per_round[b])]
+        return statistics.median(values), f"{min(values):.2f}-{max(values):.2f}"
+
+    rows = []
+    icepop_key = ("icepop", "icepop")
+    for label, variant, plugin, w in cases:
+        level = "sequence" if variant in SEQUENCE_LEVEL else "token"
+        floor_s = tokens * (BYTES_PER_TOKEN + (4 if w is not None else 0)) / bandwidth
+        row = {"variant": label, "level": level, "floor_us": floor_s * 1e6}
+        for provider in ("verl", "glm_plugin", "policy_loss"):
+            if (label, provider) in med:
+                row[f"{provider}_us"] = med[(label, provider)] * 1e6
+        if icepop_key in med:
+            row["icepop_us"] = med[icepop_key] * 1e6
+        core, core_range = ratio((label, "policy_loss"), icepop_key)
+        if core is not None:
+            row["policy_loss/icepop"] = core
+            row["goal_met"] = core <= (1.2 if level == "sequence" else 1.05)
+            row["policy_loss/floor"] = med[(label, "policy_loss")] / floor_s
+        row["plugin/verl"], row["plugin/verl_range"] = ratio((label, "glm_plugin"),
+                                                             (label, "verl"))
         rows.append(row)
+    icepop_vs_vanilla, spread = ratio(icepop_key, ("vanilla", "policy_loss"))
+    if icepop_vs_vanilla is not None:
+        notes["icepop/vanilla"] = (f"icepop_loss (decoupled) / policy_loss(vanilla) = "
+                                   f"{icepop_vs_vanilla:.2f} (rounds {spread})")
     backend = _dispatch.select_backend("policy_loss", log_prob)
     clock = "process CPU time, 1 thread" if device == "cpu" else "do_bench"
     columns = ["variant", "level", "floor_us", "verl_us", "glm_plugin_us", "plugin/verl",
-               "policy_loss_us", "icepop_us", "policy_loss/icepop", "goal_met",
-               "policy_loss/floor"]
+               "plugin/verl_range", "policy_loss_us", "icepop_us", "policy_loss/icepop",
+               "goal_met", "policy_loss/floor"]
     _common.print_table(
         f"policy losses fwd+bwd, {tokens} tokens ({int(mask.sum())} masked) on {device}, "
-        f"{clock} (glm_kernels backend: {backend}; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-        "measured)", rows, columns)
+        f"{clock}, median of {rounds} interleaved rounds x {repeats} repeats (glm_kernels "
+        f"backend: {backend}; copy bandwidth {bandwidth / 1e9:.1f} GB/s measured)", rows,
+        columns)
     result = {"benchmark": "losses", "device": device, "glm_kernels_backend": backend,
-              "tokens": tokens, "clock": clock, "copy_bandwidth_Bps": bandwidth,
-              "rows": rows, "notes": notes, "fallbacks": _dispatch.fallbacks_logged(),
-              "env": _common.environment()}
+              "tokens": tokens, "clock": clock, "rounds": rounds, "repeats": repeats,
+              "copy_bandwidth_Bps": bandwidth, "rows": rows, "notes": notes,
+              "fallbacks": _dispatch.fallbacks_logged(), "env": _common.environment()}
     return _common.finish(result, notes, {})
 
 

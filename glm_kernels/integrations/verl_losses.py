@@ -38,8 +38,10 @@ core's ``reduction`` / ``denominator`` / ``norm_length`` / ``loss_scale`` (verl'
 arithmetic). As in verl, ``geo_mean`` ignores both (mean over all rows) and ``sapo`` always
 aggregates ``seq-mean-token-mean``. ``rollout_is_weights`` are the core's ``token_weights``.
 ``clip_cov`` draws its tokens from torch's global generator with verl's calls, so a seed picks
-the same tokens as verl's. ``bypass_mode`` computes its IS weights and rejection mask with
-verl's own rollout-correction helper (as verl's does), then the loss with the core op.
+the same tokens as verl's. ``bypass_mode`` computes the IS weights, rejection mask and
+metrics of verl's rollout-correction helper itself (:mod:`.verl_rollout_correction`, held
+equal to verl's helper by a test; rejection sampling is verl's own
+``compute_rollout_rejection_mask``), then the loss with the core op.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ..loss import clip_cov_selection, kl_cov_selection, policy_loss
+from .verl_rollout_correction import rollout_correction
 
 __all__ = ["VERL_LOSS_NAMES", "POLICY_LOSSES", "PREFIX", "register_all", "AGG_MODES"]
 
@@ -232,9 +235,10 @@ def _token_loss(name, old_log_prob, log_prob, advantages, response_mask, loss_ag
 
 def _bypass_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                  rollout_is_weights):
-    """verl's bypass_mode: ``old_log_prob`` holds the rollout log-probs; IS weights and the
-    rejection mask come from verl's helper on (current policy, rollout) as verl's loss calls
-    it; the passed ``rollout_is_weights`` are ignored, as in verl."""
+    """verl's bypass_mode: ``old_log_prob`` holds the rollout log-probs; IS weights, the
+    rejection mask and the rollout metrics are verl's helper's on (current policy, rollout)
+    (:func:`.verl_rollout_correction.rollout_correction`); the passed ``rollout_is_weights``
+    are ignored, as in verl."""
     check_inputs(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, config)
     policy = field(config, "policy_loss")
     correction = field(policy, "rollout_correction")
@@ -245,19 +249,11 @@ def _bypass_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     if loss_type not in _BYPASS_LOSS_TYPES:
         raise ValueError(f"config.policy_loss.rollout_correction.loss_type={loss_type!r}: "
                          f"expected one of {list(_BYPASS_LOSS_TYPES)}")
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
     with torch.no_grad():
-        weights_proto, kept_mask, rollout_metrics = compute_rollout_correction_and_rejection_mask(
-            old_log_prob=log_prob.detach(), rollout_log_prob=old_log_prob,
-            response_mask=response_mask,
-            rollout_is=field(correction, "rollout_is", None),
-            rollout_is_threshold=field(correction, "rollout_is_threshold", 2.0),
-            rollout_is_batch_normalize=field(correction, "rollout_is_batch_normalize", False),
-            rollout_rs=field(correction, "rollout_rs", None),
-            rollout_rs_threshold=field(correction, "rollout_rs_threshold", None))
+        weights, kept_mask, rollout_metrics = rollout_correction(
+            log_prob.detach(), old_log_prob, response_mask, correction)
     if loss_type == "reinforce":
         variant = "bypass_mode_reinforce"
-        weights = None if weights_proto is None else weights_proto.batch["rollout_is_weights"]
         params = {}
     else:                      # PPO-clip: the ratio already is pi / pi_rollout, no IS weights
         variant, weights, params = "bypass_mode", None, _variant_params("bypass_mode", config)
@@ -284,7 +280,7 @@ def _make(name: str) -> Callable:
                            loss_agg_mode, config, rollout_is_weights)
 
     weights_doc = ("ignored, as by verl's bypass_mode: the IS weights and the rejection mask "
-                   "come from\n        policy_loss.rollout_correction and verl's helper"
+                   "come from\n        policy_loss.rollout_correction (verl's rollout-correction math)"
                    if name == "bypass_mode" else
                    "verl's rollout-correction IS weights (detached), multiplied into each "
                    "token's loss")

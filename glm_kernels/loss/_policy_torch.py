@@ -1,5 +1,6 @@
-"""The torch backend's lean path for the short token objectives (verl gpg / REINFORCE, DRO,
-SAPO, CISPO; no IcePop gate): the Triton kernel's design in torch ops.
+"""The torch backend's lean path for the token objectives that take neither a dual clip nor
+a selection (verl gpg / REINFORCE, DRO, SAPO, CISPO, DPPO-TV / -KL; no IcePop gate) and for
+IcePop's gated PPO (:func:`lean_icepop`): the Triton kernel's design in torch ops.
 
 The loss and each token's gradient coefficient ``g_t = d(loss)/d lp_t`` are computed in one
 forward without an autograd graph over the [N] tensors; one autograd node's backward is the
@@ -9,6 +10,8 @@ multiply ``g * dL``. With ``u_t = w_t l_t`` (w: token weights, detached) and r =
 * dro ``l = -(A lp - beta/2 lr^2)``: ``dl/dlp = beta lr - A``;
 * sapo ``l = -(4/tau) A sigmoid(tau (r - 1))``: ``dl/dlp = -4 A s (1 - s) r``;
 * cispo ``l = -sg(clip(r)) A lp``: ``dl/dlp = -clip(r) A``;
+* dppo ``l = -sg(min(r, cap)) A lp`` on tokens inside the divergence band, else 0:
+  ``dl/dlp = -min(r, cap) A`` there;
 
 each times 1[|lr| <= clamp] on the terms through r or lr (the clamp's gradient), and zeroed
 exactly (whatever the inputs) outside the mask and where w = 0, as the reference's
@@ -16,6 +19,7 @@ exactly (whatever the inputs) outside the mask and where w = 0, as the reference
 tests' oracle); these objectives cost ~0.3-1 ms in verl, so the reference's fixed cost of
 an autograd graph (~10 nodes) and its masking passes showed against them.
 """
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -23,7 +27,11 @@ import torch
 from ._policy_reference import Rows, _and_bits, keep_bits
 from ._policy_spec import PolicyLossSpec
 
-LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo")
+LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo", "dppo_tv", "dppo_kl")
+_GATE_CLAMP = 20.0          # IcePop's log-ratio clamp before exp (loss/_reference.py)
+# A gate strictly inside these bounds pops every token whose gated log-ratio reaches the
+# clamp (a factor 2 of margin over e^-+20 for the fp32 rounding of exp and of the bounds).
+_GATE_MIN, _GATE_MAX = 2.0 * math.exp(-_GATE_CLAMP), 0.5 * math.exp(_GATE_CLAMP)
 
 
 def seq_row_scale(row_tokens: torch.Tensor, reduction: str, denominator, norm_length):
@@ -66,13 +74,16 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
-    """(w_t l_t, w_t dl_t/dlp_t, log-ratio or None, ratio or None): the four lean objectives
-    (``tw``: token weights or None)."""
+    """(s_t, g_t, log-ratio or None, ratio or None, sign): the four lean objectives with
+    ``sign * s_t`` the token's weighted loss w_t l_t and ``sign * g_t`` its w_t dl_t/dlp_t
+    (``tw``: token weights or None); s_t None for the objectives linear in lp (s_t = g_t lp_t:
+    REINFORCE, CISPO), whose sum is then one dot product. The sign is folded into the
+    reduction's scalar factor, saving a pass over the tokens."""
     obj = spec.objective
-    if obj == "reinforce":           # linear in lp: the weighted slope times lp is the loss
+    if obj == "reinforce":           # -w A lp: linear in lp, the slope w A times lp
         log_ratio = (lp - old) if need_log_ratio else None
-        slope = -adv if tw is None else adv * -tw
-        return slope * lp, slope, log_ratio, None
+        slope = adv if tw is None else adv * tw
+        return None, slope, log_ratio, None, -1.0
     raw = lp - old
     bound = spec.log_ratio_clamp
     log_ratio = raw if bound is None else torch.clamp(raw, -bound, bound)
@@ -82,21 +93,43 @@ def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
         loss = 0.5 * beta * log_ratio.square() - adv * lp
         slope = beta * log_ratio if inside is None else beta * log_ratio * inside
         slope = slope - adv
-        return (loss, slope, log_ratio, None) if tw is None else (
-            loss * tw, slope * tw, log_ratio, None)
+        return (loss, slope, log_ratio, None, 1.0) if tw is None else (
+            loss * tw, slope * tw, log_ratio, None, 1.0)
     ratio = torch.exp(log_ratio)
     if obj == "sapo":
         tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
         gate = torch.sigmoid(tau * (ratio - 1.0))
         scaled_adv = adv * 4.0
-        loss = -gate * scaled_adv / tau
-        grad = -scaled_adv * gate * (1.0 - gate) * ratio
+        loss = gate * scaled_adv / tau
+        grad = scaled_adv * gate * (1.0 - gate) * ratio
         grad = grad if inside is None else grad * inside
-        return (loss, grad, log_ratio, ratio) if tw is None else (
-            loss * tw, grad * tw, log_ratio, ratio)
+        return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -1.0)
+    if obj in ("dppo_tv", "dppo_kl"):  # -A sg(min(r, cap)) lp where the divergence is in band
+        truncated = torch.clamp(ratio, max=p["ratio_cap"])
+        slope = truncated * adv if tw is None else truncated * adv * tw
+        return None, slope, log_ratio, ratio, -1.0
     clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])          # cispo
-    slope = -clipped * adv if tw is None else -clipped * adv * tw
-    return slope * lp, slope, log_ratio, ratio
+    slope = clipped * adv if tw is None else clipped * adv * tw
+    return None, slope, log_ratio, ratio, -1.0
+
+
+def _dppo_valid(spec, lp, old, adv, eps_low, eps_high):
+    """DPPO's trust region (``_policy_reference.token_objective``): the tokens whose total
+    variation (dppo_tv) or binary KL (dppo_kl) between pi and pi_old stays in the band on the
+    side the advantage pushes; the others get no loss. The advantage's sign picks the side by
+    two bool operations instead of a ``where``."""
+    prob, old_prob = torch.exp(lp), torch.exp(old)
+    if spec.objective == "dppo_tv":
+        diff = prob - old_prob
+        valid_pos, valid_neg = diff <= eps_high, diff >= -eps_low
+    else:
+        binary_kl = old_prob * (old - lp) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        valid_pos = (binary_kl <= eps_high) | (prob <= old_prob)
+        valid_neg = (binary_kl <= eps_low) | (prob >= old_prob)
+    positive = adv > 0
+    return (positive & valid_pos) | (~positive & valid_neg)
 
 
 def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, eps_low,
@@ -107,40 +140,167 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     lp_in = lp
     lp, old, adv = _f32(lp.detach()), _f32(old), _f32(adv)
     tw = None if token_weights is None else _f32(token_weights)
-    loss_t, dl, log_ratio, ratio = _objective(spec, lp, old, adv, tw, params, need_stats)
+    loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params, need_stats)
     live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
+    valid = None
+    if spec.objective in ("dppo_tv", "dppo_kl"):
+        valid = _dppo_valid(spec, lp, old, adv, eps_low, eps_high)
+        live = live & valid
     bits = keep_bits(live)
-    terms = _and_bits(loss_t, bits)
+    linear = loss_t is None          # linear in lp: the loss is sum_t coef_t lp_t
     num_masked = None
-    if reduction == "token_mean" or need_stats:
+    if (reduction == "token_mean" and denominator is None) or need_stats:
         num_masked = torch.count_nonzero(mask)          # 2/3 of a bool sum's time on the CPU
-    if reduction == "none":
-        value, token_scale = terms, None
-    elif reduction == "sum":
-        value, token_scale = terms.sum(), None
-    elif reduction == "token_mean":
-        denom = num_masked.clamp(min=1).float() if denominator is None else denominator
-        value, token_scale = terms.sum() / denom, torch.reciprocal(torch.as_tensor(denom))
+    # Each token's gradient coefficient is the reduction's factor (token_mean, sum: a python
+    # float or a 0-d tensor) or its row's (seq_mean_*) times its g_t, masked after the
+    # multiply so that a dropped token's is +0.0 whatever the factor's sign.
+    factor = sign * loss_scale
+    token_scale = None
+    if reduction == "token_mean":
+        # python float / int64 count: the fp32 quotient in one op
+        factor = factor / (num_masked.clamp(min=1) if denominator is None else denominator)
+    elif reduction not in ("none", "sum"):
+        row_scale = seq_row_scale(rows.sum(mask.float()), reduction, denominator,
+                                  norm_length) * factor
+        token_scale = rows.spread(row_scale)
+    need_grad = lp_in.requires_grad and torch.is_grad_enabled()
+    coef = None
+    if need_grad or linear:
+        coef = _and_bits(dl * (factor if token_scale is None else token_scale), bits)
+    if linear:                       # one dot product, no per-token loss tensor
+        lp_live = _and_bits(lp, bits)
+        value = coef * lp_live if reduction == "none" else torch.dot(coef, lp_live)
+    elif reduction == "none":                           # +0.0 where dropped, as the grad
+        value = _and_bits(loss_t if factor == 1.0 else loss_t * factor, bits)
+    elif token_scale is None:                           # sum, token_mean
+        value = _and_bits(loss_t, bits).sum() * factor
     else:
-        row_scale = seq_row_scale(rows.sum(mask.float()), reduction, denominator, norm_length)
-        value, token_scale = (rows.sum(terms) * row_scale).sum(), rows.spread(row_scale)
-    if loss_scale != 1.0:
-        value = value * loss_scale
-        token_scale = loss_scale if token_scale is None else token_scale * loss_scale
-    if lp_in.requires_grad and torch.is_grad_enabled():
-        coef = _and_bits(dl, bits)
-        if token_scale is not None:
-            coef = coef * token_scale
-        loss = _LossWithCoefficients.apply(lp_in, value, coef)
-    else:
-        loss = value
+        value = (rows.sum(_and_bits(loss_t, bits)) * row_scale).sum()
+    loss = _LossWithCoefficients.apply(lp_in, value, coef) if need_grad else value
     stats = None
     if need_stats:
         denom = num_masked + 1e-8                      # verl's masked_mean denominator
         zero = torch.zeros((), device=lp.device)
         kl = -_and_bits(log_ratio, keep_bits(mask)).sum() / denom
-        clip = (((ratio != torch.clamp(ratio, params["cispo_min"], params["cispo_max"]))
-                 & mask).sum() / denom if spec.objective == "cispo" else zero)
-        stats = {"pg_clipfrac": clip.float(), "pg_clipfrac_lower": zero,
+        clip_lower = zero
+        if spec.objective == "cispo":
+            clip = ((ratio != torch.clamp(ratio, params["cispo_min"], params["cispo_max"]))
+                    & mask).sum() / denom
+        elif valid is not None:          # DPPO: outside the band; truncated inside it
+            clip = (mask & ~valid).sum() / denom
+            clip_lower = (mask & valid & (ratio > params["ratio_cap"])).sum() / denom
+        else:
+            clip = zero
+        stats = {"pg_clipfrac": clip.float(), "pg_clipfrac_lower": clip_lower.float(),
                  "ppo_kl": kl.float(), "pop_frac": zero}
     return loss, stats
+
+
+def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, eps_high,
+                dual_clip, need_grad, store_loss, need_metrics=True
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch backend of :func:`glm_kernels.icepop_loss`: the vanilla PPO objective (dual
+    clip optional) under the IcePop gate, with IcePop's contract (``loss/_reference.py``: the
+    readable version and the tests' oracle). Flat [N] inputs (``adv`` per token, ``mask``
+    bool / 0-1 or None, ``old`` None = coupled). Returns (per-token loss [N] or [0], per-token
+    d(l m)/d lp [N] or [0], stats [8]: loss sum, masked, popped, clipped, gate-ratio sum /
+    max / min / count over the masked tokens with finite log-probs). ``need_metrics=False``
+    computes the loss sum and the masked count only (the rest NaN): the loss and the
+    gradient are the same bits either way.
+
+    Closed form, no autograd: kept tokens are masked once by a bitwise AND, so a popped,
+    unmasked or non-finite token is exactly 0 (its log-ratio 0, its advantage 0) without a
+    ``where`` per term; the PPO terms -rA and -clip(r)A give the loss (their max), the clip
+    indicator (clipped > unclipped) and, times the decoupled weight, the gradient."""
+    f32 = torch.float32
+    lp, rollout, adv = _f32(lp), _f32(rollout), _f32(adv)
+    old = None if old is None else _f32(old)
+    n = lp.numel()
+    device = lp.device
+    empty = lp.new_empty(0)
+    if n == 0:
+        stats = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, math.inf, 0.0],
+                             device=device)
+        return empty, empty, stats
+    masked = None if mask is None else (mask if mask.dtype == torch.bool else mask != 0)
+    # A gate inside (e^-20, e^20) keeps only tokens whose gated log-ratio is finite and
+    # inside the clamp, so both of its log-probs are finite: the train-side finiteness test
+    # is then needed for the metrics (pop_frac counts finite tokens only) and, decoupled,
+    # for lp (not in the gate), not for the loss.
+    gate_finite = gate_low > _GATE_MIN and gate_high < _GATE_MAX
+    # |x| < inf is isfinite(x) (NaN fails it too) in two passes instead of four; one
+    # comparison of the larger |.| covers both train-side tensors.
+    if need_metrics or not gate_finite:
+        train_abs = lp.abs() if old is None else torch.maximum(lp.abs(), old.abs())
+        train_ok = train_abs < math.inf
+    else:
+        train_ok = None if old is None else lp.abs() < math.inf
+    masked_ok = _and_opt(train_ok, masked)
+    base = rollout if old is None else old
+    raw_log_ratio = lp - base                          # the ratio's; coupled, the gate's too
+    gate_log_ratio = raw_log_ratio if old is None else old - rollout
+    if old is not None and gate_finite and not need_metrics:
+        # the clamp changes no gate decision (|log k| > 20 is outside the gate either way)
+        # nor a kept token's k; only the metrics read the clamped k of popped tokens
+        gate_clamped = gate_log_ratio
+    else:
+        gate_clamped = torch.clamp(gate_log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
+    gate_ratio = torch.exp(gate_clamped)
+    # lo <= k <= hi as clamp(k, lo, hi) == k: one comparison (NaN fails it: popped)
+    in_gate = torch.clamp(gate_ratio, gate_low, gate_high) == gate_ratio
+    keep = _and_opt(in_gate, masked_ok)
+    bits = keep_bits(keep)
+    log_ratio = _and_bits(raw_log_ratio, bits)         # 0 off the kept tokens
+    if old is None:
+        # coupled: the ratio is the gate's ratio (the same clamp); 0 off the kept tokens,
+        # where the advantage is 0 too, so every term there is still +-0
+        ratio = _and_bits(gate_ratio, bits)
+        in_range = gate_clamped == raw_log_ratio
+    else:
+        kept_clamped = torch.clamp(log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
+        ratio = torch.exp(kept_clamped)
+        in_range = kept_clamped == log_ratio
+    neg_adv = _and_bits(adv, bits).neg_()               # -A on kept tokens, -0 elsewhere
+    unclipped = ratio * neg_adv
+    clipped_term = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * neg_adv
+    cut = clipped_term > unclipped                      # the clipped branch is active
+    num_clipped = torch.count_nonzero(cut) if need_metrics else None   # kept tokens only
+    per_token = torch.maximum(unclipped, clipped_term)
+    if dual_clip is not None:
+        bound = neg_adv * dual_clip
+        cap = (neg_adv > 0) & (per_token > bound)       # A < 0 and the cap binds
+        per_token = torch.where(cap, bound, per_token)
+        cut |= cap
+    weight = None if old is None else _and_bits(gate_ratio, bits)
+    if weight is not None:
+        per_token = weight * per_token
+    loss_terms = _and_bits(per_token, bits) if store_loss else empty
+    grad = empty
+    if need_grad:
+        slope = unclipped if weight is None else unclipped * weight     # -w r A
+        # the clamp's gradient: 0 where the kept log-ratio lies outside [-20, 20]
+        grad = _and_bits(slope, keep_bits(~cut & in_range))
+    f64 = torch.float64
+    num_masked = (torch.tensor(n, device=device) if masked is None
+                  else torch.count_nonzero(masked))
+    loss_sum = per_token.sum().to(f64)          # fp32 pairwise sum, as the reference's
+    if not need_metrics:
+        known = torch.stack([loss_sum, num_masked.to(f64)]).to(f32)
+        return loss_terms, grad, torch.cat([known, known.new_full((6,), math.nan)])
+    # Ratio statistics over M: masked tokens with finite train-side and rollout log-probs.
+    counted = masked_ok & (rollout.abs() < math.inf)
+    num_counted = torch.count_nonzero(counted)
+    counted_ratio = _and_bits(gate_ratio, keep_bits(counted))    # > 0 on M, 0 elsewhere
+    stats = torch.stack([
+        loss_sum, num_masked.to(f64),
+        (torch.count_nonzero(masked_ok) - torch.count_nonzero(keep)).to(f64),
+        num_clipped.to(f64), counted_ratio.sum(dtype=f64),
+        torch.where(num_counted > 0, counted_ratio.max(), -math.inf).to(f64),
+        torch.where(counted, gate_ratio, math.inf).min().to(f64),
+        num_counted.to(f64)]).to(f32)
+    return loss_terms, grad, stats
+
+
+def _and_opt(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """a & b of optional bool tensors (None: all true)."""
+    return b if a is None else a if b is None else a & b

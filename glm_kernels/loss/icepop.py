@@ -14,7 +14,19 @@ One Triton pass reads each token once, writes the per-token gradient coefficient
 dl/dlp (and the per-token loss when the reduction needs it) plus per-program sums for the
 loss and the metrics; backward only scales the coefficient by the reduction's factor and
 ``grad_output``. Registered as the ``glm_kernels::icepop_loss`` custom op, so it traces
-through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs.
+through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs; eager calls
+run the op's body directly under a plain autograd node (the same backward formula) and skip
+the dispatcher's fixed cost.
+
+The torch backend (CPU) is the policy-loss family's lean torch path for the gated PPO
+objective (``loss/_policy_torch.lean_icepop``): the loss, the gradient coefficient and the
+statistics in closed form, kept tokens masked by one bitwise AND. The Triton backend keeps
+this module's kernel (``_kernels.py``): the family's kernel (``_policy_kernels.py``) has no
+gate-ratio mean / max / min statistics, counts a NaN / inf train-side token as popped (here
+it is left out of ``pop_frac`` and contributes 0, both modes), does not give a decoupled
+token with a NaN log-prob 0 (the family's torch path returns a NaN loss, its kernel another
+value) and counts ``pg_clipfrac`` over all masked tokens (here ``clip_frac`` over kept
+tokens only) -- see benchmarks/NOTES.md (icepop_loss).
 
 ``return_metrics`` adds the train/rollout mismatch metrics (verl's names and values,
 ``loss/mismatch.py``), computed from the same per-token inputs after the kernel: turning them on
@@ -27,7 +39,8 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from .. import _dispatch
-from . import _checks, _reference
+from . import _checks
+from ._policy_torch import lean_icepop
 from .mismatch import mismatch_from_tokens, raise_if_nonfinite
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
@@ -40,19 +53,15 @@ _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max 
 
 
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
-                       eps_high, dual_clip, need_grad):
-    """The torch backend: reference terms, their written-out gradient, and the stats."""
-    # Autograd is off inside a custom op's implementation, hence the closed-form gradient.
-    kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
-                  eps_high=eps_high, dual_clip=dual_clip)
-    loss_terms, popped, clipped, gate_ratio, masked = _reference.icepop_token_terms(
-        logprobs, rollout, adv, mask, **kwargs)
-    grad = (_reference.icepop_token_grad(logprobs, rollout, adv, mask, **kwargs)
-            if need_grad else logprobs.new_empty(0, dtype=torch.float32))
-    rows = _reference.icepop_stats_rows(
-        loss_terms.detach(), popped, clipped, gate_ratio, masked,
-        _reference.ratio_counted(masked, logprobs, rollout, old))
-    return loss_terms.detach().reshape(-1), grad.reshape(-1), _stats_from_partials(rows)
+                       eps_high, dual_clip, need_grad, store_loss, need_metrics):
+    """The torch backend: the policy-loss family's lean torch path for the gated PPO
+    objective (``loss/_policy_torch.lean_icepop``; closed-form gradient: autograd is off
+    inside a custom op's implementation)."""
+    flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
+    return lean_icepop(flat(logprobs), flat(rollout), flat(adv), flat(mask), flat(old),
+                       gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
+                       eps_high=eps_high, dual_clip=dual_clip, need_grad=need_grad,
+                       store_loss=store_loss, need_metrics=need_metrics)
 
 
 def _token_stats_triton(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
@@ -114,14 +123,15 @@ def _reduce(loss_terms, loss_mask, stats, reduction, shape):
     return (row_sums * row_scale).sum(), row_scale
 
 
-@torch.library.custom_op("glm_kernels::icepop_loss", mutates_args=())
-def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+def _icepop_impl(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                advantages: torch.Tensor, loss_mask: Optional[torch.Tensor],
                old_logprobs: Optional[torch.Tensor], gate_low: float, gate_high: float,
                eps_low: float, eps_high: float, dual_clip: Optional[float], reduction: str,
-               need_grad: bool
+               need_grad: bool, need_metrics: bool = True
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32 [8])."""
+    """Returns (loss, grad coefficient [N] fp32 or [0], backward scale, stats fp32 [8]).
+    ``need_metrics=False``: stats[2:] may be NaN (the torch backend skips the metric-only
+    statistics; the loss and the gradient are the same bits)."""
     shape = logprobs.shape
     adv_per_seq = advantages.shape != shape
     seq_len = shape[-1] if adv_per_seq else 1
@@ -132,7 +142,7 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         adv_full = advantages.unsqueeze(-1).expand(shape) if adv_per_seq else advantages
         loss_terms, grad, stats = _token_stats_torch(
             logprobs, rollout_logprobs, adv_full, loss_mask, old_logprobs, gate_low,
-            gate_high, eps_low, eps_high, dual_clip, need_grad)
+            gate_high, eps_low, eps_high, dual_clip, need_grad, store_loss, need_metrics)
     else:
         flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731 (inputs contiguous)
         loss_terms, grad, stats = _token_stats_triton(
@@ -143,9 +153,13 @@ def _icepop_op(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     return loss, grad, scale, stats
 
 
+_icepop_op = torch.library.custom_op("glm_kernels::icepop_loss", mutates_args=())(_icepop_impl)
+
+
 @_icepop_op.register_fake
 def _icepop_fake(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, gate_low,
-                 gate_high, eps_low, eps_high, dual_clip, reduction, need_grad):
+                 gate_high, eps_low, eps_high, dual_clip, reduction, need_grad,
+                 need_metrics=True):
     loss_shape = logprobs.shape if reduction == "none" else ()
     scale_shape = logprobs.shape[:-1] if reduction == "seq_mean_token_mean" else ()
     return (logprobs.new_empty(loss_shape, dtype=torch.float32),
@@ -163,7 +177,9 @@ def _setup_context(ctx, inputs, output):
     ctx.lp_dtype = logprobs.dtype
 
 
-def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
+def _scaled_gradient(ctx, grad_loss):
+    """d loss / d logprobs: the forward's per-token coefficient times the reduction's scale
+    and the upstream gradient (one multiply)."""
     grad, scale = ctx.saved_tensors
     shape = ctx.lp_shape
     if grad.numel() != shape.numel():
@@ -175,11 +191,34 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
         out = coef * (scale * grad_loss).unsqueeze(-1)
     else:
         out = coef * (scale * grad_loss)
-    return (out.to(ctx.lp_dtype),) + (None,) * 11
+    return out.to(ctx.lp_dtype)
+
+
+def _backward(ctx, grad_loss, _grad_grad, _grad_scale, _grad_stats):
+    return (_scaled_gradient(ctx, grad_loss),) + (None,) * 12
 
 
 torch.library.register_autograd("glm_kernels::icepop_loss", _backward,
                                 setup_context=_setup_context)
+
+
+class _EagerGradient(torch.autograd.Function):
+    """Eager mode's autograd node for the op's outputs: the registered formula
+    (:func:`_scaled_gradient`) on a plain ``autograd.Function``. In eager mode
+    :func:`icepop_loss` calls the op's body directly: the custom op's dispatch and
+    torch.library's autograd wrapper cost ~0.1 ms a call forward and as much backward on the
+    CPU (argument normalisation, pytree, its generated node), a tenth of a 32K-token loss.
+    Traced code (``torch.compile``) calls the registered custom op and its autograd."""
+
+    @staticmethod
+    def forward(ctx, logprobs, loss, grad, scale, reduction):
+        ctx.save_for_backward(grad, scale)
+        ctx.reduction, ctx.lp_shape, ctx.lp_dtype = reduction, logprobs.shape, logprobs.dtype
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _scaled_gradient(ctx, grad_loss), None, None, None, None
 
 
 def icepop_metrics(stats: torch.Tensor, train, rollout, loss_mask, also_finite, gate_low,
@@ -323,10 +362,17 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                           else (old_logprobs, logprobs))
     if raise_on_nonfinite:
         raise_if_nonfinite("icepop_loss", train, loss_mask, also_finite)
-    loss, _, _, stats = _icepop_op(
-        contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
-        contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
-        reduction, bool(logprobs.requires_grad and torch.is_grad_enabled()))
+    need_grad = bool(logprobs.requires_grad and torch.is_grad_enabled())
+    args = (contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
+            contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
+            reduction, need_grad, return_metrics)
+    if torch.compiler.is_compiling():
+        loss, _, _, stats = _icepop_op(*args)
+    else:
+        with torch.no_grad():
+            loss, grad, scale, stats = _icepop_impl(*args)
+        if need_grad:
+            loss = _EagerGradient.apply(logprobs, loss, grad, scale, reduction)
     if not return_metrics:
         return loss
     return loss, icepop_metrics(stats, train, rollout_logprobs, loss_mask, also_finite, lo, hi)
