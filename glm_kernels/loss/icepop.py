@@ -23,9 +23,8 @@ objective (``loss/_policy_torch.lean_icepop``): the loss, the gradient coefficie
 statistics in closed form, kept tokens masked by one bitwise AND. The Triton backend keeps
 this module's kernel (``_kernels.py``): the family's kernel (``_policy_kernels.py``) has no
 gate-ratio mean / max / min statistics, counts a NaN / inf train-side token as popped (here
-it is left out of ``pop_frac`` and contributes 0, both modes), does not give a decoupled
-token with a NaN log-prob 0 (the family's torch path returns a NaN loss, its kernel another
-value) and counts ``pg_clipfrac`` over all masked tokens (here ``clip_frac`` over kept
+it is left out of ``pop_frac`` and contributes 0, both modes), lets a NaN train-side
+log-prob reach the loss (verl's semantics; here such a token contributes 0) and counts ``pg_clipfrac`` over all masked tokens (here ``clip_frac`` over kept
 tokens only) -- see benchmarks/NOTES.md (icepop_loss).
 
 ``return_metrics`` adds the train/rollout mismatch metrics (verl's names and values,
