@@ -24,8 +24,8 @@ statistics in closed form, kept tokens masked by one bitwise AND. The Triton bac
 this module's kernel (``_kernels.py``): the family's kernel (``_policy_kernels.py``) has no
 gate-ratio mean / max / min statistics, counts a NaN / inf train-side token as popped (here
 it is left out of ``pop_frac`` and contributes 0, both modes), lets a NaN train-side
-log-prob reach the loss (verl's semantics; here such a token contributes 0) and counts ``pg_clipfrac`` over all masked tokens (here ``clip_frac`` over kept
-tokens only) -- see benchmarks/NOTES.md (icepop_loss).
+log-prob reach the loss (verl's semantics; here such a token contributes 0) and counts
+``pg_clipfrac`` over all masked tokens (here ``clip_frac`` over kept tokens only) -- see benchmarks/NOTES.md (icepop_loss).
 
 ``return_metrics`` adds the train/rollout mismatch metrics (verl's names and values,
 ``loss/mismatch.py``), computed from the same per-token inputs after the kernel: turning them on
