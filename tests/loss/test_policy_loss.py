@@ -377,9 +377,16 @@ COMPILER = "inductor" if (HAS_CXX or torch.cuda.is_available()) else "aot_eager"
 def test_compile_fullgraph_matches_eager(backend, name, reduction):
     """torch.compile(fullgraph=True) with Inductor (aot_eager without a C++ compiler), forward
     and backward, equal to eager; the packed layout and the gate ride along."""
+    check_compiled_matches_eager(backend, name, reduction)
+
+
+def check_compiled_matches_eager(backend, name, reduction, extra_kwargs=lambda batch, cu: {}):
+    """Compile policy_loss (packed rows, decoupled gate, token weights, stats) and compare
+    forward and backward with eager; ``extra_kwargs(batch, cu)`` adds keyword arguments."""
     if backend != "torch":
         skip_without_kernels()
     batch, cu = pack(make_batch(21))
+    extra = extra_kwargs(batch, cu)
     b = to_device(batch)
     cu = cu.to(DEVICE)
 
@@ -388,7 +395,7 @@ def test_compile_fullgraph_matches_eager(backend, name, reduction):
                                   gate="decoupled", rollout_logprobs=b["rollout"],
                                   token_weights=b["weights"], cu_seqlens=cu,
                                   reduction=reduction, return_stats=True,
-                                  **PARAMS.get(name, {}))
+                                  **PARAMS.get(name, {}), **extra)
         return loss.sum(), stats["pg_clipfrac"], stats["ppo_kl"]
 
     def go(fn):

@@ -8,7 +8,6 @@ all-masked row, packed with an empty row} x IcePop gate {off, coupled, decoupled
 0.9.1's own losses fed verl's own ``compute_rollout_correction_weights(rollout_is=
 "sequence")``; rows with w_b = 0 and inf / NaN inputs; Inductor.
 """
-import warnings
 import zlib
 
 import pytest
@@ -19,9 +18,9 @@ from glm_kernels import POLICY_VARIANTS, policy_loss
 from glm_kernels.loss import policy as policy_mod
 from glm_kernels.loss import sequence_is_weights
 from tests._compare import TOLERANCES, assert_close
-from tests.conftest import DEVICE, KERNEL_BACKEND, LazyKernels, skip_without_kernels
-from tests.loss.test_policy_loss import (COMPILER, PARAMS, _reductions,
-                                         check_against_reference, make_batch, pack, run,
+from tests.conftest import DEVICE, KERNEL_BACKEND, LazyKernels
+from tests.loss.test_policy_loss import (PARAMS, _reductions, check_against_reference,
+                                         check_compiled_matches_eager, make_batch, pack, run,
                                          to_device)
 
 _policy_kernels = LazyKernels("glm_kernels.loss._policy_kernels")
@@ -173,37 +172,8 @@ def test_matches_verl_with_its_sequence_weights(any_backend, mode, variant):
 def test_compile_fullgraph_matches_eager(backend, name, reduction):
     """torch.compile(fullgraph=True) with Inductor (aot_eager without a C++ compiler) of
     policy_loss with seq_is, packed rows and the gate, forward and backward, equal to eager."""
-    if backend != "torch":
-        skip_without_kernels()
-    batch, cu = pack(make_batch(21))
-    bounds = seq_is_bounds(batch, cu, "mask")
-    b = to_device(batch)
-    cu = cu.to(DEVICE)
-
-    def step(lp):
-        loss, stats = policy_loss(lp, b["old"], b["adv"], b["mask"], variant=name,
-                                  gate="decoupled", rollout_logprobs=b["rollout"],
-                                  token_weights=b["weights"], cu_seqlens=cu,
-                                  reduction=reduction, return_stats=True,
-                                  **PARAMS.get(name, {}), **bounds)
-        return loss.sum(), stats["pg_clipfrac"], stats["ppo_kl"]
-
-    def go(fn):
-        lp = b["lp"].clone().requires_grad_(True)
-        outs = fn(lp)
-        outs[0].backward()
-        return [o.detach() for o in outs], lp.grad
-
-    torch._dynamo.reset()
-    with glm_kernels.force_backend(backend):
-        eager, eager_grad = go(step)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            compiled, compiled_grad = go(torch.compile(step, fullgraph=True, backend=COMPILER))
-    for a, e in zip(compiled, eager):
-        assert_close(a, e, tol=FP32, name="compiled output")
-    assert eager_grad.abs().sum() > 0
-    assert_close(compiled_grad, eager_grad, tol=FP32, name="compiled grad")
+    check_compiled_matches_eager(backend, name, reduction,
+                                 lambda batch, cu: seq_is_bounds(batch, cu, "mask"))
 
 
 @pytest.mark.parametrize("name", ["vanilla", "dro", "gspo", "geo_mean"])
