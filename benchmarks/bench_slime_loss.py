@@ -66,6 +66,53 @@ def timed(fn, logits, repeats):
     return best * 1e3
 
 
+def measure(slime_src: str, tokens: int = 4096, vocab: int = 32768, samples: int = 8,
+            prompt: int = 128, top_p: float = 1.0, nucleus: int = 64,
+            entropy_coef: float = 0.0, repeats: int = 3) -> dict:
+    """slime's policy loss and ours, fwd+bwd, on one batch: best-of-``repeats`` CPU ms each."""
+    torch.set_num_threads(1)
+    from _slime_harness import load_loss, one_rank_gloo
+    from check_loss_conformance import slime_args
+
+    from glm_kernels import force_backend
+    from glm_kernels.integrations.slime_policy import policy_loss_function
+    loss_mod = load_loss(slime_src)
+    batch, logits = batch_of(tokens, vocab, samples, prompt)
+    if top_p != 1.0:
+        batch = add_nucleus(batch, logits, nucleus)
+    args = slime_args(use_tis=False, custom_tis_function_path=None, rollout_top_p=top_p,
+                      kl_loss_type="k1", kl_loss_coef=0.0, use_unbiased_kl=False,
+                      opsm_delta=1e-4, entropy_coef=entropy_coef)
+    reduce = loss_mod.get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"],
+                                             batch["loss_masks"], batch["rollout_mask_sums"],
+                                             False)
+    with one_rank_gloo(), force_backend("torch"):
+        slime_ms = timed(lambda x: loss_mod.policy_loss_function(args, batch, x, reduce),
+                         logits, repeats)
+        ours_ms = timed(lambda x: policy_loss_function(args, batch, x, reduce), logits,
+                        repeats)
+    result = {"tokens": tokens, "vocab": vocab, "top_p": top_p, "entropy_coef": entropy_coef,
+              "slime_ms": round(slime_ms, 1), "glm_kernels_ms": round(ours_ms, 1),
+              "ours_over_slime": round(ours_ms / slime_ms, 3)}
+    print(f"T={tokens} V={vocab} top_p={top_p} entropy_coef={entropy_coef}: slime "
+          f"{slime_ms:.0f} ms, glm_kernels {ours_ms:.0f} ms, ours/slime {ours_ms / slime_ms:.2f}")
+    return result
+
+
+def run(quick: bool = False, cpu: bool = False) -> dict:
+    """For run_all / gpu_check: the default and the top-p configuration when SLIME_SRC names
+    a slime checkout (slime is not pip-installable), else a visible skip. CPU, torch backend
+    (slime's loss is measured against the torch path its users run on CPU)."""
+    slime_src = os.environ.get("SLIME_SRC")
+    if not slime_src:
+        reason = "skipped: SLIME_SRC is not set (a checkout of THUDM/slime 624b824)"
+        print(reason)
+        return {"skipped": reason}
+    size = dict(tokens=1024, vocab=8192, repeats=1) if quick else {}
+    return {"default": measure(slime_src, **size),
+            "top_p": measure(slime_src, top_p=0.9, **size)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -80,30 +127,8 @@ def main():
     slime_src = os.environ.get("SLIME_SRC")
     if not slime_src:
         raise SystemExit("set SLIME_SRC to a slime checkout (THUDM/slime 624b824)")
-    torch.set_num_threads(1)
-    from _slime_harness import load_loss, one_rank_gloo
-    from check_loss_conformance import slime_args
-
-    from glm_kernels import force_backend
-    from glm_kernels.integrations.slime_policy import policy_loss_function
-    loss_mod = load_loss(slime_src)
-    batch, logits = batch_of(opts.tokens, opts.vocab, opts.samples, opts.prompt)
-    if opts.top_p != 1.0:
-        batch = add_nucleus(batch, logits, opts.nucleus)
-    args = slime_args(use_tis=False, custom_tis_function_path=None, rollout_top_p=opts.top_p,
-                      kl_loss_type="k1", kl_loss_coef=0.0, use_unbiased_kl=False,
-                      opsm_delta=1e-4, entropy_coef=opts.entropy_coef)
-    reduce = loss_mod.get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"],
-                                             batch["loss_masks"], batch["rollout_mask_sums"],
-                                             False)
-    with one_rank_gloo(), force_backend("torch"):
-        slime_ms = timed(lambda x: loss_mod.policy_loss_function(args, batch, x, reduce),
-                         logits, opts.repeats)
-        ours_ms = timed(lambda x: policy_loss_function(args, batch, x, reduce), logits,
-                        opts.repeats)
-    print(f"T={opts.tokens} V={opts.vocab} top_p={opts.top_p} entropy_coef="
-          f"{opts.entropy_coef}: slime {slime_ms:.0f} ms, "
-          f"glm_kernels {ours_ms:.0f} ms, ours/slime {ours_ms / slime_ms:.2f}")
+    measure(slime_src, opts.tokens, opts.vocab, opts.samples, opts.prompt, opts.top_p,
+            opts.nucleus, opts.entropy_coef, opts.repeats)
 
 
 if __name__ == "__main__":
