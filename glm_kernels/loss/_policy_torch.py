@@ -27,7 +27,8 @@ import torch
 from ._policy_reference import Rows, _and_bits, keep_bits
 from ._policy_spec import PolicyLossSpec
 
-LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo", "dppo_tv", "dppo_kl")
+LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo", "dppo_tv", "dppo_kl", "ppo", "clip_cov",
+                   "kl_cov")
 _GATE_CLAMP = 20.0          # IcePop's log-ratio clamp before exp (loss/_reference.py)
 # A gate strictly inside these bounds pops every token whose gated log-ratio reaches the
 # clamp (a factor 2 of margin over e^-+20 for the fp32 rounding of exp and of the bounds).
@@ -48,9 +49,13 @@ def seq_row_scale(row_tokens: torch.Tensor, reduction: str, denominator, norm_le
     return row_scale
 
 
-def lean_applies(spec: PolicyLossSpec, gate: Optional[str]) -> bool:
-    """Whether :func:`lean_policy_loss` computes this variant."""
-    return gate is None and spec.ratio == "token" and spec.objective in LEAN_OBJECTIVES
+def lean_applies(spec: PolicyLossSpec, gate: Optional[str], params: Optional[dict] = None
+                 ) -> bool:
+    """Whether :func:`lean_policy_loss` computes this variant: token ratios without a gate;
+    PPO / Clip-Cov only without TRL's ``delta`` (``params``: the resolved parameters)."""
+    if gate is not None or spec.ratio != "token" or spec.objective not in LEAN_OBJECTIVES:
+        return False
+    return spec.objective not in ("ppo", "clip_cov") or (params or {}).get("delta") is None
 
 
 class _LossWithCoefficients(torch.autograd.Function):
@@ -73,8 +78,8 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
-    """(s_t, g_t, log-ratio or None, ratio or None, sign): the four lean objectives with
+def _objective(spec, lp, old, adv, tw, p, need_log_ratio, band, selection):
+    """(s_t, g_t, log-ratio or None, ratio or None, sign): the lean objectives with
     ``sign * s_t`` the token's weighted loss w_t l_t and ``sign * g_t`` its w_t dl_t/dlp_t
     (``tw``: token weights or None); s_t None for the objectives linear in lp (s_t = g_t lp_t:
     REINFORCE, CISPO), whose sum is then one dot product. The sign is folded into the
@@ -109,9 +114,51 @@ def _objective(spec, lp, old, adv, tw, p, need_log_ratio):
         truncated = torch.clamp(ratio, max=p["ratio_cap"])
         slope = truncated * adv if tw is None else truncated * adv * tw
         return None, slope, log_ratio, ratio, -1.0
+    if obj in ("ppo", "clip_cov"):
+        loss, grad = _ppo_terms(adv, ratio, band, dual=obj == "ppo")
+        grad = grad if inside is None else grad * inside
+        return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -1.0)
+    if obj == "kl_cov":              # -A r + coef |lr| on the selected tokens
+        loss = adv * ratio
+        grad = loss if inside is None else loss * inside
+        picked = selection.float() * p["ppo_kl_coef"]
+        loss = loss - picked * log_ratio.abs()
+        kl_slope = picked * torch.sign(log_ratio)
+        grad = grad - (kl_slope if inside is None else kl_slope * inside)
+        return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -1.0)
     clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])          # cispo
     slope = clipped * adv if tw is None else clipped * adv * tw
     return None, slope, log_ratio, ratio, -1.0
+
+
+def _ppo_terms(adv, ratio, band, dual):
+    """(A clamp(r, lo, hi), A r 1[lo <= r <= hi]): PPO's max(-A r, -A clip(r)) (with the
+    dual clip's cap c for A < 0 when ``dual``) is -A clamp(r, lo, hi) with per-token bounds
+    lo, hi = 1 - eps_low, c (A < 0) or -inf, 1 + eps_high (A >= 0), as the reference's
+    ``token_objective`` writes it; the clamp's gradient passes where r lies in [lo, hi]
+    (``clamp(r) == r``: one comparison)."""
+    eps_low, eps_high, dual_clip = band
+    negative = adv < 0
+    upper = torch.where(negative, math.inf if dual_clip is None or not dual else dual_clip,
+                        1.0 + eps_high)
+    lower = torch.where(negative, 1.0 - eps_low, -math.inf)
+    held = torch.clamp(ratio, lower, upper)
+    slope = adv * ratio
+    return adv * held, slope * (held == ratio)
+
+
+def _ppo_clip_counts(spec, adv, ratio, mask, band):
+    """verl's PPO clip indicators over the masked tokens (counts): pg2 > pg1 (r above the cap
+    for A > 0, below the floor for A < 0) and, with a dual clip, A < 0 with r above c."""
+    eps_low, eps_high, dual_clip = band
+    negative = adv < 0
+    clip = ((negative & (ratio < 1.0 - eps_low)) | ((adv > 0) & (ratio > 1.0 + eps_high)))
+    clip_lower = None
+    if spec.objective == "ppo" and dual_clip is not None:
+        clip_lower = torch.count_nonzero(negative & (ratio > dual_clip) & mask)
+    return torch.count_nonzero(clip & mask), clip_lower
 
 
 def _dppo_valid(spec, lp, old, adv, eps_low, eps_high):
@@ -134,14 +181,22 @@ def _dppo_valid(spec, lp, old, adv, eps_low, eps_high):
 
 def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, eps_low,
                      eps_high, token_weights, reduction, denominator, norm_length, loss_scale,
-                     params, need_stats) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
+                     params, need_stats, dual_clip=None, selection=None
+                     ) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
     """The reference's (loss, stats) for :data:`LEAN_OBJECTIVES` without a gate; arguments as
-    :func:`_policy_reference.policy_loss_reference` (flat [N], ``mask`` bool)."""
+    :func:`_policy_reference.policy_loss_reference` (flat [N], ``mask`` bool, ``selection``
+    bool [N] for clip_cov / kl_cov)."""
     lp_in = lp
     lp, old, adv = _f32(lp.detach()), _f32(old), _f32(adv)
     tw = None if token_weights is None else _f32(token_weights)
-    loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params, need_stats)
+    band = (eps_low, eps_high, dual_clip)
+    if spec.objective in ("clip_cov", "kl_cov") and selection is None:
+        selection = torch.zeros_like(mask)
+    loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params, need_stats,
+                                                    band, selection)
     live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
+    if spec.objective == "clip_cov":                     # selected tokens get no loss
+        live = live & ~selection
     valid = None
     if spec.objective in ("dppo_tv", "dppo_kl"):
         valid = _dppo_valid(spec, lp, old, adv, eps_low, eps_high)
@@ -181,9 +236,17 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     if need_stats:
         denom = num_masked + 1e-8                      # verl's masked_mean denominator
         zero = torch.zeros((), device=lp.device)
-        kl = -_and_bits(log_ratio, keep_bits(mask)).sum() / denom
+        masked_log_ratio = _and_bits(log_ratio, keep_bits(mask))
+        kl = (masked_log_ratio.abs().sum() if spec.objective == "kl_cov"
+              else -masked_log_ratio.sum()) / denom
         clip_lower = zero
-        if spec.objective == "cispo":
+        if spec.objective == "ppo":
+            clip, lower_count = _ppo_clip_counts(spec, adv, ratio, mask, band)
+            clip = clip / denom
+            clip_lower = zero if lower_count is None else lower_count / denom
+        elif spec.objective == "clip_cov":               # verl: the selected fraction
+            clip = torch.count_nonzero(selection & mask) / denom
+        elif spec.objective == "cispo":
             clip = ((ratio != torch.clamp(ratio, params["cispo_min"], params["cispo_max"]))
                     & mask).sum() / denom
         elif valid is not None:          # DPPO: outside the band; truncated inside it

@@ -431,12 +431,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         rows = Rows(logprobs.numel(), num_seqs, row_len, cu_seqlens, logprobs.device)
         adv = (rows.spread(advantages) if advantages.shape != logprobs.shape
                else flat(advantages))
-        if lean_applies(spec, gate):
+        if lean_applies(spec, gate, params):
             loss, stats = lean_policy_loss(
                 spec, flat(logprobs), flat(old_logprobs), adv, mask, rows, eps_low=eps_low,
                 eps_high=eps_high, token_weights=flat(token_weights), reduction=reduction,
                 denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
-                params=params, need_stats=return_stats)
+                params=params, need_stats=return_stats, dual_clip=dual,
+                selection=flat(selection))
         else:
             loss, stats = policy_loss_reference(
                 spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,

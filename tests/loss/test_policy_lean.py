@@ -1,12 +1,17 @@
-"""The lean torch path's DPPO objectives (``loss/_policy_torch.py``) against the readable
-reference: the same check ``test_policy_loss.test_lean_torch_path_matches_readable_reference``
-runs for the other lean objectives (loss, gradient, stats, every reduction, a factor-0 token
-holding NaN / inf inputs), plus a batch where DPPO's band and truncation both bind."""
+"""The lean torch path (``loss/_policy_torch.py``) against the readable reference for the
+objectives ``test_policy_loss.test_lean_torch_path_matches_readable_reference`` does not
+cover: DPPO (that check, plus a batch where DPPO's band and truncation both bind) and PPO
+with / without the dual clip, Clip-Cov and KL-Cov with their selection (loss, gradient,
+stats, every reduction, fp32 and bf16, a factor-0 token holding NaN / inf inputs)."""
+import zlib
+
 import pytest
 import torch
 
 from glm_kernels.loss import _policy_torch as lean_mod
-from glm_kernels.loss._policy_spec import POLICY_VARIANTS
+from glm_kernels.loss import _policy_reference as ref_mod
+from glm_kernels.loss._policy_spec import POLICY_VARIANTS, PolicyLossSpec, resolve_params
+from tests._compare import TOLERANCES, assert_close
 from tests.loss import test_policy_loss as policy_tests  # a module: not re-collected
 
 DPPO = [name for name, spec in POLICY_VARIANTS.items()
@@ -44,3 +49,113 @@ def test_dppo_band_and_truncation_bind(name):
     grad = x.grad
     assert stats["pg_clipfrac"] > 0.05 and stats["pg_clipfrac_lower"] > 0.01
     assert (grad[mask] == 0).any() and (grad[mask] != 0).any()
+
+
+# (preset, dual clip): the PPO presets with and without verl's clip_ratio_c, the selections.
+PPO_CASES = [("vanilla", 3.0), ("vanilla", None), ("bypass_mode", 1.5), ("clip_cov", None),
+             ("kl_cov", None)]
+
+
+def _run_both(name, batch, dual, weighted, reduction, selection, params):
+    """(loss, grad, stats) of the reference and of the lean path on the same flat inputs."""
+    spec = POLICY_VARIANTS[name]
+    rows = ref_mod.Rows(200, 5, 40, None, "cpu")
+    outs = []
+    for fn in (ref_mod.policy_loss_reference, lean_mod.lean_policy_loss):
+        lp = batch["lp"].reshape(-1).clone().requires_grad_(True)
+        extra = dict(dual_clip=dual, selection=selection)
+        if fn is ref_mod.policy_loss_reference:
+            extra.update(rollout=None, gate=None, gate_low=0.5, gate_high=2.0)
+        loss, stats = fn(spec, lp, batch["old"].reshape(-1), batch["adv"].reshape(-1),
+                         batch["mask"].reshape(-1), rows, eps_low=0.2, eps_high=0.28,
+                         token_weights=batch["weights"].reshape(-1) if weighted else None,
+                         reduction=reduction, denominator=None,
+                         norm_length=40.0 if reduction == "seq_mean_token_sum_norm" else None,
+                         loss_scale=0.5, params=params, need_stats=True, **extra)
+        upstream = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+        (loss * upstream).sum().backward()
+        outs.append((loss.detach(), lp.grad.float(), stats))
+    return outs
+
+
+@pytest.mark.parametrize("name,dual", PPO_CASES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extreme", [True, False])
+def test_ppo_family_lean_matches_readable_reference(name, dual, weighted, dtype, extreme):
+    """PPO-clip (dual clip or not), Clip-Cov, KL-Cov: lean path == reference, every reduction;
+    the batch has both advantage signs, an all-masked row, ratios past the clip band and the
+    dual clip's cap, and (weighted) a weight-0 token with NaN / inf log-probs that must get
+    exactly 0. ``extreme``: two log-ratios of +-25 (past the +-20 clamp; Clip-Cov / KL-Cov
+    have none, and their e^25 terms would dominate a norm-relative comparison, so the batch
+    without them checks every other token at the same tolerance)."""
+    batch = policy_tests.make_batch(zlib.crc32(name.encode()) % 1000, dtype=dtype)
+    if not extreme:
+        batch["old"][0, 3] = batch["lp"][0, 3].float() - 2.5
+        batch["old"][1, 4] = batch["lp"][1, 4].float() + 2.5
+    batch["lp"][3, :10] = batch["old"][3, :10] + 1.5          # r = e^1.5 > both dual clips
+    batch["adv"][3, :10] = -1.0
+    if weighted:
+        batch["weights"][0, 5] = 0.0
+        batch["mask"][0, 5] = True
+        batch["lp"][0, 5], batch["old"][0, 5] = float("nan"), float("inf")
+    spec = POLICY_VARIANTS[name]
+    params = resolve_params(spec, {"ppo_kl_coef": 0.7} if name == "kl_cov" else {}, 0.2, 0.28)
+    assert lean_mod.lean_applies(spec, None, params)
+    selection = batch["selection"].reshape(-1) if name in ("clip_cov", "kl_cov") else None
+    tol = TOLERANCES[torch.float32]   # both paths compute in fp32 from the same bf16 inputs
+    for reduction in policy_tests.TOKEN_REDUCTIONS:
+        (ref_loss, ref_grad, ref_stats), (got_loss, got_grad, got_stats) = _run_both(
+            name, batch, dual, weighted, reduction, selection, params)
+        if weighted:
+            assert torch.isfinite(got_grad).all() and bool(got_grad[5] == 0)
+            assert bool(ref_grad[5] == 0)
+        assert_close(got_loss, ref_loss, tol=tol, name=f"{name} {reduction} loss")
+        assert_close(got_grad, ref_grad, tol=tol, name=f"{name} {reduction} grad")
+        assert set(got_stats) == set(ref_stats)
+        for key in ref_stats:
+            assert_close(got_stats[key], ref_stats[key], tol=tol, name=f"{name} {key}")
+    if name == "vanilla" and dual is not None:     # the batch reaches every PPO branch
+        assert got_stats["pg_clipfrac"] > 0 and got_stats["pg_clipfrac_lower"] > 0
+    if name == "clip_cov":
+        assert got_stats["pg_clipfrac"] > 0
+
+
+def test_lean_applies_only_without_delta_or_gate():
+    """TRL's delta (the ratio capped before the clip) and the IcePop gate keep the reference."""
+    vanilla = POLICY_VARIANTS["vanilla"]
+    assert lean_mod.lean_applies(vanilla, None, {"delta": None})
+    assert not lean_mod.lean_applies(vanilla, None, {"delta": 1.5})
+    assert not lean_mod.lean_applies(vanilla, "decoupled", {"delta": None})
+    assert not lean_mod.lean_applies(POLICY_VARIANTS["gspo"], None, {"delta": None})
+    assert lean_mod.lean_applies(PolicyLossSpec("token", "kl_cov", log_ratio_clamp=5.0), None)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "clip_cov", "kl_cov"])
+def test_public_op_takes_lean_path_with_dual_clip_and_selection(name, monkeypatch):
+    """``policy_loss`` hands the dual clip and the selection to the lean path (no reference
+    call), and its result equals the reference's."""
+    import glm_kernels
+    batch = policy_tests.make_batch(7)
+    kwargs = dict(dual_clip=3.0) if name == "vanilla" else dict(selection=batch["selection"])
+    def run():
+        x = batch["lp"].clone().requires_grad_(True)
+        with glm_kernels.force_backend("torch"):
+            loss, stats = glm_kernels.policy_loss(x, batch["old"], batch["adv"], batch["mask"],
+                                                  variant=name, token_weights=batch["weights"],
+                                                  return_stats=True, **kwargs)
+        loss.backward()
+        return loss.detach(), x.grad, stats
+    lean = run()
+    from glm_kernels.loss import policy as policy_mod
+    monkeypatch.setattr(policy_mod, "lean_applies", lambda *a, **k: False)
+    ref = run()
+    monkeypatch.undo()
+    def refuse(*a, **k):
+        raise AssertionError("the reference ran")
+    monkeypatch.setattr(policy_mod, "policy_loss_reference", refuse)
+    run()
+    assert_close(lean[0], ref[0], tol=TOLERANCES[torch.float32], name="loss")
+    assert_close(lean[1], ref[1], tol=TOLERANCES[torch.float32], name="grad")
+    for key in ref[2]:
+        assert_close(lean[2][key], ref[2][key], tol=TOLERANCES[torch.float32], name=key)
