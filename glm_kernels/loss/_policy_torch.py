@@ -1,6 +1,7 @@
-"""The torch backend's lean path for the token objectives that take neither a dual clip nor
-a selection (verl gpg / REINFORCE, DRO, SAPO, CISPO, DPPO-TV / -KL; no IcePop gate) and for
-IcePop's gated PPO (:func:`lean_icepop`): the Triton kernel's design in torch ops.
+"""The torch backend's lean path for the token objectives without an IcePop gate (verl gpg /
+REINFORCE, DRO, SAPO, CISPO, DPPO-TV / -KL, PPO-clip with or without the dual clip, Clip-Cov and
+KL-Cov with their selection), for GSPO's stop-gradient sequence ratio, and for IcePop's gated PPO
+(:func:`lean_icepop`): the Triton kernel's design in torch ops.
 
 The loss and each token's gradient coefficient ``g_t = d(loss)/d lp_t`` are computed in one
 forward without an autograd graph over the [N] tensors; one autograd node's backward is the
@@ -12,6 +13,11 @@ multiply ``g * dL``. With ``u_t = w_t l_t`` (w: token weights, detached) and r =
 * cispo ``l = -sg(clip(r)) A lp``: ``dl/dlp = -clip(r) A``;
 * dppo ``l = -sg(min(r, cap)) A lp`` on tokens inside the divergence band, else 0:
   ``dl/dlp = -min(r, cap) A`` there;
+* ppo ``l = -A clamp(r, lo, hi)`` (lo, hi: 1 - eps_low and the dual clip c or inf for A < 0,
+  -inf and 1 + eps_high for A >= 0): ``dl/dlp = -A r 1[lo <= r <= hi]``; clip_cov the same
+  without c and 0 on selected tokens; kl_cov ``l = -A r + sel coef |lr|``:
+  ``dl/dlp = -A r + sel coef sign(lr)``; gspo: ppo on the row's ratio (its derivative in lp_t
+  is the ratio, through the stop-gradient);
 
 each times 1[|lr| <= clamp] on the terms through r or lr (the clamp's gradient), and zeroed
 exactly (whatever the inputs) outside the mask and where w = 0, as the reference's
@@ -53,7 +59,10 @@ def lean_applies(spec: PolicyLossSpec, gate: Optional[str], params: Optional[dic
                  ) -> bool:
     """Whether :func:`lean_policy_loss` computes this variant: token ratios without a gate;
     PPO / Clip-Cov only without TRL's ``delta`` (``params``: the resolved parameters)."""
-    if gate is not None or spec.ratio != "token" or spec.objective not in LEAN_OBJECTIVES:
+    if gate is not None or spec.objective not in LEAN_OBJECTIVES:
+        return False
+    if spec.ratio != "token" and not (spec.ratio == "sequence_stopgrad"
+                                      and spec.objective == "ppo"):
         return False
     return spec.objective not in ("ppo", "clip_cov") or (params or {}).get("delta") is None
 
@@ -149,6 +158,26 @@ def _ppo_terms(adv, ratio, band, dual):
     return adv * held, slope * (held == ratio)
 
 
+def _gspo_objective(spec, lp, old, adv, tw, mask, rows: Rows, band):
+    """GSPO's (s_t, g_t, token log-ratio, ratio, sign): PPO-clip on the sequence ratio
+    r_t = exp(min(sg(m_row) + lp_t - sg(lp_t), smax)), m_row the row's mean log-ratio over its
+    masked tokens. Its value is the row's, its derivative in lp_t is r_t itself (1[m_row <=
+    smax]: the clamp's gradient), so the token objective is PPO's with that ratio."""
+    raw = lp - old
+    row_tokens = rows.sum(mask.float()).clamp(min=1.0)
+    seq_log = rows.spread(rows.sum(_and_bits(raw, keep_bits(mask))) / row_tokens)
+    smax = spec.seq_log_ratio_max
+    inside = None
+    if smax is not None:
+        inside = seq_log <= smax
+        seq_log = torch.clamp(seq_log, max=smax)
+    ratio = torch.exp(seq_log)
+    loss, grad = _ppo_terms(adv, ratio, band, dual=True)
+    grad = grad if inside is None else grad * inside
+    return (loss, grad, raw, ratio, -1.0) if tw is None else (
+        loss * tw, grad * tw, raw, ratio, -1.0)
+
+
 def _ppo_clip_counts(spec, adv, ratio, mask, band):
     """verl's PPO clip indicators over the masked tokens (counts): pg2 > pg1 (r above the cap
     for A > 0, below the floor for A < 0) and, with a dual clip, A < 0 with r above c."""
@@ -192,8 +221,12 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     band = (eps_low, eps_high, dual_clip)
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros_like(mask)
-    loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params, need_stats,
-                                                    band, selection)
+    if spec.ratio == "sequence_stopgrad":
+        loss_t, dl, log_ratio, ratio, sign = _gspo_objective(spec, lp, old, adv, tw, mask, rows,
+                                                             band)
+    else:
+        loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params,
+                                                        need_stats, band, selection)
     live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
     if spec.objective == "clip_cov":                     # selected tokens get no loss
         live = live & ~selection
@@ -240,7 +273,7 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
         kl = (masked_log_ratio.abs().sum() if spec.objective == "kl_cov"
               else -masked_log_ratio.sum()) / denom
         clip_lower = zero
-        if spec.objective == "ppo":
+        if spec.objective == "ppo":      # token or sequence ratio: the same indicators
             clip, lower_count = _ppo_clip_counts(spec, adv, ratio, mask, band)
             clip = clip / denom
             clip_lower = zero if lower_count is None else lower_count / denom

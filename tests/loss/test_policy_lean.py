@@ -53,13 +53,14 @@ def test_dppo_band_and_truncation_bind(name):
 
 # (preset, dual clip): the PPO presets with and without verl's clip_ratio_c, the selections.
 PPO_CASES = [("vanilla", 3.0), ("vanilla", None), ("bypass_mode", 1.5), ("clip_cov", None),
-             ("kl_cov", None)]
+             ("kl_cov", None), ("gspo", None), ("gspo", 3.0)]
 
 
-def _run_both(name, batch, dual, weighted, reduction, selection, params):
-    """(loss, grad, stats) of the reference and of the lean path on the same flat inputs."""
+def _run_both(name, batch, dual, weighted, reduction, selection, params, rows=None):
+    """(loss, grad, stats) of the reference and of the lean path on the same flat inputs
+    (``rows``: padded [5, 40] unless given)."""
     spec = POLICY_VARIANTS[name]
-    rows = ref_mod.Rows(200, 5, 40, None, "cpu")
+    rows = ref_mod.Rows(200, 5, 40, None, "cpu") if rows is None else rows
     outs = []
     for fn in (ref_mod.policy_loss_reference, lean_mod.lean_policy_loss):
         lp = batch["lp"].reshape(-1).clone().requires_grad_(True)
@@ -98,7 +99,10 @@ def test_ppo_family_lean_matches_readable_reference(name, dual, weighted, dtype,
     if weighted:
         batch["weights"][0, 5] = 0.0
         batch["mask"][0, 5] = True
-        batch["lp"][0, 5], batch["old"][0, 5] = float("nan"), float("inf")
+        if name != "gspo":   # GSPO: a NaN log-prob makes its whole row's ratio NaN, in both
+            batch["lp"][0, 5], batch["old"][0, 5] = float("nan"), float("inf")
+    if name == "gspo" and extreme:   # a row whose mean log-ratio passes GSPO's cap of 10
+        batch["lp"][4] = batch["old"][4] + 12.0
     spec = POLICY_VARIANTS[name]
     params = resolve_params(spec, {"ppo_kl_coef": 0.7} if name == "kl_cov" else {}, 0.2, 0.28)
     assert lean_mod.lean_applies(spec, None, params)
@@ -119,6 +123,8 @@ def test_ppo_family_lean_matches_readable_reference(name, dual, weighted, dtype,
         assert got_stats["pg_clipfrac"] > 0 and got_stats["pg_clipfrac_lower"] > 0
     if name == "clip_cov":
         assert got_stats["pg_clipfrac"] > 0
+    if name == "gspo" and extreme and not weighted:   # the cap's zero gradient was reached
+        assert bool((got_grad.reshape(5, 40)[4] == 0).all())
 
 
 def test_lean_applies_only_without_delta_or_gate():
@@ -127,17 +133,20 @@ def test_lean_applies_only_without_delta_or_gate():
     assert lean_mod.lean_applies(vanilla, None, {"delta": None})
     assert not lean_mod.lean_applies(vanilla, None, {"delta": 1.5})
     assert not lean_mod.lean_applies(vanilla, "decoupled", {"delta": None})
-    assert not lean_mod.lean_applies(POLICY_VARIANTS["gspo"], None, {"delta": None})
+    assert lean_mod.lean_applies(POLICY_VARIANTS["gspo"], None, {"delta": None})
+    for name in ("grpo_sequence", "luspo", "geo_mean", "vespo"):
+        assert not lean_mod.lean_applies(POLICY_VARIANTS[name], None, {"delta": None})
     assert lean_mod.lean_applies(PolicyLossSpec("token", "kl_cov", log_ratio_clamp=5.0), None)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "clip_cov", "kl_cov"])
+@pytest.mark.parametrize("name", ["vanilla", "clip_cov", "kl_cov", "gspo"])
 def test_public_op_takes_lean_path_with_dual_clip_and_selection(name, monkeypatch):
     """``policy_loss`` hands the dual clip and the selection to the lean path (no reference
     call), and its result equals the reference's."""
     import glm_kernels
     batch = policy_tests.make_batch(7)
-    kwargs = dict(dual_clip=3.0) if name == "vanilla" else dict(selection=batch["selection"])
+    kwargs = (dict(dual_clip=3.0) if name in ("vanilla", "gspo")
+              else dict(selection=batch["selection"]))
     def run():
         x = batch["lp"].clone().requires_grad_(True)
         with glm_kernels.force_backend("torch"):
@@ -159,3 +168,23 @@ def test_public_op_takes_lean_path_with_dual_clip_and_selection(name, monkeypatc
     assert_close(lean[1], ref[1], tol=TOLERANCES[torch.float32], name="grad")
     for key in ref[2]:
         assert_close(lean[2][key], ref[2][key], tol=TOLERANCES[torch.float32], name=key)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gspo_lean_packed_matches_readable_reference(weighted):
+    """GSPO's per-row mean log-ratio on the packed (cu_seqlens) layout: lean == reference."""
+    batch, cu = policy_tests.pack(policy_tests.make_batch(11))
+    lengths = cu[1:] - cu[:-1]
+    rows = ref_mod.Rows(int(cu[-1]), len(lengths), None, cu, "cpu")
+    spec = POLICY_VARIANTS["gspo"]
+    params = resolve_params(spec, {}, 0.2, 0.28)
+    tol = TOLERANCES[torch.float32]
+    for reduction in policy_tests.TOKEN_REDUCTIONS:
+        if reduction == "seq_mean_token_sum_norm":
+            continue                                  # padded-only (a row length)
+        (ref_loss, ref_grad, ref_stats), (got_loss, got_grad, got_stats) = _run_both(
+            "gspo", batch, None, weighted, reduction, None, params, rows=rows)
+        assert_close(got_loss, ref_loss, tol=tol, name=f"packed {reduction} loss")
+        assert_close(got_grad, ref_grad, tol=tol, name=f"packed {reduction} grad")
+        for key in ref_stats:
+            assert_close(got_stats[key], ref_stats[key], tol=tol, name=f"packed {key}")
