@@ -88,16 +88,18 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _objective(spec, lp, old, adv, tw, p, need_log_ratio, band, selection):
-    """(s_t, g_t, log-ratio or None, ratio or None, sign): the lean objectives with
-    ``sign * s_t`` the token's weighted loss w_t l_t and ``sign * g_t`` its w_t dl_t/dlp_t
+    """(s_t, g_t, log-ratio or None, ratio or None, sign, gradient keep or None): the lean
+    objectives with ``sign * s_t`` the token's weighted loss w_t l_t and ``sign * g_t`` its w_t dl_t/dlp_t
     (``tw``: token weights or None); s_t None for the objectives linear in lp (s_t = g_t lp_t:
     REINFORCE, CISPO), whose sum is then one dot product. The sign is folded into the
-    reduction's scalar factor, saving a pass over the tokens."""
+    reduction's scalar factor, saving a pass over the tokens. The gradient keep (bool [N]):
+    where a clamp passes the gradient, applied after the factor so that the others are +0.0
+    as in autograd."""
     obj = spec.objective
     if obj == "reinforce":           # -w A lp: linear in lp, the slope w A times lp
         log_ratio = (lp - old) if need_log_ratio else None
         slope = adv if tw is None else adv * tw
-        return None, slope, log_ratio, None, -1.0
+        return None, slope, log_ratio, None, -1.0, None
     raw = lp - old
     bound = spec.log_ratio_clamp
     log_ratio = raw if bound is None else torch.clamp(raw, -bound, bound)
@@ -107,8 +109,8 @@ def _objective(spec, lp, old, adv, tw, p, need_log_ratio, band, selection):
         loss = 0.5 * beta * log_ratio.square() - adv * lp
         slope = beta * log_ratio if inside is None else beta * log_ratio * inside
         slope = slope - adv
-        return (loss, slope, log_ratio, None, 1.0) if tw is None else (
-            loss * tw, slope * tw, log_ratio, None, 1.0)
+        return (loss, slope, log_ratio, None, 1.0, None) if tw is None else (
+            loss * tw, slope * tw, log_ratio, None, 1.0, None)
     ratio = torch.exp(log_ratio)
     if obj == "sapo":
         tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
@@ -117,33 +119,31 @@ def _objective(spec, lp, old, adv, tw, p, need_log_ratio, band, selection):
         loss = gate * scaled_adv / tau
         grad = scaled_adv * gate * (1.0 - gate) * ratio
         grad = grad if inside is None else grad * inside
-        return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
-            loss * tw, grad * tw, log_ratio, ratio, -1.0)
+        return (loss, grad, log_ratio, ratio, -1.0, None) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -1.0, None)
     if obj in ("dppo_tv", "dppo_kl"):  # -A sg(min(r, cap)) lp where the divergence is in band
         truncated = torch.clamp(ratio, max=p["ratio_cap"])
         slope = truncated * adv if tw is None else truncated * adv * tw
-        return None, slope, log_ratio, ratio, -1.0
+        return None, slope, log_ratio, ratio, -1.0, None
     if obj in ("ppo", "clip_cov"):
-        loss, grad = _ppo_terms(adv, ratio, band, dual=obj == "ppo")
-        grad = grad if inside is None else grad * inside
-        return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
-            loss * tw, grad * tw, log_ratio, ratio, -1.0)
+        loss, grad, grad_keep = _ppo_terms(adv, ratio, band, dual=obj == "ppo")
+        grad_keep = grad_keep if inside is None else grad_keep & inside
+        return (loss, grad, log_ratio, ratio, -1.0, grad_keep) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -1.0, grad_keep)
     if obj == "kl_cov":              # -A r + coef |lr| on the selected tokens
-        loss = adv * ratio
-        grad = loss if inside is None else loss * inside
         picked = selection.float() * p["ppo_kl_coef"]
-        loss = loss - picked * log_ratio.abs()
-        kl_slope = picked * torch.sign(log_ratio)
-        grad = grad - (kl_slope if inside is None else kl_slope * inside)
-        return (loss, grad, log_ratio, ratio, -1.0) if tw is None else (
-            loss * tw, grad * tw, log_ratio, ratio, -1.0)
+        unpenalised = adv * ratio
+        loss = unpenalised - picked * log_ratio.abs()
+        grad = unpenalised - picked * torch.sign(log_ratio)      # both terms through lr
+        return (loss, grad, log_ratio, ratio, -1.0, inside) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -1.0, inside)
     clipped = torch.clamp(ratio, p["cispo_min"], p["cispo_max"])          # cispo
     slope = clipped * adv if tw is None else clipped * adv * tw
-    return None, slope, log_ratio, ratio, -1.0
+    return None, slope, log_ratio, ratio, -1.0, None
 
 
 def _ppo_terms(adv, ratio, band, dual):
-    """(A clamp(r, lo, hi), A r 1[lo <= r <= hi]): PPO's max(-A r, -A clip(r)) (with the
+    """(A clamp(r, lo, hi), A r, 1[lo <= r <= hi]): PPO's max(-A r, -A clip(r)) (with the
     dual clip's cap c for A < 0 when ``dual``) is -A clamp(r, lo, hi) with per-token bounds
     lo, hi = 1 - eps_low, c (A < 0) or -inf, 1 + eps_high (A >= 0), as the reference's
     ``token_objective`` writes it; the clamp's gradient passes where r lies in [lo, hi]
@@ -155,11 +155,11 @@ def _ppo_terms(adv, ratio, band, dual):
     lower = torch.where(negative, 1.0 - eps_low, -math.inf)
     held = torch.clamp(ratio, lower, upper)
     slope = adv * ratio
-    return adv * held, slope * (held == ratio)
+    return adv * held, slope, held == ratio
 
 
 def _gspo_objective(spec, lp, old, adv, tw, mask, rows: Rows, band):
-    """GSPO's (s_t, g_t, token log-ratio, ratio, sign): PPO-clip on the sequence ratio
+    """GSPO's (s_t, g_t, token log-ratio, ratio, sign, gradient keep): PPO-clip on the sequence ratio
     r_t = exp(min(sg(m_row) + lp_t - sg(lp_t), smax)), m_row the row's mean log-ratio over its
     masked tokens. Its value is the row's, its derivative in lp_t is r_t itself (1[m_row <=
     smax]: the clamp's gradient), so the token objective is PPO's with that ratio."""
@@ -172,10 +172,10 @@ def _gspo_objective(spec, lp, old, adv, tw, mask, rows: Rows, band):
         inside = seq_log <= smax
         seq_log = torch.clamp(seq_log, max=smax)
     ratio = torch.exp(seq_log)
-    loss, grad = _ppo_terms(adv, ratio, band, dual=True)
-    grad = grad if inside is None else grad * inside
-    return (loss, grad, raw, ratio, -1.0) if tw is None else (
-        loss * tw, grad * tw, raw, ratio, -1.0)
+    loss, grad, grad_keep = _ppo_terms(adv, ratio, band, dual=True)
+    grad_keep = grad_keep if inside is None else grad_keep & inside
+    return (loss, grad, raw, ratio, -1.0, grad_keep) if tw is None else (
+        loss * tw, grad * tw, raw, ratio, -1.0, grad_keep)
 
 
 def _ppo_clip_counts(spec, adv, ratio, mask, band):
@@ -222,11 +222,11 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros_like(mask)
     if spec.ratio == "sequence_stopgrad":
-        loss_t, dl, log_ratio, ratio, sign = _gspo_objective(spec, lp, old, adv, tw, mask, rows,
+        loss_t, dl, log_ratio, ratio, sign, grad_keep = _gspo_objective(spec, lp, old, adv, tw, mask, rows,
                                                              band)
     else:
-        loss_t, dl, log_ratio, ratio, sign = _objective(spec, lp, old, adv, tw, params,
-                                                        need_stats, band, selection)
+        loss_t, dl, log_ratio, ratio, sign, grad_keep = _objective(
+            spec, lp, old, adv, tw, params, need_stats, band, selection)
     live = mask if tw is None else mask & tw.bool()      # bool(w) is w != 0, in 1/4 the time
     if spec.objective == "clip_cov":                     # selected tokens get no loss
         live = live & ~selection
@@ -254,7 +254,9 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     need_grad = lp_in.requires_grad and torch.is_grad_enabled()
     coef = None
     if need_grad or linear:
-        coef = _and_bits(dl * (factor if token_scale is None else token_scale), bits)
+        # a clamp's zero gradient (PPO's band) applied last as well: +0.0, as autograd's
+        grad_bits = bits if grad_keep is None else keep_bits(live & grad_keep)
+        coef = _and_bits(dl * (factor if token_scale is None else token_scale), grad_bits)
     if linear:                       # one dot product, no per-token loss tensor
         lp_live = _and_bits(lp, bits)
         value = coef * lp_live if reduction == "none" else torch.dot(coef, lp_live)

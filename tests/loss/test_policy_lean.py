@@ -116,6 +116,15 @@ def test_ppo_family_lean_matches_readable_reference(name, dual, weighted, dtype,
             assert bool(ref_grad[5] == 0)
         assert_close(got_loss, ref_loss, tol=tol, name=f"{name} {reduction} loss")
         assert_close(got_grad, ref_grad, tol=tol, name=f"{name} {reduction} grad")
+        # the zeros too: the same tokens, and +0.0 (printed 0.0) where the reference's clamp
+        # gives +0.0 on a masked token (off the mask the reference's zeros carry -A's sign)
+        zeros = ref_grad == 0
+        assert torch.equal(got_grad == 0, zeros), f"{name} {reduction}: zero pattern"
+        masked_zeros = zeros & batch["mask"].reshape(-1)
+        assert bool(masked_zeros.any()) or name == "kl_cov"
+        assert not bool((got_grad[zeros]).signbit().any()), f"{name} {reduction}: -0.0"
+        if name not in ("clip_cov", "kl_cov"):   # (a where() off the selection: -A's sign)
+            assert not bool(ref_grad[masked_zeros].signbit().any())
         assert set(got_stats) == set(ref_stats)
         for key in ref_stats:
             assert_close(got_stats[key], ref_stats[key], tol=tol, name=f"{name} {key}")
