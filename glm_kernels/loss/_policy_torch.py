@@ -89,10 +89,11 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _objective(spec, lp, old, adv, tw, p, need_log_ratio, band, selection):
     """(s_t, g_t, log-ratio or None, ratio or None, sign, gradient keep or None): the lean
-    objectives with ``sign * s_t`` the token's weighted loss w_t l_t and ``sign * g_t`` its w_t dl_t/dlp_t
-    (``tw``: token weights or None); s_t None for the objectives linear in lp (s_t = g_t lp_t:
-    REINFORCE, CISPO), whose sum is then one dot product. The sign is folded into the
-    reduction's scalar factor, saving a pass over the tokens. The gradient keep (bool [N]):
+    objectives with ``sign * s_t`` the token's weighted loss w_t l_t and ``sign * g_t`` its
+    w_t dl_t/dlp_t (``tw``: token weights or None); s_t None for the objectives linear in lp
+    (s_t = g_t lp_t: REINFORCE, CISPO), whose sum is then one dot product. The sign (a scalar:
+    -4 for SAPO's 4/tau) is folded into the reduction's scalar factor, saving a pass over the
+    tokens. The gradient keep (bool [N]):
     where a clamp passes the gradient, applied after the factor so that the others are +0.0
     as in autograd."""
     obj = spec.objective
@@ -115,12 +116,11 @@ def _objective(spec, lp, old, adv, tw, p, need_log_ratio, band, selection):
     if obj == "sapo":
         tau = torch.where(adv > 0, p["tau_pos"], p["tau_neg"])
         gate = torch.sigmoid(tau * (ratio - 1.0))
-        scaled_adv = adv * 4.0
-        loss = gate * scaled_adv / tau
-        grad = scaled_adv * gate * (1.0 - gate) * ratio
+        loss = gate * adv / tau                # the factor 4 joins the sign: one pass less
+        grad = adv * gate * (1.0 - gate) * ratio
         grad = grad if inside is None else grad * inside
-        return (loss, grad, log_ratio, ratio, -1.0, None) if tw is None else (
-            loss * tw, grad * tw, log_ratio, ratio, -1.0, None)
+        return (loss, grad, log_ratio, ratio, -4.0, None) if tw is None else (
+            loss * tw, grad * tw, log_ratio, ratio, -4.0, None)
     if obj in ("dppo_tv", "dppo_kl"):  # -A sg(min(r, cap)) lp where the divergence is in band
         truncated = torch.clamp(ratio, max=p["ratio_cap"])
         slope = truncated * adv if tw is None else truncated * adv * tw
@@ -159,8 +159,8 @@ def _ppo_terms(adv, ratio, band, dual):
 
 
 def _gspo_objective(spec, lp, old, adv, tw, mask, rows: Rows, band):
-    """GSPO's (s_t, g_t, token log-ratio, ratio, sign, gradient keep): PPO-clip on the sequence ratio
-    r_t = exp(min(sg(m_row) + lp_t - sg(lp_t), smax)), m_row the row's mean log-ratio over its
+    """GSPO's (s_t, g_t, token log-ratio, ratio, sign, gradient keep): PPO-clip on the
+    sequence ratio r_t = exp(min(sg(m_row) + lp_t - sg(lp_t), smax)), m_row the row's mean log-ratio over its
     masked tokens. Its value is the row's, its derivative in lp_t is r_t itself (1[m_row <=
     smax]: the clamp's gradient), so the token objective is PPO's with that ratio."""
     raw = lp - old
@@ -222,8 +222,8 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros_like(mask)
     if spec.ratio == "sequence_stopgrad":
-        loss_t, dl, log_ratio, ratio, sign, grad_keep = _gspo_objective(spec, lp, old, adv, tw, mask, rows,
-                                                             band)
+        loss_t, dl, log_ratio, ratio, sign, grad_keep = _gspo_objective(
+            spec, lp, old, adv, tw, mask, rows, band)
     else:
         loss_t, dl, log_ratio, ratio, sign, grad_keep = _objective(
             spec, lp, old, adv, tw, params, need_stats, band, selection)
