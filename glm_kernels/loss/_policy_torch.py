@@ -83,6 +83,13 @@ class _LossWithCoefficients(torch.autograd.Function):
         return (coef * grad).to(ctx.lp_dtype), None, None
 
 
+def _and_bits_(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``_and_bits`` in place, on a tensor this path made (no [N] allocation: ~40 % of the
+    AND's time at 32K tokens on the CPU)."""
+    x.view(torch.int32).bitwise_and_(bits)
+    return x
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
@@ -245,8 +252,10 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     factor = sign * loss_scale
     token_scale = None
     if reduction == "token_mean":
-        # python float / int64 count: the fp32 quotient in one op
-        factor = factor / (num_masked.clamp(min=1) if denominator is None else denominator)
+        if denominator is None:   # factor / count as Tensor.__rdiv__ computes it, without
+            factor = torch.reciprocal(num_masked.clamp(min=1)).mul_(factor)   # its Python
+        else:
+            factor = factor / denominator
     elif reduction not in ("none", "sum"):
         row_scale = seq_row_scale(rows.sum(mask.float()), reduction, denominator,
                                   norm_length) * factor
@@ -256,16 +265,16 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     if need_grad or linear:
         # a clamp's zero gradient (PPO's band) applied last as well: +0.0, as autograd's
         grad_bits = bits if grad_keep is None else keep_bits(live & grad_keep)
-        coef = _and_bits(dl * (factor if token_scale is None else token_scale), grad_bits)
+        coef = _and_bits_(dl * (factor if token_scale is None else token_scale), grad_bits)
     if linear:                       # one dot product, no per-token loss tensor
         lp_live = _and_bits(lp, bits)
         value = coef * lp_live if reduction == "none" else torch.dot(coef, lp_live)
     elif reduction == "none":                           # +0.0 where dropped, as the grad
-        value = _and_bits(loss_t if factor == 1.0 else loss_t * factor, bits)
+        value = _and_bits_(loss_t if factor == 1.0 else loss_t * factor, bits)
     elif token_scale is None:                           # sum, token_mean
-        value = _and_bits(loss_t, bits).sum() * factor
+        value = _and_bits_(loss_t, bits).sum() * factor
     else:
-        value = (rows.sum(_and_bits(loss_t, bits)) * row_scale).sum()
+        value = (rows.sum(_and_bits_(loss_t, bits)) * row_scale).sum()
     loss = _LossWithCoefficients.apply(lp_in, value, coef) if need_grad else value
     stats = None
     if need_stats:
