@@ -1,7 +1,8 @@
-"""The torch backend's lean path for the token objectives without an IcePop gate (verl gpg /
-REINFORCE, DRO, SAPO, CISPO, DPPO-TV / -KL, PPO-clip with or without the dual clip, Clip-Cov and
-KL-Cov with their selection), for GSPO's stop-gradient sequence ratio, and for IcePop's gated PPO
-(:func:`lean_icepop`): the Triton kernel's design in torch ops.
+"""The torch backend's lean path for the token objectives (verl gpg / REINFORCE, DRO, SAPO,
+CISPO, DPPO-TV / -KL, PPO-clip with or without the dual clip, Clip-Cov and KL-Cov with their
+selection) and GSPO's stop-gradient sequence ratio, with or without the IcePop gate (a detached
+token factor), and for ``icepop_loss``'s gated PPO (:func:`lean_icepop`): the Triton kernel's
+design in torch ops.
 
 The loss and each token's gradient coefficient ``g_t = d(loss)/d lp_t`` are computed in one
 forward without an autograd graph over the [N] tensors; one autograd node's backward is the
@@ -30,7 +31,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._policy_reference import Rows, _and_bits, keep_bits
+from ._policy_reference import Rows, _and_bits, gate_weights, keep_bits
 from ._policy_spec import PolicyLossSpec
 
 LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo", "dppo_tv", "dppo_kl", "ppo", "clip_cov",
@@ -57,9 +58,10 @@ def seq_row_scale(row_tokens: torch.Tensor, reduction: str, denominator, norm_le
 
 def lean_applies(spec: PolicyLossSpec, gate: Optional[str], params: Optional[dict] = None
                  ) -> bool:
-    """Whether :func:`lean_policy_loss` computes this variant: token ratios without a gate;
-    PPO / Clip-Cov only without TRL's ``delta`` (``params``: the resolved parameters)."""
-    if gate is not None or spec.objective not in LEAN_OBJECTIVES:
+    """Whether :func:`lean_policy_loss` computes this variant: token ratios and GSPO's, with
+    or without the IcePop gate (``gate``: None, "coupled", "decoupled"); PPO / Clip-Cov only
+    without TRL's ``delta`` (``params``: the resolved parameters)."""
+    if spec.objective not in LEAN_OBJECTIVES:
         return False
     if spec.ratio != "token" and not (spec.ratio == "sequence_stopgrad"
                                       and spec.objective == "ppo"):
@@ -167,9 +169,10 @@ def _ppo_terms(adv, ratio, band, dual):
 
 def _gspo_objective(spec, lp, old, adv, tw, mask, rows: Rows, band):
     """GSPO's (s_t, g_t, token log-ratio, ratio, sign, gradient keep): PPO-clip on the
-    sequence ratio r_t = exp(min(sg(m_row) + lp_t - sg(lp_t), smax)), m_row the row's mean log-ratio over its
-    masked tokens. Its value is the row's, its derivative in lp_t is r_t itself (1[m_row <=
-    smax]: the clamp's gradient), so the token objective is PPO's with that ratio."""
+    sequence ratio r_t = exp(min(sg(m_row) + lp_t - sg(lp_t), smax)), m_row the row's mean
+    log-ratio over its masked tokens. Its value is the row's, its derivative in lp_t is r_t
+    itself (1[m_row <= smax]: the clamp's gradient), so the token objective is PPO's with
+    that ratio."""
     raw = lp - old
     row_tokens = rows.sum(mask.float()).clamp(min=1.0)
     seq_log = rows.spread(rows.sum(_and_bits(raw, keep_bits(mask))) / row_tokens)
@@ -217,14 +220,21 @@ def _dppo_valid(spec, lp, old, adv, eps_low, eps_high):
 
 def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, eps_low,
                      eps_high, token_weights, reduction, denominator, norm_length, loss_scale,
-                     params, need_stats, dual_clip=None, selection=None
+                     params, need_stats, dual_clip=None, selection=None, rollout=None,
+                     gate=None, gate_low=None, gate_high=None
                      ) -> Tuple[torch.Tensor, Optional[Dict[str, torch.Tensor]]]:
-    """The reference's (loss, stats) for :data:`LEAN_OBJECTIVES` without a gate; arguments as
-    :func:`_policy_reference.policy_loss_reference` (flat [N], ``mask`` bool, ``selection``
-    bool [N] for clip_cov / kl_cov)."""
+    """The reference's (loss, stats) for the variants :func:`lean_applies` accepts; arguments
+    as :func:`_policy_reference.policy_loss_reference` (flat [N], ``mask`` bool,
+    ``selection`` bool [N] for clip_cov / kl_cov, ``rollout`` [N] with a gate)."""
     lp_in = lp
     lp, old, adv = _f32(lp.detach()), _f32(old), _f32(adv)
     tw = None if token_weights is None else _f32(token_weights)
+    # The IcePop gate is a detached token factor (the reference's own gate_weights): popped
+    # tokens get weight 0, so the weighted path drops them exactly (NaN / inf included).
+    gate_weight, popped = gate_weights(lp, old, None if rollout is None else _f32(rollout),
+                                       mask, gate, gate_low, gate_high)
+    if gate_weight is not None:
+        tw = gate_weight if tw is None else gate_weight * tw
     band = (eps_low, eps_high, dual_clip)
     if spec.objective in ("clip_cov", "kl_cov") and selection is None:
         selection = torch.zeros_like(mask)
@@ -298,8 +308,10 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
             clip_lower = (mask & valid & (ratio > params["ratio_cap"])).sum() / denom
         else:
             clip = zero
+        pop_frac = zero if popped is None else (
+            torch.count_nonzero(popped) / num_masked.clamp(min=1).float())
         stats = {"pg_clipfrac": clip.float(), "pg_clipfrac_lower": clip_lower.float(),
-                 "ppo_kl": kl.float(), "pop_frac": zero}
+                 "ppo_kl": kl.float(), "pop_frac": pop_frac}
     return loss, stats
 
 

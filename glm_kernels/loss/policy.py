@@ -437,7 +437,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 eps_high=eps_high, token_weights=flat(token_weights), reduction=reduction,
                 denominator=denominator, norm_length=norm_length, loss_scale=loss_scale,
                 params=params, need_stats=return_stats, dual_clip=dual,
-                selection=flat(selection))
+                selection=flat(selection), rollout=flat(rollout_logprobs), gate=gate,
+                gate_low=lo, gate_high=hi)
         else:
             loss, stats = policy_loss_reference(
                 spec, flat(logprobs), flat(old_logprobs), adv, mask, rows,

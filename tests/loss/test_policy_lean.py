@@ -56,17 +56,17 @@ PPO_CASES = [("vanilla", 3.0), ("vanilla", None), ("bypass_mode", 1.5), ("clip_c
              ("kl_cov", None), ("gspo", None), ("gspo", 3.0)]
 
 
-def _run_both(name, batch, dual, weighted, reduction, selection, params, rows=None):
+def _run_both(name, batch, dual, weighted, reduction, selection, params, rows=None,
+              gate=None):
     """(loss, grad, stats) of the reference and of the lean path on the same flat inputs
-    (``rows``: padded [5, 40] unless given)."""
+    (``rows``: padded [5, 40] unless given; ``gate``: IcePop's, bounds [0.5, 2])."""
     spec = POLICY_VARIANTS[name]
     rows = ref_mod.Rows(200, 5, 40, None, "cpu") if rows is None else rows
     outs = []
     for fn in (ref_mod.policy_loss_reference, lean_mod.lean_policy_loss):
         lp = batch["lp"].reshape(-1).clone().requires_grad_(True)
-        extra = dict(dual_clip=dual, selection=selection)
-        if fn is ref_mod.policy_loss_reference:
-            extra.update(rollout=None, gate=None, gate_low=0.5, gate_high=2.0)
+        extra = dict(dual_clip=dual, selection=selection, gate=gate, gate_low=0.5,
+                     gate_high=2.0, rollout=None if gate is None else batch["rollout"].reshape(-1))
         loss, stats = fn(spec, lp, batch["old"].reshape(-1), batch["adv"].reshape(-1),
                          batch["mask"].reshape(-1), rows, eps_low=0.2, eps_high=0.28,
                          token_weights=batch["weights"].reshape(-1) if weighted else None,
@@ -136,12 +136,14 @@ def test_ppo_family_lean_matches_readable_reference(name, dual, weighted, dtype,
         assert bool((got_grad.reshape(5, 40)[4] == 0).all())
 
 
-def test_lean_applies_only_without_delta_or_gate():
-    """TRL's delta (the ratio capped before the clip) and the IcePop gate keep the reference."""
+def test_lean_applies_only_without_delta():
+    """TRL's delta (the ratio capped before the clip) and the sequence ratios other than
+    GSPO's stop-gradient one keep the reference; the IcePop gate does not."""
     vanilla = POLICY_VARIANTS["vanilla"]
     assert lean_mod.lean_applies(vanilla, None, {"delta": None})
     assert not lean_mod.lean_applies(vanilla, None, {"delta": 1.5})
-    assert not lean_mod.lean_applies(vanilla, "decoupled", {"delta": None})
+    assert not lean_mod.lean_applies(vanilla, "decoupled", {"delta": 1.5})
+    assert lean_mod.lean_applies(vanilla, "decoupled", {"delta": None})
     assert lean_mod.lean_applies(POLICY_VARIANTS["gspo"], None, {"delta": None})
     for name in ("grpo_sequence", "luspo", "geo_mean", "vespo"):
         assert not lean_mod.lean_applies(POLICY_VARIANTS[name], None, {"delta": None})
@@ -197,3 +199,43 @@ def test_gspo_lean_packed_matches_readable_reference(weighted):
         assert_close(got_grad, ref_grad, tol=tol, name=f"packed {reduction} grad")
         for key in ref_stats:
             assert_close(got_stats[key], ref_stats[key], tol=tol, name=f"packed {key}")
+
+
+GATED = [("vanilla", 3.0), ("gpg", None), ("sapo", None), ("cispo", None), ("dro", None),
+         ("dppo_kl", None), ("clip_cov", None), ("kl_cov", None), ("gspo", None)]
+
+
+@pytest.mark.parametrize("name,dual", GATED)
+@pytest.mark.parametrize("gate", ["coupled", "decoupled"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gated_lean_matches_readable_reference(name, dual, gate, weighted):
+    """The IcePop gate on the lean path (the reference's gate_weights as a token factor):
+    loss, gradient, stats (pop_frac included) equal to the reference, every reduction; a
+    popped token with NaN / inf log-probs gets exactly 0 (the token ratios; GSPO's row mean
+    takes every masked token, popped or not, in both)."""
+    batch = policy_tests.make_batch(zlib.crc32(f"{name}{gate}".encode()) % 1000)
+    batch["old"][0, 3], batch["lp"][0, 3] = -3.0, -2.0    # no +-25 log-ratio: see above
+    batch["old"][1, 4], batch["lp"][1, 4] = -2.0, -3.0
+    if name != "gspo":        # popped (the gate's log-ratio is NaN / inf), masked, NaN lp
+        batch["mask"][0, 5] = True
+        batch["lp"][0, 5] = float("nan")
+        if gate == "decoupled":
+            batch["old"][0, 5] = float("inf")
+    spec = POLICY_VARIANTS[name]
+    params = resolve_params(spec, dict(policy_tests.PARAMS.get(name, {})) if name in
+                            ("dro", "sapo", "dppo_kl") else {}, 0.2, 0.28)
+    assert lean_mod.lean_applies(spec, gate, params)
+    selection = batch["selection"].reshape(-1) if name in ("clip_cov", "kl_cov") else None
+    tol = TOLERANCES[torch.float32]
+    for reduction in policy_tests.TOKEN_REDUCTIONS:
+        (ref_loss, ref_grad, ref_stats), (got_loss, got_grad, got_stats) = _run_both(
+            name, batch, dual, weighted, reduction, selection, params, gate=gate)
+        if name != "gspo":
+            assert bool(got_grad[5] == 0) and bool(ref_grad[5] == 0)
+            assert torch.isfinite(got_grad).all() and torch.isfinite(got_loss).all()
+        assert_close(got_loss, ref_loss, tol=tol, name=f"{name} {gate} {reduction} loss")
+        assert_close(got_grad, ref_grad, tol=tol, name=f"{name} {gate} {reduction} grad")
+        assert set(got_stats) == set(ref_stats)
+        for key in ref_stats:
+            assert_close(got_stats[key], ref_stats[key], tol=tol, name=f"{name} {key}")
+    assert 0.05 < float(got_stats["pop_frac"]) < 0.95    # the gate pops and keeps tokens
