@@ -158,6 +158,7 @@ def test_public_op_takes_lean_path_with_dual_clip_and_selection(name, monkeypatc
     batch = policy_tests.make_batch(7)
     kwargs = (dict(dual_clip=3.0) if name in ("vanilla", "gspo")
               else dict(selection=batch["selection"]))
+
     def run():
         x = batch["lp"].clone().requires_grad_(True)
         with glm_kernels.force_backend("torch"):
@@ -171,6 +172,7 @@ def test_public_op_takes_lean_path_with_dual_clip_and_selection(name, monkeypatc
     monkeypatch.setattr(policy_mod, "lean_applies", lambda *a, **k: False)
     ref = run()
     monkeypatch.undo()
+
     def refuse(*a, **k):
         raise AssertionError("the reference ran")
     monkeypatch.setattr(policy_mod, "policy_loss_reference", refuse)
