@@ -1,7 +1,8 @@
 """Readable torch reference of every policy-loss variant (the test oracle; autograd gives its
-gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss`, except for the
-short token objectives without a gate, which take the lean path of ``loss/_policy_torch.py``
-(held equal to this one by a test).
+gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss` for TRL's
+``delta``, grpo_sequence / luspo, geo_mean and vespo; every other preset (gated or not) takes
+the lean path of ``loss/_policy_torch.py`` (held equal to this one by tests/loss/
+test_policy_lean.py).
 
 Everything runs on a flat token layout: ``[N]`` tensors plus :class:`Rows`, the token ->
 sequence map (a padded ``[B, T]`` batch: a reshape; packed ``cu_seqlens``: ``index_add`` over
