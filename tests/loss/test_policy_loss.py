@@ -551,23 +551,10 @@ def test_lean_torch_path_matches_readable_reference(name, weighted, dtype):
     params = resolve_params(spec, dict(PARAMS.get(name, {})), 0.2, 0.28)
     rows = ref_mod.Rows(200, 5, 40, None, "cpu")
     assert lean_mod.lean_applies(spec, None)     # gated: tests/loss/test_policy_lean.py
+    from tests.loss.test_policy_lean import _run_both     # imports this module: not at the top
     for reduction in TOKEN_REDUCTIONS:
-        outs = []
-        for fn in (ref_mod.policy_loss_reference, lean_mod.lean_policy_loss):
-            lp = batch["lp"].reshape(-1).clone().requires_grad_(True)
-            extra = {} if fn is lean_mod.lean_policy_loss else dict(
-                dual_clip=None, rollout=None, gate=None, gate_low=0.5, gate_high=2.0,
-                selection=None)
-            loss, stats = fn(spec, lp, batch["old"].reshape(-1), batch["adv"].reshape(-1),
-                             batch["mask"].reshape(-1), rows, eps_low=0.2, eps_high=0.28,
-                             token_weights=batch["weights"].reshape(-1) if weighted else None,
-                             reduction=reduction, denominator=None,
-                             norm_length=40.0 if reduction == "seq_mean_token_sum_norm" else None,
-                             loss_scale=0.5, params=params, need_stats=True, **extra)
-            upstream = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
-            (loss * upstream).sum().backward()
-            outs.append((loss.detach(), lp.grad.float(), stats))
-        (ref_loss, ref_grad, ref_stats), (got_loss, got_grad, got_stats) = outs
+        (ref_loss, ref_grad, ref_stats), (got_loss, got_grad, got_stats) = _run_both(
+            name, batch, None, weighted, reduction, None, params, rows)
         if weighted:                                # token (0, 5): factor 0, NaN / inf inputs
             assert torch.isfinite(got_grad).all() and bool(got_grad[5] == 0)
         assert_close(got_loss, ref_loss, tol=FP32, name=f"{name} {reduction} loss")
