@@ -30,14 +30,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._dispatch import triton_version
 from ._policy_tile import (load_tile, pick_tie, policy_objective, row_bounds,
                            row_seq_is_weight, seq_is_weight, store_stats, token_terms)
 
 # Left to itself, ptxas gives some sequence-kernel variants (4 warps) 128 registers and an 8 B
 # stack frame on sm_90 (AOT: GMPO on triton 3.6; GSPO with sequence IS on 3.9); capped at 168
-# they keep everything in registers (141-168, no stack) on 3.4, 3.6 and 3.9. 4 warps x 168
-# registers stay far inside the SM's register file.
-_SEQ_MAXNREG = 168
+# they keep everything in registers (141-168, no stack) on 3.4 and 3.9. On 3.6 (the GPU
+# image's) PPO with the dual clip under sequence IS still gets the 8 B stack at 168 (and at
+# 160); 176 keeps it in registers. 4 warps x 176 registers stay far inside the SM's file.
+_SEQ_MAXNREG = 176 if (3, 6) <= triton_version() < (3, 7) else 168
 
 RATIO_CODES = {"token": 0, "sequence_stopgrad": 1, "sequence": 2, "geo_mean": 3,
                "sequence_sum": 4}
