@@ -131,14 +131,21 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
         taken += take(rollout, 32)
     info = ray.get(group.actors[new].ping.remote(), timeout=10)
     assert info["version"] == group.version                   # from a full snapshot
-    (event,) = rollout.events
-    assert event["engine"] == victim and event["replacement"] == new
+    # The victim is replaced once, by `new`. Beside a loaded machine's CI a healthy engine
+    # may also miss a health ping while the replacement imports torch, and be replaced too
+    # (seen at load ~30: the monitor prefers a restart to a stall); such an event must be
+    # accounted like the victim's, and replace an engine that existed.
+    events = rollout.events
+    (event,) = [e for e in events if e["engine"] == victim]
+    assert event["replacement"] == new
+    assert len({e["engine"] for e in events}) == len(events)
     stats = rollout.stats()
-    assert stats["engine_restarts"] == group.restarts
-    # The event counts exactly the turns sent again (and their samples).
-    assert event["requeued_samples"] == stats["samples_requeued"]
-    assert (event["requeued_requests"] > 0) == (event["requeued_samples"] > 0)
-    assert event["requeued_samples"] <= 32 * event["requeued_requests"]  # 8 prompts x 4 a turn
+    assert stats["engine_restarts"] == group.restarts == restarts + len(events)
+    # Each event counts exactly the turns sent again (and their samples).
+    assert sum(e["requeued_samples"] for e in events) == stats["samples_requeued"]
+    for e in events:
+        assert (e["requeued_requests"] > 0) == (e["requeued_samples"] > 0)
+        assert e["requeued_samples"] <= 32 * e["requeued_requests"]  # 8 prompts x 4 a turn
     assert stats["affinity_hit_rate"] == 1.0, stats
     _accounted(rollout, taken)
 
