@@ -17,8 +17,6 @@ coefficient zeroed on nucleus rows (it keeps the entropy term), then the nucleus
 terms added at their K_i columns. Shard-aware: with a vocab-parallel ``tp_group`` each rank
 sums its own kept columns and two all-reduces (max; sum and target logit) combine them.
 """
-from __future__ import annotations
-
 from typing import Tuple
 
 import torch

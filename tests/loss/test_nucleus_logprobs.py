@@ -6,7 +6,6 @@ backward, vocab-parallel shards (2 gloo ranks), bad input, and torch.compile(ful
 slime's own loss with ``--rollout-top-p`` < 1 is compared by examples/slime/
 check_loss_conformance.py (tests/integrations/test_slime_conformance.py, with SLIME_SRC).
 """
-import shutil
 import warnings
 
 import pytest
@@ -19,10 +18,10 @@ from glm_kernels.loss._nucleus import reference
 from glm_kernels.loss.logprobs import logprobs_rows
 from tests._compare import TOLERANCES, assert_close
 from tests._gloo import run_ranks
-from tests.conftest import KERNEL_BACKEND, skip_without_kernels
+from tests.conftest import skip_without_kernels
+from tests.test_compile_inductor import COMPILER
+from tests.test_compile_inductor import backend as compile_backend  # noqa: F401 (a fixture)
 
-HAS_CXX = any(shutil.which(name) for name in ("g++", "c++", "clang++"))
-COMPILER = "inductor" if (HAS_CXX or torch.cuda.is_available()) else "aot_eager"
 BACKENDS = ("torch",) if torch.cuda.is_available() else ("torch", "interpret")
 
 
@@ -137,15 +136,6 @@ def test_bad_nucleus_types():
 
 
 # --------------------------------------------------------------------------- torch.compile
-@pytest.fixture(params=["torch", KERNEL_BACKEND], ids=lambda b: f"{b}-{COMPILER}")
-def compile_backend(request):
-    if request.param != "torch":
-        skip_without_kernels()
-    torch._dynamo.reset()
-    with glm_kernels.force_backend(request.param):
-        yield request.param
-
-
 def test_compiled_matches_eager(compile_backend):
     logits, ids, keep, offsets = _case(9, 300)
 
