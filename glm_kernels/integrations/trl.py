@@ -178,19 +178,6 @@ def generate_with_logprobs(prompts: List[Any], trainer) -> Dict[str, List[List[A
             "logprobs": completion_logprobs}
 
 
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """The autocast dtype active for ``device_type``, or None."""
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError):             # torch < 2.4 spellings
-        if device_type == "cpu" and torch.is_autocast_cpu_enabled():
-            return torch.get_autocast_cpu_dtype()
-        if device_type == "cuda" and torch.is_autocast_enabled():
-            return torch.get_autocast_gpu_dtype()
-    return None
-
-
 # --------------------------------------------------------------------------- classes
 def _build_classes() -> None:
     _, GRPOConfig, GRPOTrainer = _import_trl()

@@ -46,6 +46,19 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 DEFAULT_MEMORY_BUDGET = 64 << 20
 
 
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype active for ``device_type``, or None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):             # torch < 2.4 spellings
+        if device_type == "cpu" and torch.is_autocast_cpu_enabled():
+            return torch.get_autocast_cpu_dtype()
+        if device_type == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+    return None
+
+
 def check_loss_options(args) -> None:
     """Refuse, at construction, the loss options stock TRL refuses (it does so at the first
     loss, with these messages)."""
@@ -158,7 +171,6 @@ class FusedGRPOLoss:
     def _last_hidden(self, model, inputs):
         """(hidden [B, T, H] predicting the completion tokens, LM head weight, temperature,
         the MoE load-balancing loss or None), the head in the autocast dtype as in TRL."""
-        from .trl import _autocast_dtype
         completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
