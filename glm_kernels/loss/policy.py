@@ -171,12 +171,12 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
 
     gate '' = none; floats: log-ratio clamp
     (0 = none), sequence log-ratio cap (nan = none), gate_low, gate_high, eps_low, eps_high,
-    dual_clip, norm_length, loss_scale[, sequence IS mode (0 none, 1 truncate, 2 mask: the
+    dual_clip, norm_length, loss_scale, sequence IS mode (0 none, 1 truncate, 2 mask: the
     weight reduced from ``rollout_logprobs`` inside the sequence kernel, which then runs token
-    ratios too), its low and high bounds]."""
+    ratios too), its low and high bounds."""
     from . import _policy_kernels as kernels
     log_clamp, seq_max, gate_low, gate_high, eps_low, eps_high, dual, norm_length, \
-        loss_scale, seq_is_code, seq_is_low, seq_is_high = (list(floats) + [0.0] * 3)[:12]
+        loss_scale, seq_is_code, seq_is_low, seq_is_high = floats
     spec = PolicyLossSpec(ratio, objective, log_ratio_clamp=log_clamp or None,
                           seq_log_ratio_max=None if seq_max != seq_max else seq_max)
     backend = _dispatch.select_backend("policy_loss", logprobs, old_logprobs, advantages,
@@ -460,10 +460,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         floats = [spec.log_ratio_clamp or 0.0,
                   float("nan") if spec.seq_log_ratio_max is None else spec.seq_log_ratio_max,
                   lo, hi, eps_low, eps_high, 1.0 if dual is None else dual,
-                  1.0 if norm_length is None else norm_length, loss_scale]
-        if seq_is is not None:
-            floats += [1.0 if seq_is == "truncate" else 2.0,
-                       0.0 if seq_is_low is None else seq_is_low, seq_is_high]
+                  1.0 if norm_length is None else norm_length, loss_scale,
+                  {None: 0.0, "truncate": 1.0, "mask": 2.0}[seq_is],
+                  0.0 if seq_is_low is None else seq_is_low, seq_is_high]
         loss, _, _, sums = _policy_op(
             contiguous(logprobs), contiguous(old_logprobs), contiguous(advantages),
             contiguous(loss_mask), contiguous(token_weights), contiguous(rollout_logprobs),

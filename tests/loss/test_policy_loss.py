@@ -440,7 +440,7 @@ def test_opcheck_custom_op(kernel_backend, ratio, objective, reduction):
     args = (lp, flat["old"], flat["adv"], flat["mask"], flat["weights"], flat["rollout"],
             None, None, None, ratio, objective, "decoupled", reduction,
             [20.0 if ratio != "sequence" else 0.0, float("nan"), 0.5, 2.0, 0.2, 0.28, 1.0,
-             1.0, 1.0],
+             1.0, 1.0, 0.0, 0.0, 0.0],
             [1.0, 1.05, 0.0, 0.0] if objective == "sapo" else [0.7, 1.3, 0.0, 0.0],
             False, False, 3, 8, True)
     torch.library.opcheck(policy._policy_op, args,
