@@ -55,18 +55,14 @@ import torch
 
 from ..loss import mismatch_metrics, policy_loss
 from ..loss.mismatch import MISMATCH_KEYS
-from .verl_losses import (AGG_MODES, POLICY_LOSSES, VERL_LOSS_NAMES, check_inputs, clip_ranges,
-                          dual_clip, field, reduction_kwargs, register_all, verl_core)
+from .verl_losses import (AGG_MODES, INSTALL_HINT, POLICY_LOSSES, VERL_LOSS_NAMES, check_inputs,
+                          clip_ranges, dual_clip, field, reduction_kwargs, register_all,
+                          verl_core)
 
 __all__ = ["icepop_policy_loss", "register", "register_all", "gate_bounds", "LOSS_NAME",
            "INSTALL_HINT", "POLICY_LOSSES", "VERL_LOSS_NAMES", "AGG_MODES"]
 
 LOSS_NAME = "icepop"
-# What a clean venv with torch needs for the loss path and verl's actor-side loss module
-# (docs/verl.md; checked in one by .ci/check_verl_install.py).
-INSTALL_HINT = ("pip install --no-deps 'verl==0.9.1' && pip install 'ray==2.60.0' "
-                "'tensordict==0.10.0' 'transformers==5.10.4' datasets pillow omegaconf "
-                "codetiming")
 DEFAULT_GATE = (0.5, 2.0)          # IcePop beta = 2
 _LOG_RATIO_CLAMP = 20.0            # verl's vanilla clamp of log_prob - old_log_prob
 

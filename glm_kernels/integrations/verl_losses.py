@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ..loss import clip_cov_selection, kl_cov_selection, policy_loss
-from .verl_rollout_correction import rollout_correction
+from .verl_rollout_correction import field, rollout_correction
 
 __all__ = ["VERL_LOSS_NAMES", "POLICY_LOSSES", "PREFIX", "register_all", "AGG_MODES"]
 
@@ -67,6 +67,11 @@ METRIC_KEYS = {"vanilla": _PPO_KEYS, "dppo_tv": _PPO_KEYS, "dppo_kl": _PPO_KEYS,
                "geo_mean": _PPO_KEYS, "dro": ("ppo_kl",), "cispo": _PPO_KEYS,
                "bypass_mode": _PPO_KEYS, "bypass_mode_reinforce": ("ppo_kl",)}
 _BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+# What a clean venv with torch needs for the loss path and verl's actor-side loss module
+# (docs/verl.md; checked in one by .ci/check_verl_install.py).
+INSTALL_HINT = ("pip install --no-deps 'verl==0.9.1' && pip install 'ray==2.60.0' "
+                "'tensordict==0.10.0' 'transformers==5.10.4' datasets pillow omegaconf "
+                "codetiming")
 
 
 def verl_core():
@@ -74,24 +79,9 @@ def verl_core():
     try:
         from verl.trainer.ppo import core_algos
     except ImportError as exc:
-        from .verl import INSTALL_HINT
         raise ImportError(f"glm_kernels.integrations.verl needs verl ({exc}); install it with: "
                           f"{INSTALL_HINT}") from exc
     return core_algos
-
-
-def field(config, key, default=None):
-    """``config.key`` from verl's dataclass configs and from DictConfig / dict alike."""
-    if config is None:
-        return default
-    if hasattr(type(config), "__dataclass_fields__"):
-        # verl's BaseConfig.get is this getattr behind a method call (~10x its time; the
-        # plug-in reads ~5 fields per loss call)
-        return getattr(config, key, default)
-    getter = getattr(config, "get", None)
-    if callable(getter):
-        return getter(key, default)
-    return getattr(config, key, default)
 
 
 def clip_ranges(config) -> Tuple[float, float]:
