@@ -27,7 +27,7 @@ import _common  # noqa: E402
 
 import glm_kernels  # noqa: E402
 from glm_kernels import _dispatch  # noqa: E402
-from glm_kernels.loss import _reference  # noqa: E402
+from glm_kernels.loss.icepop import _reference  # noqa: E402
 
 BYTES_PER_TOKEN = 4 + 4 + 4 + 1 + 4
 

@@ -36,7 +36,7 @@ import _common  # noqa: E402
 import glm_kernels  # noqa: E402
 from glm_kernels import _dispatch  # noqa: E402
 from glm_kernels.loss import fused_linear_icepop_loss, icepop_loss_from_logits  # noqa: E402
-from glm_kernels.loss import _logits_reference as ref  # noqa: E402
+from glm_kernels.loss.icepop import _reference as ref  # noqa: E402
 
 VOCAB, HIDDEN, SEQ_LEN = 154880, 6144, 1024
 
@@ -293,8 +293,9 @@ def _tuning_sweeps(n_tokens, vocabs, hidden, bandwidth, rate) -> dict:
     the gradient written in place) for 1, 2, 4 persistent programs per SM (long rows are swept
     twice; fewer rows in flight = more L2 hits on the second sweep); fused-linear fwd+bwd for
     several chunk sizes (time and peak memory)."""
-    from glm_kernels.loss import logprobs
-    from glm_kernels.loss.from_logits import flat_token_inputs, icepop_rows_into, token_scales
+    from glm_kernels.loss.logprobs import logprobs
+    from glm_kernels.loss.icepop.from_logits import (flat_token_inputs, icepop_rows_into,
+                                                     token_scales)
     rows = []
     for v in vocabs:
         inp = make_inputs(n_tokens, v, "cuda")

@@ -33,7 +33,7 @@ import _common  # noqa: E402
 from bench_sync import DENSITY, make_state, sparse_step  # noqa: E402
 
 from glm_kernels import _dispatch  # noqa: E402
-from glm_kernels.integrations import slime_delta  # noqa: E402
+from glm_kernels.integrations.slime import delta as slime_delta  # noqa: E402
 
 THREADS = min(8, os.cpu_count() or 1)
 

@@ -75,7 +75,7 @@ def measure(slime_src: str, tokens: int = 4096, vocab: int = 32768, samples: int
     from check_loss_conformance import slime_args
 
     from glm_kernels import force_backend
-    from glm_kernels.integrations.slime_policy import policy_loss_function
+    from glm_kernels.integrations.slime.policy import policy_loss_function
     loss_mod = load_loss(slime_src)
     batch, logits = batch_of(tokens, vocab, samples, prompt)
     if top_p != 1.0:

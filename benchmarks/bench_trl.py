@@ -102,7 +102,7 @@ def build(variant: str, args, workdir: str):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from datasets import Dataset
-    from glm_kernels.integrations import trl as gt
+    from glm_kernels.integrations.trl import trainer as gt
 
     device = args.device
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

@@ -105,7 +105,7 @@ def main():
     failures = 0 if hook_runs_before_updater(args.slime_src) else 1
     updater_mod = load_delta_updater(args.slime_src)
     theirs_cls = updater_mod.UpdateWeightFromDiskDelta
-    from glm_kernels.integrations import slime_delta
+    from glm_kernels.integrations.slime import delta as slime_delta
     ours_cls = slime_delta.install(argparse.Namespace(update_weight_mode="delta"))
     assert updater_mod.UpdateWeightFromDiskDelta is ours_cls
     device = "cuda" if torch.cuda.is_available() else "cpu"

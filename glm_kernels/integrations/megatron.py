@@ -56,7 +56,6 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _dispatch
-from ..loss._checks import check_bool
 from ..muon.ns import NSConfig
 from ..muon.optimizer import MuonSplit
 from ..muon.split import HeadSplit, head_splits_from_config
@@ -174,14 +173,14 @@ def _config_to_kwargs(config, model_chunks, pg_collection) -> dict:
         raise ValueError(f"muon_scalar_optimizer={config.muon_scalar_optimizer!r}: "
                          f"optimizer={config.optimizer!r} routes non-matrix parameters to "
                          "Adam only (use muon_scalar_optimizer='adam')")
-    split_qkv = check_bool("muon_split_qkv", config.muon_split_qkv)
+    split_qkv = _dispatch.check_bool("muon_split_qkv", config.muon_split_qkv)
     momentum = _dispatch.check_finite_number("muon_momentum", config.muon_momentum,
                                              nonnegative=True)
     if momentum >= 1:
         raise ValueError(f"muon_momentum must be in [0, 1), got {momentum}")
     return dict(
         lr=config.lr, weight_decay=config.weight_decay, momentum=momentum,
-        nesterov=check_bool("muon_nesterov", config.muon_nesterov),
+        nesterov=_dispatch.check_bool("muon_nesterov", config.muon_nesterov),
         num_ns_steps=config.muon_num_ns_steps,
         coefficients=coefficient_schedule(config.muon_coefficient_type,
                                           _ns_steps(config.muon_num_ns_steps)),

@@ -49,7 +49,7 @@ import torch
 
 from .. import _dispatch, sync
 from ..sync.protocol import DEFAULT_BUCKET_BYTES, Frame, Transport, assemble, pack
-from ..topk.routing_codec import MAX_EXPERTS, _check_int, encode_routing
+from ..topk.routing_codec import MAX_EXPERTS, check_int, encode_routing
 
 LOADER = "glm_kernels.integrations.sglang.load_delta_frames"
 _PREFIX = "glm_kernels.sync/"
@@ -267,17 +267,17 @@ def routed_experts_from_sglang(routed_experts, *, num_tokens: int, num_layers: i
     a MoE layer are not distinct raise ValueError naming the layer and the token.
     """
     where = "routed_experts"
-    num_tokens = _check_int("num_tokens", num_tokens, 1, _I32_MAX)
-    num_layers = _check_int("num_layers", num_layers, 1, 1 << 16)
-    n_experts = _check_int("n_experts", n_experts, 1, MAX_EXPERTS)
-    top_k = _check_int("top_k", top_k, 1, n_experts)
+    num_tokens = check_int("num_tokens", num_tokens, 1, _I32_MAX)
+    num_layers = check_int("num_layers", num_layers, 1, 1 << 16)
+    n_experts = check_int("n_experts", n_experts, 1, MAX_EXPERTS)
+    top_k = check_int("top_k", top_k, 1, n_experts)
     if moe_layers is None:
         layers = list(range(num_layers))
     else:
         if isinstance(moe_layers, (str, bytes)) or not hasattr(moe_layers, "__iter__"):
             raise TypeError(f"moe_layers must be a sequence of layer indices, got "
                             f"{type(moe_layers).__name__}")
-        layers = [_check_int(f"moe_layers[{i}]", layer, 0, num_layers - 1)
+        layers = [check_int(f"moe_layers[{i}]", layer, 0, num_layers - 1)
                   for i, layer in enumerate(moe_layers)]
         if not layers or len(set(layers)) != len(layers):
             raise ValueError(f"moe_layers must list distinct layers in [0, {num_layers}), got "

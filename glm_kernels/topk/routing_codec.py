@@ -128,7 +128,7 @@ def _max_id(body: torch.Tensor, width: int) -> int:
     return int((pairs[:, 0] | (pairs[:, 1] << 8)).max())
 
 
-def _check_int(name: str, value, low: int, high: int) -> int:
+def check_int(name: str, value, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
     return value
@@ -151,11 +151,11 @@ def encode_routing(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     outside [0, n_experts) (one host sync).
     """
     _dispatch.check_tensor("ids", ids, dtypes=_ID_DTYPES, ndim=(3,))
-    _check_int("n_experts", n_experts, 1, MAX_EXPERTS)
+    check_int("n_experts", n_experts, 1, MAX_EXPERTS)
     n_layers, n_tokens, k = ids.shape
-    _check_int("k (ids.shape[2])", k, 1, n_experts)
+    check_int("k (ids.shape[2])", k, 1, n_experts)
     for name, value in (("n_layers", n_layers), ("n_tokens", n_tokens)):
-        _check_int(f"{name} (ids.shape)", value, 0, _U32)
+        check_int(f"{name} (ids.shape)", value, 0, _U32)
     if ids.numel():
         low, high = torch.stack([ids.min(), ids.max()]).tolist()
         if low < 0 or high >= n_experts:

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from glm_kernels.integrations import slime as plug
-from glm_kernels.loss.mismatch import mismatch_from_tokens
+from glm_kernels.integrations.slime import icepop as plug
+from glm_kernels.loss.mismatch.mismatch import mismatch_from_tokens
 
 
 def slime_args(**overrides):

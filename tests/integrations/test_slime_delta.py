@@ -17,7 +17,7 @@ import torch
 
 zstandard = pytest.importorskip("zstandard")
 
-from glm_kernels.integrations import slime_delta  # noqa: E402
+from glm_kernels.integrations.slime import delta as slime_delta  # noqa: E402
 
 from tests.conftest import DEVICE  # noqa: E402
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  (dist.nn below; not imported with torch.distributed before torch 2.5)
 
 import glm_kernels
-from glm_kernels.integrations import slime as plug
+from glm_kernels.integrations.slime import icepop as plug
 from tests._compare import assert_close, assert_sum_close
 from tests.integrations.test_slime import make_sum_of_sample_mean, slime_args, slime_batch
 from tests._gloo import run_ranks

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from glm_kernels import force_backend, policy_loss
-from glm_kernels.integrations import slime_policy as plug
-from glm_kernels.integrations._slime_is import mis_weights
+from glm_kernels.integrations.slime import policy as plug
+from glm_kernels.integrations.slime._is import mis_weights
 
 
 def slime_args(**overrides):
@@ -340,7 +340,7 @@ def test_user_tis_hook_with_several_factors_is_accepted():
 def test_top_p_replay_packing():
     """slime's per-sample replay -> CSR: an empty recorded nucleus keeps the target alone,
     unrecorded tokens keep nothing (full vocabulary), bad offsets are refused."""
-    from glm_kernels.integrations._slime_topp import nucleus_csr
+    from glm_kernels.integrations.slime._topp import nucleus_csr
     targets = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
     batch = {"rollout_top_p_token_ids": [[1, 2, 3], torch.tensor([4])],
              "rollout_top_p_token_offsets": [[0, 2, 2, 3], torch.tensor([0, 1])]}

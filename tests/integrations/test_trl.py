@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
-from glm_kernels.integrations import trl as gt
-from glm_kernels.loss.mismatch import MISMATCH_KEYS
+from glm_kernels.integrations.trl import trainer as gt
+from glm_kernels.loss.mismatch.mismatch import MISMATCH_KEYS
 from tests._compare import assert_close, assert_sum_close
 
 trl = pytest.importorskip("trl", reason=f"TRL missing: {gt.INSTALL_HINT}")

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.integrations import trl as gt
+from glm_kernels.integrations.trl import trainer as gt
 
 pytest.importorskip("trl", reason=f"TRL missing: {gt.INSTALL_HINT}")
 from tests.integrations.test_trl import (CraftedRollout, logprobs_of,  # noqa: E402

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.integrations import trl as gt
-from glm_kernels.integrations.trl_loss import LOSS_TYPES
+from glm_kernels.integrations.trl import trainer as gt
+from glm_kernels.integrations.trl.loss import LOSS_TYPES
 from tests._compare import assert_close, assert_sum_close
 from tests.conftest import KERNEL_BACKEND, skip_without_kernels
 

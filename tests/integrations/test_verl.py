@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from glm_kernels.integrations import verl as plug
+from glm_kernels.integrations.verl import icepop as plug
 from tests._compare import assert_close
 from tests.integrations._verl_actor import run_ppo_loss
 

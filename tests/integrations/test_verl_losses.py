@@ -25,8 +25,8 @@ rc = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="verl mi
 from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
-from glm_kernels.integrations import verl as plug  # noqa: E402  (registers glm_<name>)
-from glm_kernels.integrations import verl_losses  # noqa: E402
+from glm_kernels.integrations.verl import icepop as plug  # noqa: E402  (registers glm_<name>)
+from glm_kernels.integrations.verl import losses as verl_losses  # noqa: E402
 
 TOL = 1e-5
 AGG_MODES = plug.AGG_MODES

@@ -13,7 +13,7 @@ import torch
 rc = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="verl missing")
 from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
 
-from glm_kernels.integrations.verl_rollout_correction import rollout_correction  # noqa: E402
+from glm_kernels.integrations.verl.rollout_correction import rollout_correction  # noqa: E402
 from tests.integrations.test_verl_losses import bypass_batch  # noqa: E402
 
 PRESETS = tuple(sorted(name for name, member in vars(RolloutCorrectionConfig).items()

@@ -68,7 +68,8 @@ def test_opd_bad_input():
 def test_docstring_examples():
     """The runnable examples in the public docstrings stay true."""
     import doctest
-    from glm_kernels.loss import advantages, icepop
+    from glm_kernels.loss.advantages import advantages
+    from glm_kernels.loss.icepop import icepop
     for module in (advantages, icepop):
         failures, attempted = doctest.testmod(module, extraglobs={"torch": torch},
                                               optionflags=doctest.ELLIPSIS)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import (_invariant, fused_linear_icepop_loss, icepop_loss_from_logits,
-                              selective_logprobs)
+from glm_kernels.loss._common import invariant as _invariant
+from glm_kernels.loss import fused_linear_icepop_loss, icepop_loss_from_logits, selective_logprobs
 from tests.conftest import DEVICE
 
 ROWS = 64

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import _reference, fused_linear_icepop_loss, icepop_loss_from_logits
-from glm_kernels.loss._logits_reference import (fused_linear_icepop_loss_reference,
-                                                icepop_loss_from_logits_reference,
-                                                selective_logprobs_reference)
+from glm_kernels.loss.icepop import _reference
+from glm_kernels.loss import fused_linear_icepop_loss, icepop_loss_from_logits
+from glm_kernels.loss.icepop._reference import (fused_linear_icepop_loss_reference,
+                                                icepop_loss_from_logits_reference)
+from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
 from tests._compare import TOLERANCES, assert_close, assert_sum_close
 from tests.conftest import DEVICE
 

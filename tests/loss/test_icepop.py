@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import _reference
+from glm_kernels.loss.icepop import _reference
 from tests._compare import TOLERANCES, assert_close
 from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE
@@ -312,14 +312,14 @@ def test_gradient_only_to_logprobs():
 
 def test_kernel_writes_every_gradient_element(kernel_backend):
     """Poisoned outputs: a kernel that skipped an element would leave NaN behind."""
-    from glm_kernels.loss import icepop
+    from glm_kernels.loss.icepop import icepop
     lp, rollout, adv, mask, _ = _inputs((3001,), seed=9)
     n = lp.numel()
     loss_out = torch.full((n,), float("nan"), device=DEVICE)
     grad_out = torch.full((n,), float("nan"), device=DEVICE)
     programs = -(-n // icepop._BLOCK_INTERPRET)
     stats = torch.full((programs, 8), float("nan"), device=DEVICE)
-    from glm_kernels.loss import _kernels
+    from glm_kernels.loss.icepop import _kernels
     _kernels.icepop_fwd(lp, rollout, None, adv, mask.view(torch.uint8), loss_out, grad_out,
                         stats, seq_len=1, gate_low=0.5, gate_high=2.0, clip_low=0.8,
                         clip_high=1.28, adv_per_seq=False, block=icepop._BLOCK_INTERPRET,
@@ -351,7 +351,7 @@ def test_torch_compile_matches_eager():
 
 def test_opcheck_custom_op():
     """torch.library.opcheck: schema, fake kernel and autograd registration agree."""
-    from glm_kernels.loss import icepop
+    from glm_kernels.loss.icepop import icepop
     lp, rollout, adv, mask, _ = _inputs((4, 9), seed=11)
     with glm_kernels.force_backend("torch"):
         torch.library.opcheck(icepop._icepop_op, (lp.requires_grad_(True), rollout, adv, mask,

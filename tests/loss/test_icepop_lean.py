@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss._reference import icepop_loss_reference
+from glm_kernels.loss.icepop._reference import icepop_loss_reference
 from tests._compare import assert_close
 
 NAN, INF = float("nan"), float("inf")

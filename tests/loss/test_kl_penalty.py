@@ -15,7 +15,7 @@ from tests.test_compile_inductor import check_compiled_matches_eager
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 verl_kl_penalty, verl_agg_loss = core_algos.kl_penalty, core_algos.agg_loss
 
-_kl_kernels = LazyKernels("glm_kernels.loss._kl_kernels")
+_kl_kernels = LazyKernels("glm_kernels.loss.kl._kernels")
 ROOT = Path(__file__).resolve().parents[2]
 
 BASE_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -377,7 +377,7 @@ def test_kernel_writes_every_element(kernel_backend):
 
 
 def test_opcheck_custom_ops(any_backend):
-    from glm_kernels.loss import kl_penalty
+    from glm_kernels.loss.kl import kl_penalty
     lp, ref, mask = _batch((4, 7), seed=15)
     lp.requires_grad_(True)
     for args in ((lp, ref, mask, 4, False, "seq-mean-token-mean", 1, None, None, None, True),
@@ -421,7 +421,7 @@ def test_docs_page_and_docstring_examples():
     """docs/kl_penalty.md's examples and the public docstrings' run as written (doctest
     compares what each prints), on the torch backend."""
     import doctest
-    from glm_kernels.loss import kl_penalty
+    from glm_kernels.loss.kl import kl_penalty
     with glm_kernels.force_backend("torch"):
         page = doctest.testfile(str(ROOT / "docs" / "kl_penalty.md"), module_relative=False)
         module = doctest.testmod(kl_penalty)

@@ -8,8 +8,8 @@ import torch
 
 import glm_kernels
 from glm_kernels import fused_linear_logprobs, selective_logprobs
-from glm_kernels.loss import linear_logprobs
-from glm_kernels.loss.fused_linear import make_fused_linear_config
+from glm_kernels.loss.logprobs import linear as linear_logprobs
+from glm_kernels.loss._common.linear import make_fused_linear_config
 from glm_kernels.testing import rel_error
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE

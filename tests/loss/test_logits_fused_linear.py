@@ -7,11 +7,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import glm_kernels
-from glm_kernels.loss import fused_linear
-from glm_kernels.loss._logits_reference import (fused_linear_icepop_loss_reference,
-                                                icepop_loss_from_logits_reference,
-                                                selective_logprobs_reference)
-from glm_kernels.loss.fused_linear import fused_linear_icepop_loss, make_fused_linear_config
+from glm_kernels.loss.icepop import fused_linear
+from glm_kernels.loss.icepop._reference import (fused_linear_icepop_loss_reference,
+                                                icepop_loss_from_logits_reference)
+from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
+from glm_kernels.loss.icepop.fused_linear import fused_linear_icepop_loss
+from glm_kernels.loss._common.linear import make_fused_linear_config
 from tests._compare import TOLERANCES, assert_close, assert_sum_close
 from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE

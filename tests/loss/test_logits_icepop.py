@@ -6,16 +6,17 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import from_logits, logprobs
-from glm_kernels.loss._logits_reference import (icepop_loss_from_logits_reference,
-                                                selective_logprobs_reference)
-from glm_kernels.loss.from_logits import icepop_loss_from_logits
+from glm_kernels.loss.icepop import from_logits
+from glm_kernels.loss.logprobs import logprobs
+from glm_kernels.loss.icepop._reference import icepop_loss_from_logits_reference
+from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
+from glm_kernels.loss.icepop.from_logits import icepop_loss_from_logits
 from tests._compare import TOLERANCES, assert_close
 from tests.loss._metrics import assert_metrics_close, metric_scales
 from tests.conftest import DEVICE, LazyKernels
 from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
-_logits_kernels = LazyKernels("glm_kernels.loss._logits_kernels")
+_logits_kernels = LazyKernels("glm_kernels.loss.icepop._kernels")
 
 REDUCTIONS = ["token_mean", "seq_mean_token_mean", "sum", "none"]
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),

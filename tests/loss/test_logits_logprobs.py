@@ -5,15 +5,15 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import logprobs
-from glm_kernels.loss._logits_reference import selective_logprobs_reference
-from glm_kernels.loss.logprobs import selective_logprobs
+from glm_kernels.loss.logprobs import logprobs
+from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
+from glm_kernels.loss.logprobs.logprobs import selective_logprobs
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE, HAS_CUDA, LazyKernels
 
 FP32 = TOLERANCES[torch.float32]
 
-_logits_kernels = LazyKernels("glm_kernels.loss._logits_kernels")
+_logits_kernels = LazyKernels("glm_kernels.loss.logprobs._kernels")
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),

@@ -5,14 +5,14 @@ import torch
 
 import glm_kernels
 from glm_kernels import _dispatch
-from glm_kernels.loss import reverse_kl
-from glm_kernels.loss._logits_reference import reverse_kl_reference
-from glm_kernels.loss.reverse_kl import reverse_kl_from_logits
+from glm_kernels.loss.reverse_kl import reverse_kl
+from glm_kernels.loss.reverse_kl._reference import reverse_kl_reference
+from glm_kernels.loss.reverse_kl.reverse_kl import reverse_kl_from_logits
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE, LazyKernels
 from tests.loss.test_logits_logprobs import check_compiled_matches_eager
 
-_reverse_kl_kernels = LazyKernels("glm_kernels.loss._reverse_kl_kernels")
+_reverse_kl_kernels = LazyKernels("glm_kernels.loss.reverse_kl._kernels")
 
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered"),
               pytest.mark.filterwarnings("ignore:divide by zero encountered")]

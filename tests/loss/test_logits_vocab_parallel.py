@@ -13,7 +13,7 @@ import torch.distributed as dist
 import glm_kernels
 from glm_kernels.loss import (icepop_loss_from_logits, reverse_kl_from_logits,
                               selective_logprobs)
-from glm_kernels.loss._logits_reference import selective_logprobs_reference
+from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
 from tests._compare import assert_close
 from tests._gloo import run_ranks
 from tests.conftest import skip_without_kernels

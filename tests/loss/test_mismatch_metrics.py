@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss import (MISMATCH_KEYS, _reference, fused_linear_icepop_loss,
-                              icepop_loss_from_logits, mismatch_metrics,
-                              reverse_kl_from_logits, selective_logprobs)
-from glm_kernels.loss._logits_reference import selective_logprobs_reference
+from glm_kernels.loss import (MISMATCH_KEYS, fused_linear_icepop_loss, icepop_loss_from_logits,
+                              mismatch_metrics, reverse_kl_from_logits, selective_logprobs)
+from glm_kernels.loss.icepop import _reference
+from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
 from tests.conftest import DEVICE
 from tests.loss._metrics import assert_metrics_close, metric_scales
 

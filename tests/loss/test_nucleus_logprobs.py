@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import glm_kernels
 from glm_kernels.loss import selective_logprobs
-from glm_kernels.loss._nucleus import reference
-from glm_kernels.loss.logprobs import logprobs_rows
+from glm_kernels.loss.logprobs._nucleus import reference
+from glm_kernels.loss.logprobs.logprobs import logprobs_rows
 from tests._compare import TOLERANCES, assert_close
 from tests._gloo import run_ranks
 from tests.conftest import skip_without_kernels

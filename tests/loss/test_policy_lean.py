@@ -8,9 +8,9 @@ import zlib
 import pytest
 import torch
 
-from glm_kernels.loss import _policy_torch as lean_mod
-from glm_kernels.loss import _policy_reference as ref_mod
-from glm_kernels.loss._policy_spec import POLICY_VARIANTS, PolicyLossSpec, resolve_params
+from glm_kernels.loss.policy import _torch as lean_mod
+from glm_kernels.loss.policy import _reference as ref_mod
+from glm_kernels.loss.policy._spec import POLICY_VARIANTS, PolicyLossSpec, resolve_params
 from tests._compare import TOLERANCES, assert_close
 from tests.loss import test_policy_loss as policy_tests  # a module: not re-collected
 
@@ -168,7 +168,7 @@ def test_public_op_takes_lean_path_with_dual_clip_and_selection(name, monkeypatc
         loss.backward()
         return loss.detach(), x.grad, stats
     lean = run()
-    from glm_kernels.loss import policy as policy_mod
+    from glm_kernels.loss.policy import policy as policy_mod
     monkeypatch.setattr(policy_mod, "lean_applies", lambda *a, **k: False)
     ref = run()
     monkeypatch.undo()

@@ -14,8 +14,8 @@ import torch
 
 import glm_kernels
 from glm_kernels import POLICY_VARIANTS, PolicyLossSpec, policy_loss
-from glm_kernels.loss import _policy_reference as ref_mod
-from glm_kernels.loss.policy import STATS_KEYS
+from glm_kernels.loss.policy import _reference as ref_mod
+from glm_kernels.loss.policy.policy import STATS_KEYS
 from tests._compare import TOLERANCES, assert_close, assert_sum_close
 from tests.conftest import DEVICE, skip_without_kernels, KERNEL_BACKEND
 
@@ -433,7 +433,7 @@ def test_docs_policy_loss_examples_run(any_backend):
 def test_opcheck_custom_op(kernel_backend, ratio, objective, reduction):
     """The custom op's schema, fake kernel (shapes and strides), autograd registration and
     AOT dispatch, as torch.library checks them."""
-    from glm_kernels.loss import policy
+    from glm_kernels.loss.policy import policy
     b = to_device(make_batch(31, rows=3, length=8))
     flat = {k: v.reshape(-1).contiguous() for k, v in b.items()}
     lp = flat["lp"].clone().requires_grad_(True)
@@ -540,8 +540,8 @@ def test_lean_torch_path_matches_readable_reference(name, weighted, dtype):
     """The torch backend's lean path (loss + hand-written per-token gradient, one autograd
     node) equals the readable autograd reference: loss, gradient and stats, every reduction,
     with a factor-0 token holding NaN / inf inputs when weighted."""
-    from glm_kernels.loss import _policy_torch as lean_mod
-    from glm_kernels.loss._policy_spec import resolve_params
+    from glm_kernels.loss.policy import _torch as lean_mod
+    from glm_kernels.loss.policy._spec import resolve_params
     batch = make_batch(zlib.crc32(name.encode()) % 1000, dtype=dtype)
     if weighted:
         batch["weights"][0, 5] = 0.0

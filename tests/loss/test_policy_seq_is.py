@@ -15,7 +15,7 @@ import torch
 
 import glm_kernels
 from glm_kernels import POLICY_VARIANTS, policy_loss
-from glm_kernels.loss import policy as policy_mod
+from glm_kernels.loss.policy import policy as policy_mod
 from glm_kernels.loss import sequence_is_weights
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import DEVICE, KERNEL_BACKEND, LazyKernels
@@ -23,7 +23,7 @@ from tests.loss.test_policy_loss import (PARAMS, _reductions, check_against_refe
                                          check_compiled_matches_eager, make_batch, pack, run,
                                          to_device)
 
-_policy_kernels = LazyKernels("glm_kernels.loss._policy_kernels")
+_policy_kernels = LazyKernels("glm_kernels.loss.policy._kernels")
 FP32 = TOLERANCES[torch.float32]
 SEQ_IS_PRESETS = [n for n, s in POLICY_VARIANTS.items() if s.objective != "vespo"]
 GATES = [None, "coupled", "decoupled"]       # the order only picks each case's reductions

@@ -51,9 +51,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import _dispatch, delta, force_backend
-from ..delta import _reference as ref
-from ..delta.packet import parse_payload
+from ... import _dispatch, delta, force_backend
+from ...delta import _reference as ref
+from ...delta.packet import parse_payload
 
 logger = logging.getLogger(__name__)
 

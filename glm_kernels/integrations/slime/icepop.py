@@ -30,8 +30,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..loss import icepop_loss, opd_advantages, selective_logprobs
-from . import _slime_topp
+from ...loss import icepop_loss, opd_advantages, selective_logprobs
+from . import _topp as _slime_topp
 
 # The mismatch metrics that are token means (the rest are per sequence: see
 # icepop_loss_function's Returns).

@@ -66,11 +66,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..loss import kl_penalty_terms, policy_loss
-from ..loss._policy_spec import PolicyLossSpec
-from . import _slime_is
-from .slime import (_cat, _clip_eps, _context_parallel, _gate_bounds, _response_logprobs,
-                    icepop_gate_weights, icepop_tis_function)
+from ...loss import PolicyLossSpec, kl_penalty_terms, policy_loss
+from . import _is as _slime_is
+from .icepop import (_cat, _clip_eps, _context_parallel, _gate_bounds, _response_logprobs,
+                     icepop_gate_weights, icepop_tis_function)
 
 __all__ = ["policy_loss_function", "mis_tis_function", "SLIME_VARIANTS"]
 

@@ -36,7 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..loss.linear_logprobs import fused_linear_logprobs
+from ...loss import fused_linear_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -73,7 +73,7 @@ def check_loss_options(args) -> None:
 def policy_variant(loss_type: str, level: str, args, epsilon_high: float
                    ) -> Tuple[Any, Dict[str, float]]:
     """(PolicyLossSpec, variant params) of TRL's policy term. TRL clamps no log-ratio."""
-    from ..loss.policy import PolicyLossSpec
+    from ...loss import PolicyLossSpec
     ratio = "token" if level == "token" else "sequence"
     if loss_type in CLIP_LOSS_TYPES:
         return PolicyLossSpec(ratio, "ppo", log_ratio_clamp=None), {"delta": args.delta}
@@ -234,8 +234,7 @@ class FusedGRPOLoss:
         return None
 
     def _compute_loss(self, model, inputs):
-        from ..loss.kl_penalty import kl_penalty_terms
-        from ..loss.policy import policy_loss
+        from ...loss import kl_penalty_terms, policy_loss
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else \
             completion_mask * inputs["tool_mask"]

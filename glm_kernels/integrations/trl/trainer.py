@@ -66,10 +66,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..loss import fused_linear_icepop_loss
-from ..loss.mismatch import MISMATCH_KEYS
-from .trl_loss import (DEFAULT_MEMORY_BUDGET, LOSS_TYPES, FusedGRPOLoss, check_loss_options,
-                       vllm_is_ratio)
+from ...loss import MISMATCH_KEYS, fused_linear_icepop_loss
+from .loss import (DEFAULT_MEMORY_BUDGET, LOSS_TYPES, FusedGRPOLoss, check_loss_options,
+                   vllm_is_ratio)
 
 __all__ = ["FusedGRPOTrainer", "IcePopGRPOTrainer", "IcePopGRPOConfig", "generate_with_logprobs",
            "INSTALL_HINT", "LOSS_TYPES", "SUPPORTED_LOSS_TYPES"]

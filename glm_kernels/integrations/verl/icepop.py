@@ -53,11 +53,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..loss import mismatch_metrics, policy_loss
-from ..loss.mismatch import MISMATCH_KEYS
-from .verl_losses import (AGG_MODES, INSTALL_HINT, POLICY_LOSSES, VERL_LOSS_NAMES, check_inputs,
-                          clip_ranges, dual_clip, field, reduction_kwargs, register_all,
-                          verl_core)
+from ...loss import MISMATCH_KEYS, mismatch_metrics, policy_loss
+from .losses import (AGG_MODES, INSTALL_HINT, POLICY_LOSSES, VERL_LOSS_NAMES, check_inputs,
+                     clip_ranges, dual_clip, field, reduction_kwargs, register_all, verl_core)
 
 __all__ = ["icepop_policy_loss", "register", "register_all", "gate_bounds", "LOSS_NAME",
            "INSTALL_HINT", "POLICY_LOSSES", "VERL_LOSS_NAMES", "AGG_MODES"]

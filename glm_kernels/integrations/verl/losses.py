@@ -49,8 +49,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..loss import clip_cov_selection, kl_cov_selection, policy_loss
-from .verl_rollout_correction import field, rollout_correction
+from ...loss import clip_cov_selection, kl_cov_selection, policy_loss
+from .rollout_correction import field, rollout_correction
 
 __all__ = ["VERL_LOSS_NAMES", "POLICY_LOSSES", "PREFIX", "register_all", "AGG_MODES"]
 

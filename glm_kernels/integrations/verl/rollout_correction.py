@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..loss._policy_reference import _and_bits, keep_bits
+from ..._bits import and_bits, keep_bits
 
 __all__ = ["rollout_correction"]
 
@@ -53,7 +53,7 @@ class _Masked:
 
     def keep(self, values: torch.Tensor) -> torch.Tensor:
         if values.dtype == torch.float32:
-            return _and_bits(values.contiguous(), self.bits)
+            return and_bits(values.contiguous(), self.bits)
         return torch.where(self.mask, values, 0.0)
 
     def sum(self, values, axis=None):

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _dispatch
+from ... import _dispatch
 
 
 check_bool = _dispatch.check_bool     # one helper for every public flag

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _logits_reference as ref
+from . import softmax as ref
 
 NEG_INF = float("-inf")
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .. import _dispatch
+from ... import _dispatch
 from . import _reference
 
 OPD_FORMS = ("log_ratio", "kl_penalty")

@@ -4,92 +4,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._aot import AotSpec
+from ..._aot import AotSpec
+from ..._dispatch import triton_version
+from .._common.tiles import (icepop_token_math, is_finite, load_row_tile, load_z, lse_tile,
+                             store_grad_tile, store_softmax_grad_tile, sum_exp, target_logit)
 
 # Order of the per-program statistics row written by _icepop_fwd_kernel (the ratio columns
 # over M: masked tokens whose log-probs are all finite).
 STAT_LOSS_SUM, STAT_MASKED, STAT_POPPED, STAT_CLIPPED, STAT_RATIO_SUM, STAT_RATIO_MAX, \
     STAT_RATIO_MIN, STAT_RATIO_COUNT = range(8)
 NUM_STATS = 8
-
-
-@triton.jit
-def is_finite(x):
-    """Neither NaN nor +-inf (NaN fails the comparison)."""
-    return tl.abs(x) < float("inf")
-
-
-@triton.jit
-def icepop_gate(gate_log_ratio, masked, train_ok, gate_low, gate_high, WEIGHTED: tl.constexpr):
-    """The IcePop gate on a tile (fp32): (keep, in_gate, gate_ratio, weight).
-
-    gate_ratio = exp(clamp(gate_log_ratio, -20, 20)); in_gate: gate_low <= ratio <= gate_high
-    (a NaN ratio fails both: popped); keep = masked & in_gate & train_ok. weight: the ratio
-    (decoupled, WEIGHTED) or 1 on kept tokens, exactly 0 elsewhere. Shared by every kernel that
-    composes the gate (IcePop's own and the policy-loss family's).
-    """
-    # A NaN log-ratio stays NaN through the clamp, as with torch.clamp (by default tl.clamp
-    # may return an end of the range for NaN).
-    gate_ratio = tl.exp(tl.clamp(gate_log_ratio, -20.0, 20.0, propagate_nan=tl.PropagateNan.ALL))
-    in_gate = (gate_ratio >= gate_low) & (gate_ratio <= gate_high)
-    keep = masked & in_gate & train_ok
-    if WEIGHTED:
-        weight = tl.where(keep, gate_ratio, 0.0)
-    else:
-        weight = tl.where(keep, 1.0, 0.0)
-    return keep, in_gate, gate_ratio, weight
-
-
-@triton.jit
-def ppo_clip_term(ratio, adv, clip_low, clip_high):
-    """PPO's clipped surrogate on a tile: (max(u, c), u, c, branch_cut) with u = -ratio A,
-    c = -clip(ratio, clip_low, clip_high) A and branch_cut = c > u (the clipped branch is
-    strictly active). Shared by IcePop's kernel and the policy-loss family's."""
-    unclipped = -ratio * adv
-    clipped_term = -tl.clamp(ratio, clip_low, clip_high) * adv
-    return tl.maximum(unclipped, clipped_term), unclipped, clipped_term, clipped_term > unclipped
-
-
-@triton.jit
-def icepop_token_math(lp, rollout, base, adv, masked, train_ok, gate_low, gate_high, clip_low,
-                      clip_high, dual_clip, HAS_OLD: tl.constexpr, DUAL_CLIP: tl.constexpr):
-    """IcePop for a tile of tokens (all fp32); shared by every kernel that fuses the loss.
-
-    coupled:   rho = exp(lp - rollout), l = 1[lo<=rho<=hi] * max(-rho A, -clip(rho) A)
-    decoupled: k = exp(old - rollout), r = exp(lp - old),
-               l = k 1[lo<=k<=hi] * max(-r A, -clip(r) A)
-    DUAL_CLIP: for A < 0 the PPO term max(...) is capped at -dual_clip A (a constexpr: the
-    kernels without it keep their registers; at 16 tokens a thread the cap costs ~2 more each)
-    ``base`` is old (decoupled) or rollout (coupled); ``train_ok``: the train-side log-probs
-    (lp, and old when decoupled) are finite. Returns
-    (loss, dloss/dlp, in_gate, keep, branch_cut, gate_ratio); popped, unmasked and train-side
-    non-finite tokens get exactly 0 in loss and gradient.
-    """
-    if HAS_OLD:
-        gate_log_ratio = base - rollout
-    else:
-        gate_log_ratio = lp - rollout
-    keep, in_gate, gate_ratio, weight = icepop_gate(gate_log_ratio, masked, train_ok, gate_low,
-                                                    gate_high, HAS_OLD)
-    # Popped tokens take zeros before any arithmetic: inf/NaN never reach loss or gradient.
-    log_ratio = tl.where(keep, lp, 0.0) - tl.where(keep, base, 0.0)
-    log_ratio_in_range = (log_ratio >= -20.0) & (log_ratio <= 20.0)
-    ratio = tl.exp(tl.clamp(log_ratio, -20.0, 20.0))
-    adv = tl.where(keep, adv, 0.0)
-    ppo_term, unclipped, clipped_term, branch_cut = ppo_clip_term(ratio, adv, clip_low,
-                                                                  clip_high)
-    # Ties (ratio inside the clip band) take the unclipped branch's full gradient, as autograd
-    # of max(u, c) does when c == u there; the clamp of the log-ratio passes its ends; a
-    # capped term is a constant.
-    cut = branch_cut | (~log_ratio_in_range)
-    if DUAL_CLIP:
-        dual_bound = -dual_clip * adv
-        dual_cut = (adv < 0.0) & (ppo_term > dual_bound)
-        ppo_term = tl.where(dual_cut, dual_bound, ppo_term)
-        cut = cut | dual_cut
-    loss = weight * ppo_term
-    grad = tl.where(cut, 0.0, -weight * ratio * adv)
-    return loss, grad, in_gate, keep, branch_cut, gate_ratio
 
 
 @triton.jit
@@ -194,4 +118,202 @@ def _icepop_aot_specs():
     return specs
 
 
-AOT_SPECS = _icepop_aot_specs()
+
+@triton.jit
+def _icepop_logits_kernel(
+    # inputs: logits [N, V]; per token [N]: ids, rollout, old, advantages, mask, reduction scale
+    logits_ptr, ids_ptr, rollout_ptr, old_ptr, adv_ptr, mask_ptr, scale_ptr,
+    # outputs: dL/dlogits [N, V] (may alias logits_ptr), IcePop stats rows [N, 8], flag [1],
+    # with METRICS the train-side log-prob lp [N] (the mismatch metrics' input)
+    grad_ptr, rows_ptr, flag_ptr, lp_ptr,
+    # shapes and runtime floats
+    n_rows, V, stride_row, stride_grad, inv_temp, gate_low, gate_high, clip_low, clip_high,
+    dual_clip, HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, STORE_GRAD: tl.constexpr,
+    METRICS: tl.constexpr, DUAL_CLIP: tl.constexpr, ROW_TILES: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """log-prob, IcePop loss and dL/dlogits of whole rows, one fused pass, persistent grid.
+
+    ROW_TILES = 1..3 (V <= ROW_TILES * BLOCK_V): the row is read once and stays in registers
+    (in its storage dtype) until its gradient is written. ROW_TILES = 0: the row is streamed, and
+    a second sweep re-reads it right after the first one (the persistent grid keeps few rows in
+    flight so that sweep mostly hits L2). dL/dz = scale * dl/dlp * (onehot - softmax); the
+    stats row has the layout of _kernels._icepop_fwd_kernel's; METRICS also stores each row's
+    lp (one value a row: the mismatch metrics are computed from it, never from the logits).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        base = logits_ptr + row * stride_row
+        tid = tl.load(ids_ptr + row)
+        # Every warp reads the target logit before the row's first cross-warp reduction (a
+        # barrier): with grad aliasing logits, no warp can then see a column another warp has
+        # already overwritten with its gradient.
+        z_t, valid, owned = target_logit(base, tid, 0, V, V, flag_ptr, inv_temp)
+        if ROW_TILES == 0:
+            m = tl.full([], float("-inf"), tl.float32)
+            s = tl.zeros([], tl.float32)
+            for start in range(0, V, BLOCK_V):
+                m, s = lse_tile(m, s, load_z(base, start + tl.arange(0, BLOCK_V), V,
+                                               inv_temp))
+        else:
+            x0, cols0 = load_row_tile(base, 0, V, BLOCK_V)
+            m = tl.max(x0.to(tl.float32), axis=0)
+            if ROW_TILES >= 2:
+                x1, cols1 = load_row_tile(base, 1, V, BLOCK_V)
+                m = tl.maximum(m, tl.max(x1.to(tl.float32), axis=0))
+            if ROW_TILES >= 3:
+                x2, cols2 = load_row_tile(base, 2, V, BLOCK_V)
+                m = tl.maximum(m, tl.max(x2.to(tl.float32), axis=0))
+            m = m * inv_temp                                  # inv_temp > 0
+            s = sum_exp(x0, inv_temp, m)
+            if ROW_TILES >= 2:
+                s += sum_exp(x1, inv_temp, m)
+            if ROW_TILES >= 3:
+                s += sum_exp(x2, inv_temp, m)
+        lse = m + tl.log(s)
+        lp = tl.where(valid, z_t - lse, float("nan"))
+
+        rollout = tl.load(rollout_ptr + row).to(tl.float32)
+        adv = tl.load(adv_ptr + row).to(tl.float32)
+        if HAS_MASK:
+            masked = tl.load(mask_ptr + row) != 0
+        else:
+            masked = valid | (~valid)
+        if HAS_OLD:
+            base_lp = tl.load(old_ptr + row).to(tl.float32)
+            train_ok = is_finite(lp) & is_finite(base_lp)
+        else:
+            base_lp = rollout
+            train_ok = is_finite(lp)
+        loss, dl_dlp, in_gate, keep, branch_cut, gate_ratio = icepop_token_math(
+            lp, rollout, base_lp, adv, masked, train_ok, gate_low, gate_high, clip_low,
+            clip_high, dual_clip, HAS_OLD, DUAL_CLIP)
+
+        # The ratio statistics describe M: masked tokens whose log-probs are all finite.
+        counted = masked & train_ok & is_finite(rollout)
+        stats = rows_ptr + row * 8
+        tl.store(stats + 0, loss)
+        tl.store(stats + 1, masked.to(tl.float32))
+        tl.store(stats + 2, (masked & train_ok & ~in_gate).to(tl.float32))
+        tl.store(stats + 3, (keep & branch_cut).to(tl.float32))
+        tl.store(stats + 4, tl.where(counted, gate_ratio, 0.0))
+        tl.store(stats + 5, tl.where(counted, gate_ratio, float("-inf")))
+        tl.store(stats + 6, tl.where(counted, gate_ratio, float("inf")))
+        if METRICS:
+            tl.store(lp_ptr + row, lp)
+        tl.store(stats + 7, counted.to(tl.float32))
+
+        if STORE_GRAD:
+            coef = dl_dlp * tl.load(scale_ptr + row) * inv_temp
+            out = grad_ptr + row * stride_grad
+            if ROW_TILES == 0:
+                for start in range(0, V, BLOCK_V):
+                    cols = start + tl.arange(0, BLOCK_V)
+                    store_grad_tile(out, load_z(base, cols, V, inv_temp), cols, V, tid, lse,
+                                     coef)
+            else:
+                store_softmax_grad_tile(out, x0, cols0, V, inv_temp, lse, coef)
+                if ROW_TILES >= 2:
+                    store_softmax_grad_tile(out, x1, cols1, V, inv_temp, lse, coef)
+                if ROW_TILES >= 3:
+                    store_softmax_grad_tile(out, x2, cols2, V, inv_temp, lse, coef)
+                # Every thread's tile stores are visible before the target column's
+                # gradient coef (1 - p_t) replaces its -coef p_t.
+                tl.debug_barrier()
+                p_t = tl.exp(z_t - lse)
+                g_t = tl.where(coef == 0.0, 0.0, coef * (1.0 - p_t))
+                tl.store(out + tid, g_t.to(out.dtype.element_ty), mask=owned)
+
+
+@triton.jit
+def _scale_kernel(x_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    """x *= factor in place; every program returns at once when factor == 1 (the usual
+    grad_output of a scalar loss), so the common case costs a launch, not a pass over x."""
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(x_ptr + offs, mask=inside).to(tl.float32)
+        tl.store(x_ptr + offs, (x * factor).to(x_ptr.dtype.element_ty), mask=inside)
+
+
+def icepop_logits_maxnreg(row_tiles: int):
+    """The register cap of a fused IcePop launch (None: ptxas's choice). Triton 3.6's code for
+    the streamed plan gets 48 registers from ptxas and one spilled value (an 8 B stack, fp32,
+    sm_90 AOT); capped at 128 it takes 64 and spills nothing. Triton >= 3.7: no cap needed."""
+    return 128 if row_tiles == 0 and triton_version() < (3, 7) else None
+
+
+def icepop_logits(logits, ids, rollout, old, adv, mask, scale, grad, rows, flag, lp, *,
+                  inv_temp, gate_low, gate_high, clip_low, clip_high, block_v, row_tiles,
+                  num_warps, max_programs, dual_clip=None):
+    """row_tiles 0: streamed rows (tile block_v); 1..3: rows held in that many register
+    tiles of block_v columns (V <= row_tiles * block_v). ``rows`` [N, 8] receives the stats;
+    ``lp`` [N] (or None: no metrics) each row's log-prob."""
+    n, v = logits.shape
+    if n == 0:
+        return
+    store_grad = grad is not None
+    _icepop_logits_kernel[(min(n, max_programs),)](
+        logits, ids, rollout, rollout if old is None else old, adv,
+        ids if mask is None else mask, scale, grad if store_grad else logits, rows, flag,
+        rows if lp is None else lp,
+        n, v, logits.stride(0), grad.stride(0) if store_grad else 0, inv_temp, gate_low,
+        gate_high, clip_low, clip_high, 1.0 if dual_clip is None else dual_clip,
+        HAS_OLD=old is not None, HAS_MASK=mask is not None, STORE_GRAD=store_grad,
+        METRICS=lp is not None, DUAL_CLIP=dual_clip is not None, ROW_TILES=row_tiles,
+        BLOCK_V=block_v, num_warps=num_warps, maxnreg=icepop_logits_maxnreg(row_tiles))
+
+
+def scale_inplace(x, factor, *, block=4096, num_warps=4):
+    n = x.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, block),)](x, factor, n, BLOCK=block, num_warps=num_warps)
+
+
+# --------------------------------------------------------------------------- AOT configurations
+# The fused IcePop-from-logits kernel's (row_tiles, BLOCK_V, warps) plans per dtype below
+# (the largest on-chip rows that compile without spills: bf16 up to 3 x 8192 columns at 32
+# warps, fp32 up to 16384).
+ROW_PLANS = {
+    "bf16": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (3, 8192, 32)),
+    "fp32": ((0, 4096, 8), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16)),
+}
+
+
+def _icepop_logits_aot_specs():
+    specs = []
+    for dt in ("bf16", "fp32"):
+        for row_tiles, block, warps in ROW_PLANS[dt]:
+            sig = {"logits_ptr": f"*{dt}", "ids_ptr": "*i64", "rollout_ptr": "*fp32",
+                   "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8",
+                   "scale_ptr": "*fp32", "grad_ptr": f"*{dt}", "rows_ptr": "*fp32",
+                   "flag_ptr": "*i32", "lp_ptr": "*fp32", "n_rows": "i32", "V": "i32",
+                   "stride_row": "i64",
+                   "stride_grad": "i64", "inv_temp": "fp32", "gate_low": "fp32",
+                   "gate_high": "fp32", "clip_low": "fp32", "clip_high": "fp32",
+                   "dual_clip": "fp32", "HAS_OLD": "constexpr", "HAS_MASK": "constexpr",
+                   "STORE_GRAD": "constexpr", "METRICS": "constexpr", "DUAL_CLIP": "constexpr",
+                   "ROW_TILES": "constexpr", "BLOCK_V": "constexpr"}
+            # (old, metrics, dual clip): the three-tile plan runs closest to the register cap
+            # (64 at 32 warps): its decoupled variants are compiled too.
+            variants = [(False, False, False), (False, True, False), (False, True, True)]
+            if row_tiles == 3:
+                variants += [(True, False, False), (True, True, False), (True, True, True)]
+            for has_old, metrics, dual in variants:
+                specs.append(AotSpec(
+                    f"icepop_logits[{dt},row_tiles={row_tiles},BLOCK_V={block},"
+                    f"metrics={metrics}{',old' if has_old else ''}{',dual' if dual else ''}]",
+                    _icepop_logits_kernel, sig,
+                    {"HAS_OLD": has_old, "HAS_MASK": True, "STORE_GRAD": True,
+                     "METRICS": metrics, "DUAL_CLIP": dual, "ROW_TILES": row_tiles,
+                     "BLOCK_V": block},
+                    num_warps=warps, maxnreg=icepop_logits_maxnreg(row_tiles)))
+    for dt in ("bf16", "fp32"):
+        specs.append(AotSpec(f"scale_inplace[{dt}]", _scale_kernel,
+                             {"x_ptr": f"*{dt}", "factor_ptr": "*fp32", "n": "i64",
+                              "BLOCK": "constexpr"}, {"BLOCK": 4096}, num_warps=4))
+    return specs
+
+
+AOT_SPECS = _icepop_aot_specs() + _icepop_logits_aot_specs()

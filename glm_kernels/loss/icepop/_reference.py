@@ -39,7 +39,9 @@ from typing import Dict
 
 import torch
 
-from .mismatch import mismatch_from_tokens
+from .._common.invariant import row_logsumexp
+from .._common.softmax import scaled_fp32, selective_logprobs_reference, softmax_grad_of_z
+from ..mismatch import mismatch_from_tokens
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -202,27 +204,40 @@ def icepop_loss_reference(logprobs, rollout_logprobs, advantages, loss_mask=None
     return loss, metrics
 
 
-def group_advantages_reference(rewards: torch.Tensor, group_size: int,
-                               eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: (r - mean_g) / (std_g + eps) per contiguous group; a flat group gets 0."""
-    grouped = rewards.float().reshape(-1, group_size)
-    mean = grouped.mean(-1, keepdim=True)
-    if group_size > 1:
-        std = grouped.std(-1, keepdim=True)          # unbiased, like torch.std
-    else:
-        std = torch.zeros_like(mean)
-    flat = grouped.amax(-1, keepdim=True) == grouped.amin(-1, keepdim=True)
-    adv = torch.where(flat, 0.0, (grouped - mean) / (std + eps))
-    return adv.reshape(rewards.shape)
+def icepop_loss_from_logits_reference(logits, token_ids, rollout_logprobs, advantages,
+                                      loss_mask=None, *, temperature=1.0, **icepop_kwargs):
+    """icepop_loss_reference of the reference log-probs (fp32 log_softmax + gather)."""
+    lp = selective_logprobs_reference(logits, token_ids, temperature)
+    return icepop_loss_reference(lp, rollout_logprobs, advantages, loss_mask, **icepop_kwargs)
 
 
-def opd_advantages_reference(student_logprobs, teacher_logprobs, *, form, advantages=None,
-                             coef=1.0):
-    """On-policy distillation advantages (no gradient flows through them)."""
-    student = student_logprobs.detach().float()
-    teacher = teacher_logprobs.detach().float()
-    if form == "log_ratio":
-        return teacher - student
-    if advantages.shape != student.shape:
-        advantages = advantages.unsqueeze(-1).expand_as(student)
-    return advantages.detach().float() - coef * (student - teacher)
+def fused_linear_icepop_loss_reference(hidden, weight, token_ids, rollout_logprobs, advantages,
+                                       loss_mask=None, *, temperature=1.0, **icepop_kwargs):
+    """The same loss from the last hidden states: logits = hidden @ weight^T in fp32."""
+    logits = hidden.float() @ weight.float().t()
+    return icepop_loss_from_logits_reference(logits, token_ids, rollout_logprobs, advantages,
+                                             loss_mask, temperature=temperature,
+                                             **icepop_kwargs)
+
+
+def icepop_logits_rows(logits, token_ids, rollout, old, adv, mask, scale, *, inv_temp, gate_low,
+                       gate_high, eps_low, eps_high, need_grad, dual_clip=None):
+    """The fused op in torch: (dL/dlogits [N, V] fp32 or None, IcePop stats rows [N, 8],
+    log-probs [N] fp32).
+
+    ``scale`` [N] is the reduction's factor per token; rows follow the layout of the IcePop
+    kernel's per-program statistics (loss, masked, popped, clipped, ratio sum/max/min, count).
+    """
+    z = scaled_fp32(logits, inv_temp)
+    lse = row_logsumexp(z)
+    lp = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - lse
+    kwargs = dict(old_logprobs=old, gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
+                  eps_high=eps_high, dual_clip=dual_clip)
+    loss, popped, clipped, gate_ratio, masked = icepop_token_terms(lp, rollout, adv, mask,
+                                                                   **kwargs)
+    rows = icepop_stats_rows(loss, popped, clipped, gate_ratio, masked,
+                             ratio_counted(masked, lp, rollout, old))
+    if not need_grad:
+        return None, rows, lp
+    coef = icepop_token_grad(lp, rollout, adv, mask, **kwargs) * scale
+    return softmax_grad_of_z(z, token_ids, lse, None, coef, None, inv_temp, 0), rows, lp

@@ -32,14 +32,23 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _dispatch
-from . import _logits_reference as ref
-from . import _checks
+from ... import _dispatch
+from . import _reference as ref
+from .._common import checks as _checks
 from .icepop import (_NUM_STATS, _check_hyperparameters, _check_inputs, _stats_from_partials,
                      icepop_loss, icepop_metrics)
-from .mismatch import raise_if_nonfinite
-from .logprobs import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
-                       kernels_or_none, logprobs_rows, prepare_call, rows_2d, run_op)
+from ..mismatch import raise_if_nonfinite
+from ..logprobs import logprobs_rows
+from .._common.launch import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
+                              prepare_call, rows_2d, run_op)
+
+
+def kernels_or_none(backend: str):
+    """This feature's Triton kernel module, or None for the torch backend."""
+    if backend == "torch":
+        return None
+    from . import _kernels
+    return _kernels
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -68,7 +77,8 @@ def icepop_rows_into(grad, logits, token_ids, rollout, old, adv, mask, scale, ro
     (``grad`` may be ``logits`` itself), the IcePop stats rows into ``rows`` [N, 8] fp32 and,
     unless ``lp`` is None, each row's log-prob into ``lp`` [N] fp32 (the metrics' input)."""
     n, v = logits.shape
-    kernels, cfg, flag = prepare_call("icepop_loss_from_logits", logits, token_ids, v)
+    kernels, cfg, flag = prepare_call("icepop_loss_from_logits", logits, token_ids, v,
+                                     kernels_or_none)
     if kernels is None:
         full_grad, torch_rows, torch_lp = ref.icepop_logits_rows(
             logits, token_ids, rollout, old, adv, mask, scale, inv_temp=inv_temp,

@@ -37,10 +37,10 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from .. import _dispatch
-from . import _checks
-from ._policy_torch import lean_icepop
-from .mismatch import mismatch_from_tokens, raise_if_nonfinite
+from ... import _dispatch
+from .._common import checks as _checks
+from ._torch import lean_icepop
+from ..mismatch import mismatch_from_tokens, raise_if_nonfinite
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8

@@ -11,9 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._aot import AotSpec
-from .._dispatch import next_power_of_2
-from ._kl_reference import ABS, K1, K2, K3     # the constexpr KIND codes
+from ..._aot import AotSpec
+from ..._dispatch import next_power_of_2
+from ._reference import ABS, K1, K2, K3
 
 _TILE_TOKENS, _WARPS = 4096, 8
 _MAX_BLOCK_T = 1024

@@ -21,9 +21,9 @@ from typing import Optional, Tuple
 import numpy
 import torch
 
-from .. import _dispatch
-from . import _checks
-from . import _kl_reference as ref
+from ... import _dispatch
+from .._common import checks as _checks
+from . import _reference as ref
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -95,7 +95,7 @@ def _token_pass(log_prob, ref_log_prob, mask, kind_code, straight_through, clamp
                                                         mask)
         return (terms if store_terms else empty,
                 coef.to(coef_dtype) if store_grad else empty, row_loss, row_count)
-    from . import _kl_kernels
+    from . import _kernels as _kl_kernels
     return _kl_kernels.kl_token_pass(
         log_prob, ref_log_prob, mask, kind_code=kind_code, straight_through=straight_through,
         clamp=clamp, store_terms=store_terms, store_grad=store_grad,

@@ -22,9 +22,9 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _dispatch
-from . import _logits_reference as ref
-from ._invariant import row_shift
+from ... import _dispatch
+from .._common import softmax as ref
+from .._common.invariant import row_shift
 
 NEG_INF = float("-inf")
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -27,10 +27,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _dispatch
-from . import _checks
-from .fused_linear import chunk_config, chunked_linear_pass, check_linear_inputs
-from .logprobs import _grad_into, _logprobs_impl, run_op
+from ... import _dispatch
+from .._common import checks as _checks
+from .._common.launch import run_op
+from .._common.linear import check_linear_inputs, chunk_config, chunked_linear_pass
+from .logprobs import _grad_into, _logprobs_impl
 
 # [C, V] fp32 buffers the torch backend's passes hold beside the chunk at their peak (the
 # backward one with the entropy term; _logits_reference.softmax_grad): measured by

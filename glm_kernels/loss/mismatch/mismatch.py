@@ -41,8 +41,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .. import _dispatch
-from . import _checks, _invariant
+from ... import _dispatch
+from .._common import checks as _checks, invariant as _invariant
 
 LOG_RATIO_CLAMP = 20.0
 _EPS = 1e-8                           # verl's masked_mean denominator guard

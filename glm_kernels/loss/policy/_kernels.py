@@ -30,9 +30,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._dispatch import triton_version
-from ._policy_tile import (load_tile, pick_tie, policy_objective, row_bounds,
-                           row_seq_is_weight, seq_is_weight, store_stats, token_terms)
+from ..._dispatch import triton_version
+from ._tile import (load_tile, pick_tie, policy_objective, row_bounds, row_seq_is_weight,
+                    seq_is_weight, store_stats, token_terms)
 
 # Left to itself, ptxas gives some sequence-kernel variants (4 warps) 128 registers and an 8 B
 # stack frame on sm_90 (AOT: GMPO on triton 3.6; GSPO with sequence IS on 3.9); capped at 168
@@ -324,10 +324,10 @@ _MAX_ROW_SPLITS, _PROGRAMS_PER_SM, _INTERPRET_PROGRAMS = 16, 4, 8
 def row_splits(n, num_rows, block, device, interpret):
     """Programs per sequence for token ratios under seq_is: enough for the GPU when the rows
     are few, never more than the mean row's chunks (sizes the host has: no sync)."""
-    from .logprobs import _sm_count
+    from ..._launch import sm_count
     rows = max(num_rows, 1)
     mean_chunks = -(-n // (rows * block))
-    target = _INTERPRET_PROGRAMS if interpret else _PROGRAMS_PER_SM * _sm_count(device.index or 0)
+    target = _INTERPRET_PROGRAMS if interpret else _PROGRAMS_PER_SM * sm_count(device.index or 0)
     return max(1, min(mean_chunks, -(-target // rows), _MAX_ROW_SPLITS))
 
 
@@ -379,7 +379,7 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
 def _policy_aot_specs():
     """The GPU launches of the presets (bf16 log-probs, mask, decoupled gate and token
     weights: the most inputs a launch reads), at the block sizes loss/policy.py uses."""
-    from .._aot import AotSpec
+    from ..._aot import AotSpec
     floats = ("gate_low", "gate_high", "log_clamp", "clip_low", "clip_high", "eps_low",
               "eps_high", "dual_clip", "p0", "p1", "p2", "p3")
     base = {"lp_ptr": "*bf16", "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8",

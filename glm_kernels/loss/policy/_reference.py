@@ -14,7 +14,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._policy_spec import PolicyLossSpec
+from ..._bits import and_bits, keep_bits
+from ._spec import PolicyLossSpec
 
 _GATE_LOG_CLAMP = 20.0                 # the IcePop gate's log-ratio clamp (loss/icepop.py)
 _VESPO_LOG_MIN = math.log(1e-8)        # TRL get_gamma_weights' lower clamp
@@ -69,16 +70,6 @@ class Rows:
         return per_row[self.seg_id]
 
 
-def keep_bits(mask: torch.Tensor) -> torch.Tensor:
-    """int32 [N]: all ones where ``mask`` (bool) holds, 0 elsewhere: the operand of
-    :func:`keep`."""
-    return mask.to(torch.int32).neg_()
-
-
-def _and_bits(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    return torch.bitwise_and(x.view(torch.int32), bits).view(torch.float32)
-
-
 class _Keep(torch.autograd.Function):
     """fp32 ``torch.where(mask, x, 0.0)``, forward and backward, as a bitwise AND with
     :func:`keep_bits`: all ones keeps the value (NaN and inf included), 0 gives +0.0 whatever
@@ -88,12 +79,12 @@ class _Keep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bits):
         ctx.save_for_backward(bits)
-        return _and_bits(x, bits)
+        return and_bits(x, bits)
 
     @staticmethod
     def backward(ctx, grad):
         (bits,) = ctx.saved_tensors
-        return _and_bits(grad.float(), bits), None
+        return and_bits(grad.float(), bits), None
 
 
 class _KeepGrad(torch.autograd.Function):
@@ -108,12 +99,12 @@ class _KeepGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (bits,) = ctx.saved_tensors
-        return _and_bits(grad.float(), bits), None
+        return and_bits(grad.float(), bits), None
 
 
 def keep(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 [N] ``x`` where ``bits`` are all ones, +0.0 elsewhere (differentiable)."""
-    return _Keep.apply(x, bits) if x.requires_grad else _and_bits(x, bits)
+    return _Keep.apply(x, bits) if x.requires_grad else and_bits(x, bits)
 
 
 def gate_weights(lp, old, rollout, mask, gate: Optional[str], gate_low: float,
@@ -313,7 +304,7 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
             clipped_tokens = (log_ratio.detach() != clipped.detach()) & mask
             stats = {"pg_clipfrac": (clipped_tokens & (adv > 0)).sum() / denom,
                      "pg_clipfrac_lower": (clipped_tokens & (adv < 0)).sum() / denom,
-                     "ppo_kl": -_and_bits(raw_log_ratio.detach(), keep_bits(mask)).sum() / denom}
+                     "ppo_kl": -and_bits(raw_log_ratio.detach(), keep_bits(mask)).sum() / denom}
     else:
         factor = weight if (tw is None or spec.objective == "vespo") else (
             tw if weight is None else weight * tw)
@@ -364,7 +355,7 @@ def policy_loss_reference(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, 
                     return zero
                 if ind[key].dtype == torch.bool:          # indicators: finite by construction
                     return (ind[key] & mask).sum() / denom
-                return _and_bits(ind[key], mask_bits).sum() / denom
+                return and_bits(ind[key], mask_bits).sum() / denom
             stats = {"pg_clipfrac": mean("clip"), "pg_clipfrac_lower": mean("clip_lower"),
                      "ppo_kl": mean("kl")}
             if spec.objective == "vespo":

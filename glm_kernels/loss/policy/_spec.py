@@ -9,7 +9,7 @@ floats: changing a value never recompiles.
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .. import _dispatch
+from ... import _dispatch
 
 RATIOS = ("token", "sequence_stopgrad", "sequence", "geo_mean", "sequence_sum")
 OBJECTIVES = ("ppo", "cispo", "sapo", "reinforce", "dppo_tv", "dppo_kl", "dro", "clip_cov",

@@ -5,7 +5,7 @@ the stats row."""
 import triton
 import triton.language as tl
 
-from ._kernels import icepop_gate, ppo_clip_term
+from .._common.tiles import icepop_gate, ppo_clip_term
 
 # 20.0 = verl rollout_corr_helper.SAFETY_BOUND (loss/sequence_is.py): the sequence IS
 # log-weight's clamp

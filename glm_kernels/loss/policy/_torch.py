@@ -31,15 +31,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._policy_reference import Rows, _and_bits, gate_weights, keep_bits
-from ._policy_spec import PolicyLossSpec
+from ..._bits import and_bits, keep_bits
+from ._reference import Rows, gate_weights
+from ._spec import PolicyLossSpec
 
 LEAN_OBJECTIVES = ("reinforce", "dro", "sapo", "cispo", "dppo_tv", "dppo_kl", "ppo", "clip_cov",
                    "kl_cov")
-_GATE_CLAMP = 20.0          # IcePop's log-ratio clamp before exp (loss/_reference.py)
-# A gate strictly inside these bounds pops every token whose gated log-ratio reaches the
-# clamp (a factor 2 of margin over e^-+20 for the fp32 rounding of exp and of the bounds).
-_GATE_MIN, _GATE_MAX = 2.0 * math.exp(-_GATE_CLAMP), 0.5 * math.exp(_GATE_CLAMP)
 
 
 def seq_row_scale(row_tokens: torch.Tensor, reduction: str, denominator, norm_length):
@@ -86,7 +83,7 @@ class _LossWithCoefficients(torch.autograd.Function):
 
 
 def _and_bits_(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """``_and_bits`` in place, on a tensor this path made (no [N] allocation: ~40 % of the
+    """``and_bits`` in place, on a tensor this path made (no [N] allocation: ~40 % of the
     AND's time at 32K tokens on the CPU)."""
     x.view(torch.int32).bitwise_and_(bits)
     return x
@@ -175,7 +172,7 @@ def _gspo_objective(spec, lp, old, adv, tw, mask, rows: Rows, band):
     that ratio."""
     raw = lp - old
     row_tokens = rows.sum(mask.float()).clamp(min=1.0)
-    seq_log = rows.spread(rows.sum(_and_bits(raw, keep_bits(mask))) / row_tokens)
+    seq_log = rows.spread(rows.sum(and_bits(raw, keep_bits(mask))) / row_tokens)
     smax = spec.seq_log_ratio_max
     inside = None
     if smax is not None:
@@ -277,7 +274,7 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
         grad_bits = bits if grad_keep is None else keep_bits(live & grad_keep)
         coef = _and_bits_(dl * (factor if token_scale is None else token_scale), grad_bits)
     if linear:                       # one dot product, no per-token loss tensor
-        lp_live = _and_bits(lp, bits)
+        lp_live = and_bits(lp, bits)
         value = coef * lp_live if reduction == "none" else torch.dot(coef, lp_live)
     elif reduction == "none":                           # +0.0 where dropped, as the grad
         value = _and_bits_(loss_t if factor == 1.0 else loss_t * factor, bits)
@@ -290,7 +287,7 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     if need_stats:
         denom = num_masked + 1e-8                      # verl's masked_mean denominator
         zero = torch.zeros((), device=lp.device)
-        masked_log_ratio = _and_bits(log_ratio, keep_bits(mask))
+        masked_log_ratio = and_bits(log_ratio, keep_bits(mask))
         kl = (masked_log_ratio.abs().sum() if spec.objective == "kl_cov"
               else -masked_log_ratio.sum()) / denom
         clip_lower = zero
@@ -315,111 +312,3 @@ def lean_policy_loss(spec: PolicyLossSpec, lp, old, adv, mask, rows: Rows, *, ep
     return loss, stats
 
 
-def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, eps_high,
-                dual_clip, need_grad, store_loss, need_metrics=True
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch backend of :func:`glm_kernels.icepop_loss`: the vanilla PPO objective (dual
-    clip optional) under the IcePop gate, with IcePop's contract (``loss/_reference.py``: the
-    readable version and the tests' oracle). Flat [N] inputs (``adv`` per token, ``mask``
-    bool / 0-1 or None, ``old`` None = coupled). Returns (per-token loss [N] or [0], per-token
-    d(l m)/d lp [N] or [0], stats [8]: loss sum, masked, popped, clipped, gate-ratio sum /
-    max / min / count over the masked tokens with finite log-probs). ``need_metrics=False``
-    computes the loss sum and the masked count only (the rest NaN): the loss and the
-    gradient are the same bits either way.
-
-    Closed form, no autograd: kept tokens are masked once by a bitwise AND, so a popped,
-    unmasked or non-finite token is exactly 0 (its log-ratio 0, its advantage 0) without a
-    ``where`` per term; the PPO terms -rA and -clip(r)A give the loss (their max), the clip
-    indicator (clipped > unclipped) and, times the decoupled weight, the gradient."""
-    f32 = torch.float32
-    lp, rollout, adv = _f32(lp), _f32(rollout), _f32(adv)
-    old = None if old is None else _f32(old)
-    n = lp.numel()
-    device = lp.device
-    empty = lp.new_empty(0)
-    if n == 0:
-        stats = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -math.inf, math.inf, 0.0],
-                             device=device)
-        return empty, empty, stats
-    masked = None if mask is None else (mask if mask.dtype == torch.bool else mask != 0)
-    # A gate inside (e^-20, e^20) keeps only tokens whose gated log-ratio is finite and
-    # inside the clamp, so both of its log-probs are finite: the train-side finiteness test
-    # is then needed for the metrics (pop_frac counts finite tokens only) and, decoupled,
-    # for lp (not in the gate), not for the loss.
-    gate_finite = gate_low > _GATE_MIN and gate_high < _GATE_MAX
-    # |x| < inf is isfinite(x) (NaN fails it too) in two passes instead of four; one
-    # comparison of the larger |.| covers both train-side tensors.
-    if need_metrics or not gate_finite:
-        train_abs = lp.abs() if old is None else torch.maximum(lp.abs(), old.abs())
-        train_ok = train_abs < math.inf
-    else:
-        train_ok = None if old is None else lp.abs() < math.inf
-    masked_ok = _and_opt(train_ok, masked)
-    base = rollout if old is None else old
-    raw_log_ratio = lp - base                          # the ratio's; coupled, the gate's too
-    gate_log_ratio = raw_log_ratio if old is None else old - rollout
-    if old is not None and gate_finite and not need_metrics:
-        # the clamp changes no gate decision (|log k| > 20 is outside the gate either way)
-        # nor a kept token's k; only the metrics read the clamped k of popped tokens
-        gate_clamped = gate_log_ratio
-    else:
-        gate_clamped = torch.clamp(gate_log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
-    gate_ratio = torch.exp(gate_clamped)
-    # lo <= k <= hi as clamp(k, lo, hi) == k: one comparison (NaN fails it: popped)
-    in_gate = torch.clamp(gate_ratio, gate_low, gate_high) == gate_ratio
-    keep = _and_opt(in_gate, masked_ok)
-    bits = keep_bits(keep)
-    log_ratio = _and_bits(raw_log_ratio, bits)         # 0 off the kept tokens
-    if old is None:
-        # coupled: the ratio is the gate's ratio (the same clamp); 0 off the kept tokens,
-        # where the advantage is 0 too, so every term there is still +-0
-        ratio = _and_bits(gate_ratio, bits)
-        in_range = gate_clamped == raw_log_ratio
-    else:
-        kept_clamped = torch.clamp(log_ratio, -_GATE_CLAMP, _GATE_CLAMP)
-        ratio = torch.exp(kept_clamped)
-        in_range = kept_clamped == log_ratio
-    neg_adv = _and_bits(adv, bits).neg_()               # -A on kept tokens, -0 elsewhere
-    unclipped = ratio * neg_adv
-    clipped_term = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * neg_adv
-    cut = clipped_term > unclipped                      # the clipped branch is active
-    num_clipped = torch.count_nonzero(cut) if need_metrics else None   # kept tokens only
-    per_token = torch.maximum(unclipped, clipped_term)
-    if dual_clip is not None:
-        bound = neg_adv * dual_clip
-        cap = (neg_adv > 0) & (per_token > bound)       # A < 0 and the cap binds
-        per_token = torch.where(cap, bound, per_token)
-        cut |= cap
-    weight = None if old is None else _and_bits(gate_ratio, bits)
-    if weight is not None:
-        per_token = weight * per_token
-    loss_terms = _and_bits(per_token, bits) if store_loss else empty
-    grad = empty
-    if need_grad:
-        slope = unclipped if weight is None else unclipped * weight     # -w r A
-        # the clamp's gradient: 0 where the kept log-ratio lies outside [-20, 20]
-        grad = _and_bits(slope, keep_bits(~cut & in_range))
-    f64 = torch.float64
-    num_masked = (torch.tensor(n, device=device) if masked is None
-                  else torch.count_nonzero(masked))
-    loss_sum = per_token.sum().to(f64)          # fp32 pairwise sum, as the reference's
-    if not need_metrics:
-        known = torch.stack([loss_sum, num_masked.to(f64)]).to(f32)
-        return loss_terms, grad, torch.cat([known, known.new_full((6,), math.nan)])
-    # Ratio statistics over M: masked tokens with finite train-side and rollout log-probs.
-    counted = masked_ok & (rollout.abs() < math.inf)
-    num_counted = torch.count_nonzero(counted)
-    counted_ratio = _and_bits(gate_ratio, keep_bits(counted))    # > 0 on M, 0 elsewhere
-    stats = torch.stack([
-        loss_sum, num_masked.to(f64),
-        (torch.count_nonzero(masked_ok) - torch.count_nonzero(keep)).to(f64),
-        num_clipped.to(f64), counted_ratio.sum(dtype=f64),
-        torch.where(num_counted > 0, counted_ratio.max(), -math.inf).to(f64),
-        torch.where(counted, gate_ratio, math.inf).min().to(f64),
-        num_counted.to(f64)]).to(f32)
-    return loss_terms, grad, stats
-
-
-def _and_opt(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """a & b of optional bool tensors (None: all true)."""
-    return b if a is None else a if b is None else a & b

@@ -30,13 +30,13 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .. import _dispatch
-from . import _checks
-from ._policy_reference import Rows, policy_loss_reference
-from ._policy_torch import lean_applies, lean_policy_loss, seq_row_scale
+from ... import _dispatch
+from .._common import checks as _checks
+from ._reference import Rows, policy_loss_reference
+from ._torch import lean_applies, lean_policy_loss, seq_row_scale
 from .sequence_is import check_seq_is, seq_is_token_weights
-from ._policy_spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec,  # noqa: F401
-                           resolve_params, resolve_variant)
+from ._spec import (GATES, POLICY_VARIANTS, REDUCTIONS, PolicyLossSpec, resolve_params,
+                    resolve_variant)
 
 STATS_KEYS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "pop_frac")
 _DEFAULT_GATE = (0.5, 2.0)
@@ -174,7 +174,7 @@ def _policy_op(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     dual_clip, norm_length, loss_scale, sequence IS mode (0 none, 1 truncate, 2 mask: the
     weight reduced from ``rollout_logprobs`` inside the sequence kernel, which then runs token
     ratios too), its low and high bounds."""
-    from . import _policy_kernels as kernels
+    from . import _kernels as kernels
     log_clamp, seq_max, gate_low, gate_high, eps_low, eps_high, dual, norm_length, \
         loss_scale, seq_is_code, seq_is_low, seq_is_high = floats
     spec = PolicyLossSpec(ratio, objective, log_ratio_clamp=log_clamp or None,

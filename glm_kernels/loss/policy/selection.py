@@ -9,7 +9,7 @@ verl does.
 """
 import torch
 
-from .. import _dispatch
+from ... import _dispatch
 
 
 def _masked_mean(values, mask):

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from .. import _dispatch
-from ._policy_reference import Rows
+from ... import _dispatch
+from ._reference import Rows
 
 SEQ_IS_MODES = ("truncate", "mask")
 _SAFETY_BOUND = 20.0          # verl rollout_corr_helper.SAFETY_BOUND

@@ -8,8 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._aot import AotSpec
-from ._logits_kernels import lse_tile, safe_max
+from ..._aot import AotSpec
+from .._common.tiles import lse_tile, safe_max
 
 
 @triton.jit

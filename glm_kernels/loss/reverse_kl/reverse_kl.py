@@ -16,17 +16,17 @@ from typing import Tuple
 
 import torch
 
-from .. import _dispatch
-from . import _checks
-from . import _logits_reference as ref
-from . import _vocab_parallel
-from .logprobs import make_launch_config, rows_2d, run_op
+from ... import _dispatch
+from .._common import checks as _checks
+from . import _reference as ref
+from .._common import vocab_parallel as _vocab_parallel
+from .._common.launch import make_launch_config, rows_2d, run_op
 
 
 def _kernels_or_none(backend: str):
     if backend == "torch":
         return None
-    from . import _reverse_kl_kernels
+    from . import _kernels as _reverse_kl_kernels
     return _reverse_kl_kernels
 
 
