@@ -1,6 +1,6 @@
 """Compile every registered Triton kernel configuration for sm_90 with no GPU and report it.
 
-For each ``AotSpec`` in ``glm_kernels/*/_kernels.py:AOT_SPECS``: registers per thread,
+For each ``AotSpec`` in ``glm_kernels/**/*_kernels.py:AOT_SPECS``: registers per thread,
 spilled bytes (local memory), static shared memory, whether the SASS issues HGMMA
 (Hopper's warpgroup MMA), and how many global loads/stores are 128-bit (vectorized).
 Pointer arguments carry Triton's 16-byte divisibility hint, as they do at runtime for the
@@ -53,16 +53,14 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def discover_specs():
-    """AOT_SPECS of every ``glm_kernels/<feature>/*_kernels.py`` module."""
+    """AOT_SPECS of every ``*_kernels.py`` module under ``glm_kernels/`` (features and the
+    feature subpackages of ``loss/``), in a stable order."""
     specs = []
-    for feature in pkgutil.iter_modules(glm_kernels.__path__):
-        if not feature.ispkg:
-            continue
-        package = importlib.import_module(f"glm_kernels.{feature.name}")
-        for module_info in pkgutil.iter_modules(package.__path__):
-            if module_info.name.endswith("_kernels"):
-                module = importlib.import_module(f"{package.__name__}.{module_info.name}")
-                specs.extend(getattr(module, "AOT_SPECS", []))
+    for module_info in sorted(pkgutil.walk_packages(glm_kernels.__path__, "glm_kernels."),
+                              key=lambda m: m.name):
+        if not module_info.ispkg and module_info.name.rsplit(".", 1)[1].endswith("_kernels"):
+            module = importlib.import_module(module_info.name)
+            specs.extend(getattr(module, "AOT_SPECS", []))
     return specs
 
 

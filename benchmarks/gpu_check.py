@@ -1,4 +1,4 @@
-"""One-shot GPU check (DESIGN 5): GPU tests, then every benchmark, one JSON per run.
+"""One-shot GPU check (docs/design.md 5): GPU tests, then every benchmark, one JSON per run.
 
     python benchmarks/gpu_check.py --out "$OUT"     # on an H100/H200; under 8 minutes
 

@@ -1,6 +1,6 @@
 """glm_kernels: fused kernels for GLM-5-style RL post-training.
 
-Public API (see README.md and the DESIGN contracts):
+Public API (see README.md and docs/design.md):
     losses      policy_loss (every verl / TRL policy loss; PolicyLossSpec, POLICY_VARIANTS),
                 icepop_loss, icepop_loss_from_logits, fused_linear_icepop_loss,
                 selective_logprobs, fused_linear_logprobs (log-probs and entropy from hidden

@@ -1,6 +1,9 @@
-"""Backend choice and the input-validation helpers every public op shares.
+"""Backend choice and the batch-invariance switch: the two per-call settings every op reads
+(each from an environment variable, overridable per thread in a ``with`` block).
 
-Three backends (DESIGN.md section 2):
+Argument checks live in ``_checks.py``, bounded JSON parsing in ``_json.py``.
+
+Three backends (docs/design.md section 2):
 
 * ``triton``    -- CUDA tensors and Triton importable: the fast path.
 * ``interpret`` -- the same Triton kernels run by Triton's interpreter on CPU tensors:
@@ -22,11 +25,12 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import threading
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import torch
+
+from ._checks import check_bool
 
 BACKENDS = ("torch", "triton", "interpret")
 _ENV = "GLM_KERNELS_BACKEND"
@@ -250,104 +254,3 @@ def select_backend(op: str, *tensors: Optional[torch.Tensor]) -> str:
         warn_once(f"fallback:{op}", f"glm_kernels.{op}: {why}; CUDA tensors use the torch "
                                     "reference (slow path)")
     return "torch"
-
-
-# --------------------------------------------------------------------------- validation
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
-
-
-def check_tensor(name: str, t, *, dtypes: Optional[Sequence[torch.dtype]] = None,
-                 ndim: Optional[Sequence[int]] = None, floating: bool = False) -> torch.Tensor:
-    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a tensor of the expected kind."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if floating and not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {_describe(t)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {_describe(t)}")
-    if ndim is not None and t.dim() not in ndim:
-        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dims, got {_describe(t)}")
-    return t
-
-
-def check_same_shape(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.shape != ref.shape:
-        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, "
-                         f"got {_describe(t)}")
-
-
-def check_same_device(named: dict) -> torch.device:
-    """All non-None tensors in ``named`` on one device; returns it."""
-    devices = {n: t.device for n, t in named.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {listing}")
-    return next(iter(devices.values()))
-
-
-def check_choice(name: str, value, choices: Sequence) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {list(choices)}")
-
-
-def check_finite_number(name: str, value, *, positive: bool = False,
-                        nonnegative: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    if nonnegative and value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
-def check_bool(name: str, value) -> bool:
-    """A real ``bool``: ``'no'`` (truthy), ``1``, ``None`` or ``numpy.bool_`` are refused, since
-    each would silently pick a branch the caller did not write."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r:.40} "
-                        f"({type(value).__name__})")
-    return value
-
-
-# A backslash and the character it escapes, then a whole string (no escapes left inside):
-# both patterns are linear (no alternative can match the same text two ways).
-_JSON_ESCAPE = re.compile(rb"\\.", re.S)
-_JSON_STRING = re.compile(rb'"[^"]*"')
-
-
-def json_nesting_depth(data: bytes) -> int:
-    """The deepest ``[``/``{`` nesting of JSON text, brackets inside strings not counted.
-
-    Linear in ``len(data)`` and not recursive, so it can vet untrusted text before
-    ``json.loads``, whose parser recurses once per level (100,000 ``[`` raise RecursionError)."""
-    import numpy as np
-    skeleton = _JSON_ESCAPE.sub(b"", data) if b"\\" in data else data
-    if b'"' in skeleton:
-        skeleton = _JSON_STRING.sub(b"", skeleton)
-    chars = np.frombuffer(skeleton, dtype=np.uint8)
-    steps = (((chars == ord("[")) | (chars == ord("{"))).astype(np.int32)
-             - ((chars == ord("]")) | (chars == ord("}"))))
-    return int(np.cumsum(steps, dtype=np.int64).max()) if steps.size else 0
-
-
-def json_loads_bounded(data, what: str, *, max_bytes: int, max_depth: int = 32,
-                       error: type = ValueError):
-    """``json.loads(data)`` for untrusted bytes or str: size and nesting are bounded *before* parsing
-    and every failure is one ``error`` naming ``what`` (never a RecursionError)."""
-    import json
-    data = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
-    if len(data) > max_bytes:
-        raise error(f"{what}: {len(data)} bytes of JSON, more than the {max_bytes} allowed")
-    depth = json_nesting_depth(data)
-    if depth > max_depth:
-        raise error(f"{what}: JSON nested {depth} levels deep, more than the {max_depth} "
-                    f"allowed (refused before parsing)")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:   # RecursionError: unreachable after the bound
-        raise error(f"{what}: malformed JSON ({exc})") from None

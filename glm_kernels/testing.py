@@ -5,7 +5,8 @@ the kernels on their own hardware (``assert_close(out, ref, tol=TOLERANCES[dtype
 """
 import torch
 
-# DESIGN 4: fp32 1e-5, tf32 3e-4, bf16 1e-2; fp16 and fp64 (not in DESIGN) are this package's.
+# docs/design.md 4: fp32 1e-5, tf32 3e-4, bf16 1e-2; fp16 and fp64 (not listed there) are
+# this package's.
 TOLERANCES = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2,
               torch.float16: 1e-3, "tf32": 3e-4}
 

@@ -1,5 +1,6 @@
 """Every public op under ``torch.compile(fullgraph=True)`` with the default Inductor backend,
-forward and backward, equal to eager (DESIGN 4), on the torch backend and the Triton kernels.
+forward and backward, equal to eager (docs/design.md 4), on the torch backend and the Triton
+kernels.
 
 Trainers compile their step with Inductor, which (unlike ``aot_eager``) asserts that every
 custom op returns exactly the strides its fake kernel announced and lowers the code around

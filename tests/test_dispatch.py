@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels import _dispatch
+from glm_kernels import _checks, _dispatch
 
 
 def test_cpu_defaults_to_torch():
@@ -43,11 +43,11 @@ def test_fallback_is_logged_once(caplog, monkeypatch):
 
 def test_validation_messages_name_the_argument():
     with pytest.raises(TypeError, match="weights must be a torch.Tensor"):
-        _dispatch.check_tensor("weights", [1, 2])
+        _checks.check_tensor("weights", [1, 2])
     with pytest.raises(ValueError, match="x must have 2 dims"):
-        _dispatch.check_tensor("x", torch.zeros(3), ndim=(2,))
+        _checks.check_tensor("x", torch.zeros(3), ndim=(2,))
     with pytest.raises(ValueError, match="lr must be > 0"):
-        _dispatch.check_finite_number("lr", 0.0, positive=True)
+        _checks.check_finite_number("lr", 0.0, positive=True)
 
 
 @pytest.fixture

@@ -214,7 +214,7 @@ def run_python(code: str, *, timeout_s: float = 3.0, cpu_s: int = 2, memory_mb: 
         No method worked and ``unsafe`` is false; the message says why for each.
     """
     if unsafe is not False:      # the project's flag check imports torch; False needs none
-        from glm_kernels.loss._common.checks import check_bool
+        from glm_kernels._checks import check_bool
         check_bool("unsafe", unsafe)
     if not isinstance(code, str):
         raise TypeError(f"run_python: code must be str, got {type(code).__name__}")

@@ -1,4 +1,4 @@
-"""Delta weight codec (DESIGN 3.5): send only the elements whose bit pattern changed.
+"""Delta weight codec (docs/design.md 3.5): send only the elements whose bit pattern changed.
 
 ``encode(new, old)`` -> ``DeltaPacket``; ``apply_(target, packet)`` in place;
 ``verify(target, packet)`` runs apply_'s checks without writing;

@@ -1,4 +1,4 @@
-"""Readable numpy definition of the delta codec formats (DESIGN 3.5): the test oracle, and
+"""Readable numpy definition of the delta codec formats (docs/design.md 3.5): the test oracle, and
 the host path when the C++ extension ``glm_kernels._host`` is not built.
 
 Every value is handled as its bit pattern (unsigned integer views); there is no

@@ -1,9 +1,9 @@
-"""Delta weight codec: send only the elements whose bit pattern changed (DESIGN 3.5).
+"""Delta weight codec: send only the elements whose bit pattern changed (docs/design.md 3.5).
 
-Backends (DESIGN 2): CUDA tensors run the Triton kernels (``_kernels`` via ``_device``); the
-``interpret`` backend runs the same kernels on CPU tensors; ``torch`` (the CPU default) runs
-the host codec: the C++ extension ``glm_kernels._host``, or numpy when it is not built
-(logged once). Every backend produces the same streams and checksums, bit for bit.
+Backends (docs/design.md 2): CUDA tensors run the Triton kernels (``_kernels`` via
+``_device``); the ``interpret`` backend runs the same kernels on CPU tensors; ``torch`` (the
+CPU default) runs the host codec: the C++ extension ``glm_kernels._host``, or numpy when it
+is not built (logged once). Every backend produces the same streams and checksums, bit for bit.
 
 Not a ``torch.library`` custom op: a packet is a Python object whose size depends on the
 data, so there is nothing for ``torch.compile`` to trace; call it outside compiled regions.
@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import _dispatch
+from .. import _checks, _dispatch
 from . import _device, _host_codec, _safetensors
 from . import _reference as ref
 from ._device import DeltaKernelConfig, default_config
@@ -27,12 +27,12 @@ from .packet import (ENCODINGS, SUPPORTED_DTYPES, DeltaPacket, build_payload, ch
 
 
 def _check_pair(new, old):
-    _dispatch.check_tensor("new", new, dtypes=SUPPORTED_DTYPES)
-    _dispatch.check_tensor("old", old)
-    _dispatch.check_same_shape("old", old, "new", new)
+    _checks.check_tensor("new", new, dtypes=SUPPORTED_DTYPES)
+    _checks.check_tensor("old", old)
+    _checks.check_same_shape("old", old, "new", new)
     if old.dtype != new.dtype:
         raise TypeError(f"old must have dtype {new.dtype} like new, got {old.dtype}")
-    _dispatch.check_same_device(dict(new=new, old=old))
+    _checks.check_same_device(dict(new=new, old=old))
 
 
 def _n_words(numel: int, dtype: torch.dtype) -> int:
@@ -97,7 +97,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
     >>> torch.equal(target.view(torch.int16), new.view(torch.int16))
     True
     """
-    _dispatch.check_choice("encoding", encoding, ENCODINGS)
+    _checks.check_choice("encoding", encoding, ENCODINGS)
     check_zstd_level(zstd_level)
     check_threads(threads)
     _check_pair(new, old)
@@ -105,7 +105,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
         require_zstd()
     if encoding == "int32":
         ref.check_int32_addressable(new.numel())
-    relative = _dispatch.check_bool("relative", relative) and encoding == "zstd"
+    relative = _checks.check_bool("relative", relative) and encoding == "zstd"
     spec = stream_spec(encoding, relative)
     size, n = new.element_size(), new.numel()
     words = _n_words(n, new.dtype)
@@ -141,7 +141,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, encoding: str = "gap16",
 
 
 def _check_target(target, packet):
-    _dispatch.check_tensor("target", target)
+    _checks.check_tensor("target", target)
     check_packet(packet)          # in-memory packets too: nothing unchecked reaches a kernel
     if target.dtype != packet.dtype:
         raise TypeError(f"target has dtype {target.dtype}, the packet is for {packet.dtype}")
@@ -263,7 +263,7 @@ def checksum(t: torch.Tensor, *, threads: int = -1,
     >>> checksum(a) == encode(a, torch.zeros(6)).result_checksum
     True
     """
-    _dispatch.check_tensor("t", t, dtypes=SUPPORTED_DTYPES)
+    _checks.check_tensor("t", t, dtypes=SUPPORTED_DTYPES)
     check_threads(threads)
     words = _n_words(t.numel(), t.dtype)
     if _dispatch.select_backend("delta.checksum", t) == "torch":

@@ -1,4 +1,4 @@
-"""DeltaPacket and its self-describing wire format (DESIGN 3.5).
+"""DeltaPacket and its self-describing wire format (docs/design.md 3.5).
 
 Wire layout, format version 2 (little-endian)::
 

@@ -55,7 +55,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import _dispatch
+from .. import _checks
 from ..muon.ns import NSConfig
 from ..muon.optimizer import MuonSplit
 from ..muon.split import HeadSplit, head_splits_from_config
@@ -173,19 +173,19 @@ def _config_to_kwargs(config, model_chunks, pg_collection) -> dict:
         raise ValueError(f"muon_scalar_optimizer={config.muon_scalar_optimizer!r}: "
                          f"optimizer={config.optimizer!r} routes non-matrix parameters to "
                          "Adam only (use muon_scalar_optimizer='adam')")
-    split_qkv = _dispatch.check_bool("muon_split_qkv", config.muon_split_qkv)
-    momentum = _dispatch.check_finite_number("muon_momentum", config.muon_momentum,
+    split_qkv = _checks.check_bool("muon_split_qkv", config.muon_split_qkv)
+    momentum = _checks.check_finite_number("muon_momentum", config.muon_momentum,
                                              nonnegative=True)
     if momentum >= 1:
         raise ValueError(f"muon_momentum must be in [0, 1), got {momentum}")
     return dict(
         lr=config.lr, weight_decay=config.weight_decay, momentum=momentum,
-        nesterov=_dispatch.check_bool("muon_nesterov", config.muon_nesterov),
+        nesterov=_checks.check_bool("muon_nesterov", config.muon_nesterov),
         num_ns_steps=config.muon_num_ns_steps,
         coefficients=coefficient_schedule(config.muon_coefficient_type,
                                           _ns_steps(config.muon_num_ns_steps)),
         scale_mode=config.muon_scale_mode,
-        extra_scale_factor=_dispatch.check_finite_number(
+        extra_scale_factor=_checks.check_finite_number(
             "muon_extra_scale_factor", config.muon_extra_scale_factor, nonnegative=True),
         fp32_matmul_prec=config.muon_fp32_matmul_prec, tp_mode=config.muon_tp_mode,
         head_splits=model_head_splits(model_chunks) if split_qkv else {},

@@ -47,7 +47,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import _dispatch, sync
+from .. import _checks, sync
 from ..sync.protocol import DEFAULT_BUCKET_BYTES, Frame, Transport, assemble, pack
 from ..topk.routing_codec import MAX_EXPERTS, check_int, encode_routing
 
@@ -284,7 +284,7 @@ def routed_experts_from_sglang(routed_experts, *, num_tokens: int, num_layers: i
                              f"{layers}")
     n_ids = n_experts
     if physical_to_logical is not None:
-        _dispatch.check_tensor("physical_to_logical", physical_to_logical,
+        _checks.check_tensor("physical_to_logical", physical_to_logical,
                                dtypes=(torch.int64, torch.int32, torch.int16), ndim=(2,))
         if physical_to_logical.shape[0] != num_layers or physical_to_logical.shape[1] < 1:
             raise ValueError(f"physical_to_logical must have shape [num_layers={num_layers}, "

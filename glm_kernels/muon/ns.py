@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _dispatch
+from .. import _checks, _dispatch
 from . import _reference
 from .coefficients import Coefficients, resolve_coefficients
 
@@ -414,8 +414,8 @@ def run_orthogonalize(G: torch.Tensor, num_heads: int, block_rows: Sequence[int]
                       config: Optional[NSConfig]) -> torch.Tensor:
     """Validated entry shared by newton_schulz and muon_split_orthogonalize."""
     schedule = resolve_coefficients(coefficients, steps)
-    _dispatch.check_choice("method", method, METHODS)
-    eps = _dispatch.check_finite_number("eps", eps, nonnegative=True)
+    _checks.check_choice("method", method, METHODS)
+    eps = _checks.check_finite_number("eps", eps, nonnegative=True)
     config = NSConfig() if config is None else config
     if not isinstance(config, NSConfig):
         raise TypeError(f"config must be an NSConfig or None, got {type(config).__name__}")
@@ -474,7 +474,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, *, coefficients: Coefficients
     >>> bool((s > 0.8).all() and (s < 1.2).all())
     True
     """
-    _dispatch.check_tensor("G", G, floating=True)
+    _checks.check_tensor("G", G, floating=True)
     if G.dim() < 2:
         raise ValueError(f"G must have at least 2 dims [*, rows, cols], got shape "
                          f"{tuple(G.shape)}")

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import _dispatch
+from .. import _checks, _dispatch
 from .coefficients import resolve_coefficients
 from .momentum import momentum_update
 from .ns import METHODS, NSConfig, head_block_views, orthogonalize
@@ -107,7 +107,7 @@ class MuonSplit(torch.optim.Optimizer):
                  ns_steps: int = 5, rms_scale: float = 0.2, weight_decay: float = 0.1,
                  adamw_betas: Tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                  adamw_lr: Optional[float] = None):
-        check = _dispatch.check_finite_number
+        check = _checks.check_finite_number
         lr = check("lr", lr, nonnegative=True)
         momentum = check("momentum", momentum, nonnegative=True)
         if momentum >= 1:
@@ -120,7 +120,7 @@ class MuonSplit(torch.optim.Optimizer):
         self._adamw_lr = None if adamw_lr is None else check("adamw_lr", adamw_lr,
                                                              nonnegative=True)
         defaults = dict(lr=lr, momentum=momentum,
-                        nesterov=_dispatch.check_bool("nesterov", nesterov), ns_steps=ns_steps,
+                        nesterov=_checks.check_bool("nesterov", nesterov), ns_steps=ns_steps,
                         rms_scale=check("rms_scale", rms_scale, nonnegative=True),
                         weight_decay=check("weight_decay", weight_decay, nonnegative=True),
                         betas=betas, eps=check("adamw_eps", adamw_eps, positive=True),
@@ -143,9 +143,9 @@ class MuonSplit(torch.optim.Optimizer):
                 raise ValueError(f"{where} mixes matrices and vectors: set use_muon, or build "
                                  "the groups with muon_param_groups(model)")
             param_group["use_muon"] = dims == {True} or not params
-        use_muon = _dispatch.check_bool(f"{where} use_muon", param_group["use_muon"])
+        use_muon = _checks.check_bool(f"{where} use_muon", param_group["use_muon"])
         if "nesterov" in param_group:
-            _dispatch.check_bool(f"{where} nesterov", param_group["nesterov"])
+            _checks.check_bool(f"{where} nesterov", param_group["nesterov"])
         if not use_muon and "lr" not in param_group and self._adamw_lr is not None:
             param_group["lr"] = self._adamw_lr
         if "ns_steps" in param_group:
@@ -160,7 +160,7 @@ class MuonSplit(torch.optim.Optimizer):
                 if split is not None:
                     split.for_rows(p.shape[0])          # raises unless whole heads
             resolve_coefficients(param_group.get("ns_coefficients", "jordan"), 1)
-            _dispatch.check_choice("ns_method", param_group.get("ns_method", "standard"),
+            _checks.check_choice("ns_method", param_group.get("ns_method", "standard"),
                                    METHODS)
         super().add_param_group(param_group)
 
@@ -349,10 +349,10 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
     optimizer_class=MuonSplit, lr=..., adamw_lr=...)``). Call it after ``fully_shard``
     for FSDP2 models: the groups then hold the DTensor parameters.
     """
-    _dispatch.check_choice("output_head", output_head, ("adamw", "muon"))
-    _dispatch.check_bool("decay_vectors", decay_vectors)
+    _checks.check_choice("output_head", output_head, ("adamw", "muon"))
+    _checks.check_bool("decay_vectors", decay_vectors)
     adamw = {} if adamw_lr is None else {
-        "lr": _dispatch.check_finite_number("adamw_lr", adamw_lr, nonnegative=True)}
+        "lr": _checks.check_finite_number("adamw_lr", adamw_lr, nonnegative=True)}
     splits = _resolve_head_splits(model, head_splits)
     embedding_ids = {id(p) for module in model.modules()
                      if "Embedding" in type(module).__name__

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import _dispatch
+from .. import _checks
 from .coefficients import Coefficients
 from .ns import NSConfig, run_orthogonalize
 
@@ -79,7 +79,7 @@ def mla_head_splits(num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int
     q_b_proj / linear_q_up_proj: [nope, rope] per head (``split_rope=False``: one block of
     nope + rope rows); kv_b_proj / linear_kv_up_proj: [k_nope, v] per head.
     """
-    split_rope = _dispatch.check_bool("split_rope", split_rope)
+    split_rope = _checks.check_bool("split_rope", split_rope)
     q_rows = [qk_nope_head_dim, qk_rope_head_dim] if split_rope \
         else [qk_nope_head_dim + qk_rope_head_dim]
     q = HeadSplit(num_heads, q_rows)
@@ -140,7 +140,7 @@ def muon_split_orthogonalize(G: torch.Tensor, split: HeadSplit, *, steps: int = 
     >>> torch.allclose(O[3:8], newton_schulz(G[3:8]), atol=1e-5)
     True
     """
-    _dispatch.check_tensor("G", G, floating=True)
+    _checks.check_tensor("G", G, floating=True)
     if not isinstance(split, HeadSplit):
         raise TypeError(f"split must be a HeadSplit, got {type(split).__name__}")
     if G.dim() < 2 or G.shape[-2] != split.rows:

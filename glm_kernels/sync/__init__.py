@@ -1,4 +1,4 @@
-"""Weight sync (DESIGN 3.7): versioned named tensors from a trainer to rollout engines.
+"""Weight sync (docs/design.md 3.7): versioned named tensors from a trainer to rollout engines.
 
 ``Sender(transport, delta=True).publish(named_tensors) -> version`` on the training side;
 ``Receiver(transport, params).receive()/poll()`` on the rollout side, writing in place and

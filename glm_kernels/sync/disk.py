@@ -49,7 +49,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from .. import _dispatch
+from .. import _checks, _dispatch, _json
 from ..delta import _safetensors as st
 from ..delta.packet import check_int
 from .protocol import (DTYPES, KINDS, MAX_VERSION, Entry, SyncError, Transport, TransportError,
@@ -106,7 +106,7 @@ def _read_entries(fd: int, size: int):
     metadata, infos = st.read_header(fd, size, error=SyncError)
     if "glm_sync" not in metadata:
         raise SyncError("no glm_sync metadata: not a file of this transport")
-    meta = _dispatch.json_loads_bounded(metadata["glm_sync"], "glm_sync metadata",
+    meta = _json.json_loads_bounded(metadata["glm_sync"], "glm_sync metadata",
                                         max_bytes=_MAX_META_BYTES, error=SyncError)
     tensors = {name: (st.read_exact(fd, i.nbytes, i.begin, error=SyncError), i.st_dtype,
                       list(i.shape)) for name, i in infos.items()}
@@ -182,7 +182,7 @@ class DiskTransport(Transport):
                  poll_interval: float = 0.05):
         self.full_every = check_int("full_every", full_every, 1)
         self.keep_full = check_int("keep_full", keep_full, 1)
-        self.poll_interval = _dispatch.check_finite_number("poll_interval", poll_interval,
+        self.poll_interval = _checks.check_finite_number("poll_interval", poll_interval,
                                                            positive=True)
         self.path = os.fspath(path)
         os.makedirs(self.path, exist_ok=True)
@@ -219,7 +219,7 @@ class DiskTransport(Transport):
             if size > _MAX_MANIFEST_BYTES:
                 raise TransportError(f"manifest {where} has {size} bytes (more than "
                                      f"{_MAX_MANIFEST_BYTES}): refused")
-            manifest = _dispatch.json_loads_bounded(
+            manifest = _json.json_loads_bounded(
                 st.read_exact(fd, size, 0, error=TransportError).numpy().tobytes(),
                 f"manifest {where}", max_bytes=_MAX_MANIFEST_BYTES, error=TransportError)
         except TransportError:

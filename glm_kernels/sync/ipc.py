@@ -32,6 +32,7 @@ from typing import Iterable, Optional
 import torch
 import torch.multiprocessing as mp
 
+from .. import _checks
 from .protocol import (Entry, Frame, SyncError, Transport, Update, assemble, frame_key, pack)
 
 # (module, name) a frame's pickle may name: torch's own tensor sharing, nothing else.
@@ -132,7 +133,7 @@ class IpcTransport(Transport):
         from .. import _dispatch
         ctx = ctx if ctx is not None else mp.get_context("spawn")
         self.device = device
-        self.frame_timeout = _dispatch.check_finite_number("frame_timeout", frame_timeout,
+        self.frame_timeout = _checks.check_finite_number("frame_timeout", frame_timeout,
                                                            positive=True)
         self.discarded = 0          # frames of partial updates dropped (receiver side)
         self._frames = ctx.Queue()

@@ -1,4 +1,5 @@
-"""Versioned weight-update messages: entries, buckets (frames) and their checks (DESIGN 3.7).
+"""Versioned weight-update messages: entries, buckets (frames) and their checks
+(docs/design.md 3.7).
 
 An *update* moves a receiver from ``base`` to ``version``. ``base is None`` marks a full
 snapshot (accepted by a receiver holding any older version); otherwise the update is a delta and
@@ -45,7 +46,7 @@ from typing import Iterable, Iterator, List, NamedTuple, Optional
 
 import torch
 
-from .. import _dispatch
+from .. import _json
 
 MAGIC = b"GLMS"
 FORMAT_VERSION = 2
@@ -195,7 +196,7 @@ def open_meta(sealed: bytes) -> dict:
                                                "epochs; upgrade it)" if version == 1 else ""))
     if len(body) != length or digest(body) != check:
         raise SyncError("corrupt frame meta: length or checksum mismatch")
-    meta = _dispatch.json_loads_bounded(body, "frame meta", max_bytes=MAX_META_BYTES,
+    meta = _json.json_loads_bounded(body, "frame meta", max_bytes=MAX_META_BYTES,
                                         max_depth=MAX_META_DEPTH, error=SyncError)
     if not isinstance(meta, dict):
         raise SyncError(f"malformed frame meta: {type(meta).__name__}, expected an object")

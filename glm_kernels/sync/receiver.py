@@ -1,4 +1,4 @@
-"""Rollout side of weight sync: apply versions in place, all or nothing (DESIGN 3.7)."""
+"""Rollout side of weight sync: apply versions in place, all or nothing (docs/design.md 3.7)."""
 from __future__ import annotations
 
 import collections
@@ -6,7 +6,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .. import _dispatch
+from .. import _checks
 from ..delta import DeltaPacket, apply_, verify
 from .protocol import (MAX_VERSION, SyncError, Transport, TransportError, Update, VersionError,
                        byte_view, check_epoch, check_versions, digest, dtype_name)
@@ -69,7 +69,7 @@ class Receiver:
             raise TypeError("params must be a non-empty mapping name -> tensor, got "
                             f"{type(params).__name__}")
         for name, t in params.items():
-            _dispatch.check_tensor(f"params[{name!r}]", t)
+            _checks.check_tensor(f"params[{name!r}]", t)
             if not t.is_contiguous():
                 raise ValueError(f"params[{name!r}] must be contiguous (written in place), "
                                  f"got strides {t.stride()}")
@@ -94,7 +94,7 @@ class Receiver:
         was refused (tensors unchanged; a full snapshot has been requested).
         """
         if timeout is not None:
-            timeout = _dispatch.check_finite_number("timeout", timeout, nonnegative=True)
+            timeout = _checks.check_finite_number("timeout", timeout, nonnegative=True)
         try:
             update = self.transport.recv(self.version, timeout)
             if update is None:

@@ -1,4 +1,5 @@
-"""Training side of weight sync: publish named tensors as numbered versions (DESIGN 3.7)."""
+"""Training side of weight sync: publish named tensors as numbered versions
+(docs/design.md 3.7)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,7 @@ from typing import Dict, Iterator, Mapping, Optional
 
 import torch
 
-from .. import _dispatch
+from .. import _checks, _dispatch
 from ..delta import ENCODINGS, encode
 from ..delta.packet import check_zstd_level, require_zstd
 from .protocol import (DEFAULT_BUCKET_BYTES, MAX_VERSION, Entry, Transport, delta_entry,
@@ -48,7 +49,7 @@ class Sender:
         snapshot) and ``publish(..., full=True)`` send full tensors. Keeps one copy of every
         published tensor (on its device) as the base of the next delta.
     encoding : {"zstd", "gap16", "int32"}, default None
-        Delta packet encoding (DESIGN 3.5). None: "zstd" when the optional ``zstandard``
+        Delta packet encoding (docs/design.md 3.5). None: "zstd" when the optional ``zstandard``
         package is installed, otherwise "gap16" (logged once). An explicit "zstd" without
         ``zstandard`` raises ImportError here, naming the package.
     bucket_bytes : int, default 64 MiB
@@ -87,10 +88,10 @@ class Sender:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a glm_kernels.sync transport, got "
                             f"{type(transport).__name__}")
-        delta = _dispatch.check_bool("delta", delta)
+        delta = _checks.check_bool("delta", delta)
         if encoding is None:
             encoding = _default_encoding() if delta else "zstd"
-        _dispatch.check_choice("encoding", encoding, ENCODINGS)
+        _checks.check_choice("encoding", encoding, ENCODINGS)
         check_zstd_level(zstd_level)
         if delta and encoding == "zstd":
             require_zstd()      # ImportError naming the package now, not at the first delta
@@ -118,7 +119,7 @@ class Sender:
         receiver that resyncs from it holds the complete state. If the transport raises, the
         version number is spent and the next publish is a full snapshot.
         """
-        _dispatch.check_bool("full", full)
+        _checks.check_bool("full", full)
         tensors = self._validate(named_tensors)
         full = (full or not self.delta or self._force_full or not self._base
                 or self.transport.full_requested())
@@ -172,7 +173,7 @@ class Sender:
         for name, t in named_tensors.items():
             if not isinstance(name, str):
                 raise TypeError(f"tensor names must be str, got {name!r}")
-            _dispatch.check_tensor(f"named_tensors[{name!r}]", t)
+            _checks.check_tensor(f"named_tensors[{name!r}]", t)
             try:
                 dtype_name(t.dtype)
             except TypeError as exc:

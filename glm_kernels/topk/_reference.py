@@ -1,6 +1,6 @@
 """Readable PyTorch definitions: deterministic top-k and DeepSeek-V3 ``noaux_tc`` routing.
 
-These functions are the contract (DESIGN.md 3.6), the test oracle and the CPU path.
+These functions are the contract (docs/design.md 3.6), the test oracle and the CPU path.
 
 Top-k is *defined* as the first k entries of ``torch.sort(x, dim, descending=largest,
 stable=True)``. On every backend that order is: ties go to the smaller index; NaN (whatever

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import _dispatch
+from .. import _checks, _dispatch
 from . import _reference
 
 SCORINGS = ("sigmoid", "softmax")
@@ -187,22 +187,22 @@ def _check_replay_ids(replay_ids, router_logits, k, return_mismatch):
                              "token's own choice with the replayed one (compare two recorded "
                              "routings with glm_kernels.topk.routing_mismatch)")
         return
-    _dispatch.check_tensor("replay_ids", replay_ids, dtypes=REPLAY_DTYPES)
+    _checks.check_tensor("replay_ids", replay_ids, dtypes=REPLAY_DTYPES)
     want = tuple(router_logits.shape[:-1]) + (k,)
     if tuple(replay_ids.shape) != want:
         raise ValueError(f"replay_ids must have shape {want} (router_logits' leading dims, "
                          f"k={k}), got shape {tuple(replay_ids.shape)}")
-    _dispatch.check_same_device(dict(router_logits=router_logits, replay_ids=replay_ids))
+    _checks.check_same_device(dict(router_logits=router_logits, replay_ids=replay_ids))
 
 
 def _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group):
-    _dispatch.check_tensor("router_logits", router_logits,
+    _checks.check_tensor("router_logits", router_logits,
                            dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if router_logits.dim() == 0 or router_logits.shape[-1] == 0:
         raise ValueError(f"router_logits must be [..., n_experts] with n_experts >= 1, got "
                          f"shape {tuple(router_logits.shape)}")
     n_experts = router_logits.shape[-1]
-    _dispatch.check_choice("scoring", scoring, SCORINGS)
+    _checks.check_choice("scoring", scoring, SCORINGS)
     for name, value in (("k", k), ("n_group", n_group), ("topk_group", topk_group)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -216,11 +216,11 @@ def _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group):
                          f"limiting (topk_group {topk_group} x {n_experts // n_group} experts "
                          "per group)")
     if bias is not None:
-        _dispatch.check_tensor("bias", bias, floating=True, ndim=(1,))
+        _checks.check_tensor("bias", bias, floating=True, ndim=(1,))
         if bias.shape[0] != n_experts:
             raise ValueError(f"bias must have shape [{n_experts}] (n_experts), got shape "
                              f"{tuple(bias.shape)}")
-        _dispatch.check_same_device(dict(router_logits=router_logits, bias=bias))
+        _checks.check_same_device(dict(router_logits=router_logits, bias=bias))
 
 
 def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
@@ -292,10 +292,10 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
     True
     """
     _check_route_inputs(router_logits, k, scoring, bias, n_group, topk_group)
-    renormalize = _dispatch.check_bool("renormalize", renormalize)
-    return_mismatch = _dispatch.check_bool("return_mismatch", return_mismatch)
+    renormalize = _checks.check_bool("renormalize", renormalize)
+    return_mismatch = _checks.check_bool("return_mismatch", return_mismatch)
     _check_replay_ids(replay_ids, router_logits, k, return_mismatch)
-    scaling_factor = _dispatch.check_finite_number("scaling_factor", scaling_factor)
+    scaling_factor = _checks.check_finite_number("scaling_factor", scaling_factor)
     n_experts = router_logits.shape[-1]
     logits2d = router_logits.reshape(-1, n_experts)
     if logits2d.stride(-1) != 1 or (logits2d.shape[0] and logits2d.stride(0) < n_experts):
@@ -338,10 +338,10 @@ def routing_mismatch(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor
     >>> routing_mismatch(torch.tensor([[1, 6], [0, 2]]), torch.tensor([[6, 1], [0, 3]])).tolist()
     [False, True]
     """
-    _dispatch.check_tensor("ids", ids, dtypes=REPLAY_DTYPES)
-    _dispatch.check_tensor("other_ids", other_ids, dtypes=REPLAY_DTYPES)
-    _dispatch.check_same_shape("other_ids", other_ids, "ids", ids)
-    _dispatch.check_same_device(dict(ids=ids, other_ids=other_ids))
+    _checks.check_tensor("ids", ids, dtypes=REPLAY_DTYPES)
+    _checks.check_tensor("other_ids", other_ids, dtypes=REPLAY_DTYPES)
+    _checks.check_same_shape("other_ids", other_ids, "ids", ids)
+    _checks.check_same_device(dict(ids=ids, other_ids=other_ids))
     if ids.dim() == 0:
         raise ValueError(f"ids must be [..., k], got shape {tuple(ids.shape)}")
     return _reference.routing_mismatch_reference(ids.to(torch.int64), other_ids)

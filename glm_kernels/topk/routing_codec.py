@@ -46,7 +46,7 @@ from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .. import _dispatch
+from .. import _checks
 
 MAGIC = b"GLMR"
 VERSION = 1
@@ -150,7 +150,7 @@ def encode_routing(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     ``packet.cpu().numpy().tobytes()`` gives the wire bytes. Raises ValueError for ids
     outside [0, n_experts) (one host sync).
     """
-    _dispatch.check_tensor("ids", ids, dtypes=_ID_DTYPES, ndim=(3,))
+    _checks.check_tensor("ids", ids, dtypes=_ID_DTYPES, ndim=(3,))
     check_int("n_experts", n_experts, 1, MAX_EXPERTS)
     n_layers, n_tokens, k = ids.shape
     check_int("k (ids.shape[2])", k, 1, n_experts)
@@ -183,7 +183,7 @@ def _tensor_of(data: bytes) -> torch.Tensor:
 def _as_packet(packet: Packet, name: str = "packet"):
     """(uint8 tensor, None) for a tensor, (None, bytes) for a bytes-like packet."""
     if isinstance(packet, torch.Tensor):
-        _dispatch.check_tensor(name, packet, dtypes=(torch.uint8,), ndim=(1,))
+        _checks.check_tensor(name, packet, dtypes=(torch.uint8,), ndim=(1,))
         return packet, None
     if isinstance(packet, (bytes, bytearray, memoryview)):
         return None, bytes(packet)
@@ -235,7 +235,7 @@ def decode_routing(packet: Packet, *, device: Optional[Union[str, torch.device]]
     Raises ValueError (naming the problem) for a packet that is truncated, too long, not a
     routing packet, of another format version, corrupt (checksum) or holding ids >= n_experts.
     """
-    _dispatch.check_choice("dtype", dtype, (torch.int64, torch.int32))
+    _checks.check_choice("dtype", dtype, (torch.int64, torch.int32))
     return _decode(packet, device, dtype, "packet")[1]
 
 
@@ -273,7 +273,7 @@ def encode_routing_batch(ids: torch.Tensor, lengths: Sequence[int],
                          n_experts: int) -> List[torch.Tensor]:
     """One packet per sequence from a right-padded batch ``ids`` [n_layers, B, T, k]:
     sequence b keeps its first ``lengths[b]`` tokens (uneven lengths welcome)."""
-    _dispatch.check_tensor("ids", ids, dtypes=_ID_DTYPES, ndim=(4,))
+    _checks.check_tensor("ids", ids, dtypes=_ID_DTYPES, ndim=(4,))
     lengths = [int(n) for n in lengths]
     if len(lengths) != ids.shape[1] or any(not 0 <= n <= ids.shape[2] for n in lengths):
         raise ValueError(f"lengths must give one length in [0, {ids.shape[2]}] per sequence "

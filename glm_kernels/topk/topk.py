@@ -1,6 +1,6 @@
 """Deterministic top-k: exactly the first k of ``torch.sort(x, dim, descending, stable=True)``.
 
-Math (DESIGN.md 3.6; readable version in ``topk/_reference.py``): rank the entries of each
+Math (docs/design.md 3.6; readable version in ``topk/_reference.py``): rank the entries of each
 row by value in sort order (NaN above +inf, -0.0 == +0.0) and, among equal values, by
 ascending index; return the first k. ``sorted=False`` returns the same set in ascending
 index order. ``lengths`` keeps only the first lengths[i] entries of row i.
@@ -28,7 +28,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .. import _dispatch
+from .. import _checks, _dispatch
+from .._launch import sm_count
 from . import _reference
 from ._radix_launch import radix_wide_tile
 
@@ -72,12 +73,6 @@ class TopkConfig:
 _next_pow2 = _dispatch.next_power_of_2
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
                      interpret: bool = False, device: Optional[torch.device] = None
                      ) -> TopkConfig:
@@ -86,7 +81,7 @@ def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
     ``device`` (CUDA) sizes the persistent radix grid by its SM count; ``interpret`` picks
     small tiles and buffers so the interpreter exercises every path on small rows.
     """
-    _dispatch.check_bool("interpret", interpret)
+    _checks.check_bool("interpret", interpret)
     if KEY_BITS[dtype] <= 32 and n_cols <= SHORT_MAX:
         block = _next_pow2(n_cols)
         rows = max(1, min(_next_pow2(n_rows), 2048 // block))
@@ -94,7 +89,8 @@ def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
                           num_warps=4 if rows * block <= 2048 else 8)
     if interpret:
         return TopkConfig("radix", tile=256, candidates=256, programs=0, num_warps=8)
-    sms = _sm_count(device) if device is not None else 132
+    sms = (132 if device is None else
+           sm_count(device.index) if device.type == "cuda" else 1)
     few_rows = n_rows < sms                  # one program per SM: widen it
     # Two 8-warp programs fit on an SM (~90 registers a thread); more rows share programs.
     # 8192 candidates (64 KB a program, L2-resident): the first digit's bin holding the
@@ -109,7 +105,7 @@ def make_topk_config(n_cols: int, k: int, n_rows: int, dtype: torch.dtype, *,
 def _check_config(config: TopkConfig, dtype: torch.dtype) -> None:
     if not isinstance(config, TopkConfig):
         raise TypeError(f"config must be a TopkConfig, got {type(config).__name__}")
-    _dispatch.check_choice("config.method", config.method, METHODS)
+    _checks.check_choice("config.method", config.method, METHODS)
     for name in ("rows_per_program", "tile", "candidates"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
@@ -200,7 +196,7 @@ torch.library.register_autograd("glm_kernels::topk", _topk_backward,
 
 
 def _check_topk_inputs(x, k, dim, lengths):
-    _dispatch.check_tensor("x", x, dtypes=SUPPORTED_DTYPES)
+    _checks.check_tensor("x", x, dtypes=SUPPORTED_DTYPES)
     if x.dim() == 0:
         raise ValueError("x must have at least 1 dim, got a 0-d tensor")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
@@ -217,14 +213,14 @@ def _check_topk_inputs(x, k, dim, lengths):
         raise ValueError(f"dim {dim} of x has {n} entries; rows of at most {MAX_ROW} are "
                          "supported (32-bit in-row offsets)")
     if lengths is not None:
-        _dispatch.check_tensor("lengths", lengths, dtypes=(torch.int32, torch.int64))
+        _checks.check_tensor("lengths", lengths, dtypes=(torch.int32, torch.int64))
         batch_shape = x.shape[:dim % x.dim()] + x.shape[dim % x.dim() + 1:]
         rows = batch_shape.numel()
         if lengths.shape != batch_shape and tuple(lengths.shape) != (rows,):
             raise ValueError(f"lengths must have the shape of x without dim {dim}, "
                              f"{tuple(batch_shape)}, or [{rows}]; got shape "
                              f"{tuple(lengths.shape)}")
-        _dispatch.check_same_device(dict(x=x, lengths=lengths))
+        _checks.check_same_device(dict(x=x, lengths=lengths))
 
 
 def topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True,
@@ -277,8 +273,8 @@ def topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: b
     [[1, 0, -1]]
     """
     _check_topk_inputs(x, k, dim, lengths)
-    largest = _dispatch.check_bool("largest", largest)
-    sorted = _dispatch.check_bool("sorted", sorted)
+    largest = _checks.check_bool("largest", largest)
+    sorted = _checks.check_bool("sorted", sorted)
     rows_view = x.movedim(dim, -1)
     batch_shape, n_cols = rows_view.shape[:-1], rows_view.shape[-1]
     if rows_view.stride(-1) != 1:

@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 from glm_kernels.integrations import megatron as plug  # noqa: E402
 from glm_kernels.muon import newton_schulz  # noqa: E402
 
-TOL = 1e-5                                     # DESIGN 4, fp32
+TOL = 1e-5                                     # docs/design.md 4, fp32
 LR, WD = 0.02, 0.1
 
 # ---------------------------------------------------------------------------- harness

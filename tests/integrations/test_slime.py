@@ -65,7 +65,8 @@ def slime_batch(seed, *, vocab=37, prompts=(5, 3, 7), responses=(4, 6, 1), pad_m
 
 def hand_icepop(lp, rollout, adv, old=None, lo=0.5, hi=2.0, eps_low=0.2, eps_high=0.28,
                 dual_clip=None):
-    """DESIGN 3.1 written out token by token (fp64); dual clip as slime's compute_policy_loss
+    """docs/design.md 3.1 written out token by token (fp64); dual clip as slime's
+    compute_policy_loss
     applies --eps-clip-c."""
     lp, rollout, adv = lp.double(), rollout.double(), adv.double()
     if old is None:

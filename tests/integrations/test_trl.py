@@ -223,7 +223,8 @@ def test_coupled_matches_trl_loss_on_rollout_base(tmp_path, loss_type):
 
 
 def test_nan_rollout_logprob_is_popped(tmp_path):
-    """A NaN rollout log-prob pops its token (DESIGN 3.1); TRL would give it ratio 1. The loss
+    """A NaN rollout log-prob pops its token (docs/design.md 3.1); TRL would give it ratio 1.
+    The loss
     equals the one with that token popped by -inf, and stays finite."""
     _, ours, rollout = trainers(tmp_path, "bnpo", "coupled")
     old = logprobs_of(ours, generate(ours, rollout))

@@ -22,7 +22,7 @@ sequence IS modes' sums, the entropy quantile and the KL, so it is not used.
 With the gate open (bounds [0, inf]) nothing is popped and the loss is stock TRL's in each
 mode: decoupled on TRL's own batch (TRL's pi_old and IS ratio), coupled on a batch whose
 rollout log-probs equal TRL's pi_old (so TRL's pi_old is the rollout policy, as coupled
-mode defines it). A rollout log-prob that is NaN pops its token by design (DESIGN 3.1; TRL
+mode defines it). A rollout log-prob that is NaN pops its token by design (docs/design.md 3.1; TRL
 gives it ratio 1), so the open-gate batch carries no NaN; the gated ones do.
 """
 import math

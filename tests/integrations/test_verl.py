@@ -74,7 +74,7 @@ def run(fn, lp, old, adv, mask, mode, cfg, weights):
 
 
 def formula(lp, old, adv, mask, mode, *, weights=None, gate=(LO, HI), eps=(0.2, 0.28), c=3.0):
-    """DESIGN 3.1 IcePop with verl's dual clip and aggregation, written out."""
+    """docs/design.md 3.1 IcePop with verl's dual clip and aggregation, written out."""
     lp = lp.clone().requires_grad_(True)
     r = torch.exp((lp - old).clamp(-20, 20))
     if weights is None:                                 # coupled: gate on sg(rho)

@@ -256,7 +256,8 @@ def test_bypass_mode_every_preset(preset, any_backend):
 @pytest.mark.parametrize("name", VERL_NAMES)
 def test_bf16_log_prob(name, any_backend):
     """log_prob in bf16 (an actor computing log-probs in bf16): verl's math promotes against
-    the fp32 old_log_prob; the gradient comes back in bf16 on both sides (DESIGN 4: 1e-2)."""
+    the fp32 old_log_prob; the gradient comes back in bf16 on both sides (docs/design.md 4:
+    1e-2)."""
     lp, old, rollout, adv, mask = make_batch(10)
     lp = lp.bfloat16()
     correction = RolloutCorrectionConfig.bypass_pg_token_icepop(threshold=2.0)

@@ -98,7 +98,7 @@ def test_reference_autograd_equals_written_out_gradient():
 
 
 class TestHandComputed:
-    """Values worked out by hand from the formulas in DESIGN 3.1."""
+    """Values worked out by hand from the formulas in docs/design.md 3.1."""
 
     def _one(self, lp, rollout, adv, **kw):
         lp_t = torch.tensor([lp], device=DEVICE, requires_grad=True)

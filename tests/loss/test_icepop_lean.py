@@ -1,4 +1,4 @@
-"""icepop_loss's torch backend (``loss/_policy_torch.lean_icepop``) against the readable
+"""icepop_loss's torch backend (``loss/icepop/_torch.lean_icepop``) against the readable
 reference, on inputs with NaN / inf on every side, and with its metric-only statistics
 skipped (``return_metrics=False``): the loss and the gradient must not change by a bit."""
 import math

@@ -1,4 +1,4 @@
-"""The lean torch path (``loss/_policy_torch.py``) against the readable reference for the
+"""The lean torch path (``loss/policy/_torch.py``) against the readable reference for the
 objectives ``test_policy_loss.test_lean_torch_path_matches_readable_reference`` does not
 cover: DPPO (that check, plus a batch where DPPO's band and truncation both bind) and PPO
 with / without the dual clip, Clip-Cov and KL-Cov with their selection (loss, gradient,

@@ -2,8 +2,9 @@
 
 On the kernel backends each preset reduces the sequence weight w_b in the sequence kernel
 (token-ratio presets run there under ``seq_is``; GMPO takes a phase 0), with no torch pass
-before it: the kernels against the torch backend (``loss/_policy_reference.py`` with
-``loss/sequence_is.py``'s token weights) on every preset x {truncate, mask} x {padded with an
+before it: the kernels against the torch backend (``loss/policy/_reference.py`` with
+``loss/policy/sequence_is.py``'s token weights) on every preset x {truncate, mask} x
+{padded with an
 all-masked row, packed with an empty row} x IcePop gate {off, coupled, decoupled}; verl
 0.9.1's own losses fed verl's own ``compute_rollout_correction_weights(rollout_is=
 "sequence")``; rows with w_b = 0 and inf / NaN inputs; Inductor.
@@ -78,7 +79,7 @@ def test_seq_is_kernel_matches_reference(kernel_backend, name, mode, layout, gat
 @pytest.mark.parametrize("name", SEQ_IS_PRESETS)
 def test_kernel_path_makes_no_token_weight_tensor(kernel_backend, monkeypatch, name):
     """On the kernel backends no preset goes through the torch pre-pass (the [N] weight
-    tensor of loss/sequence_is.py); the result still depends on the sequence weights."""
+    tensor of loss/policy/sequence_is.py); the result still depends on the sequence weights."""
     def forbidden(*args, **kwargs):
         raise AssertionError("seq_is_token_weights called on the kernel backend")
     batch, cu = pack(make_batch(71))

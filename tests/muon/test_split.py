@@ -30,7 +30,7 @@ def test_head_split_basics():
     assert split.rows == 16384 and split.rows_per_head == 256 and split.block_rows == (192, 64)
     assert split.for_rows(16384) == split and split.for_rows(2048) == HeadSplit(8, (192, 64))
     assert HeadSplit(**split.to_dict()) == split
-    assert GLM5_HEAD_SPLITS["kv_b_proj"].rows == 28672                 # DESIGN: kv_b 28672 x 512
+    assert GLM5_HEAD_SPLITS["kv_b_proj"].rows == 28672         # GLM-5 shape: kv_b 28672 x 512
     assert GLM5_HEAD_SPLITS["linear_q_up_proj"] == GLM5_HEAD_SPLITS["q_b_proj"] == split
     assert DEEPSEEK_V3_HEAD_SPLITS["kv_b_proj"] == HeadSplit(128, [128, 128])
     assert mla_head_splits(64, 192, 64, 256, split_rope=False)["q_b_proj"] == HeadSplit(64, [256])

@@ -310,7 +310,7 @@ def icepop_tis_function(args, *, pg_loss: torch.Tensor, train_log_probs: List[to
 
     slime's ``pg_loss`` [N] is already the clipped PPO term on r = exp(logprobs - old); this
     multiplies it by ``w = k * 1[lo <= k <= hi]`` with k = exp(old - rollout), which makes
-    the whole term DESIGN 3.1's decoupled IcePop. Popped tokens contribute exactly 0 (also
+    the whole term docs/design.md 3.1's decoupled IcePop. Popped tokens contribute exactly 0 (also
     when their ``pg_loss`` is inf or NaN) and stay in the denominators (``loss_masks`` are
     returned unchanged). Metrics are per-token tensors that slime reduces with its
     ``sum_of_sample_mean``: ``tis`` (the weight w), ``tis_pop`` (1 where popped) and

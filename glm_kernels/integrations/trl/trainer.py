@@ -13,7 +13,7 @@ raises an ImportError naming the pip line.
 ``epsilon`` / ``epsilon_high``, ``delta`` (any value), ``top_entropy_quantile``,
 ``entropy_coef`` / ``use_adaptive_entropy``, the vLLM IS correction in every
 ``vllm_importance_sampling_mode``, ``off_policy_mask_threshold`` -- with TRL's loss, gradient
-and metrics (:mod:`glm_kernels.integrations.trl_loss`). It refuses what TRL refuses (an
+and metrics (:mod:`glm_kernels.integrations.trl.loss`). It refuses what TRL refuses (an
 unknown ``loss_type`` or level already at construction), and, as model limits of the fused
 path: vision-language models, an LM head with a bias, logit soft-capping. A MoE model's
 load-balancing loss (``router_aux_loss_coef``) is added as TRL adds it.
@@ -52,7 +52,7 @@ ratio range, the mismatch metrics); any other option goes through the general pa
 (``fused_linear_logprobs`` then ``policy_loss``), which logs TRL's metric keys and
 ``icepop/pop_frac``.
 
-Differences from TRL's own token_mask loss, by design (DESIGN 3.1): a token whose rollout
+Differences from TRL's own token_mask loss, by design (docs/design.md 3.1): a token whose rollout
 log-prob is NaN is popped (TRL gives it ratio 1; coupled mode takes a non-finite rollout
 log-prob's log-ratio as 0 in the sequence mean and the KL correction); log-ratios are clamped
 to [-20, 20] on the single-pass path.
@@ -238,7 +238,7 @@ def _build_classes() -> None:
     class FusedGRPOTrainer(FusedGRPOLoss, GRPOTrainer):
         """``trl.GRPOTrainer`` whose loss is computed by glm_kernels (log-probs and entropy
         from the hidden states and the LM head, the policy term, the KL and the entropy
-        bonus: :mod:`glm_kernels.integrations.trl_loss`) for every loss option of
+        bonus: :mod:`glm_kernels.integrations.trl.loss`) for every loss option of
         ``GRPOConfig``, equal to TRL's own loss. Arguments: ``GRPOTrainer``'s.
         ``fused_calls`` counts the loss calls."""
 

@@ -11,7 +11,7 @@ from its actor's ``ppo_loss`` (verl/workers/utils/losses.py) as::
 Importing this module, when verl is installed, registers :func:`icepop_policy_loss` under
 ``"icepop"`` (:func:`register` does it explicitly, and raises if verl is missing) and
 ``glm_<name>`` for every loss in verl's registry (:func:`register_all`; the losses live in
-:mod:`glm_kernels.integrations.verl_losses`). Select one with
+:mod:`glm_kernels.integrations.verl.losses`). Select one with
 ``actor_rollout_ref.actor.policy_loss.loss_mode=icepop`` (or ``=glm_gspo``, ...);
 docs/verl.md has the config lines, including how verl's Ray workers import this module
 (``VERL_USE_EXTERNAL_MODULES``).

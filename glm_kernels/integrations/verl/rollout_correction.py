@@ -9,7 +9,7 @@ its ~20 masked means is a ``torch.where`` over the mask (a branch per element on
 a multiply and a sum, and each metric is its own ``.item()`` host read.
 :func:`rollout_correction` returns the same weights, mask and metrics (keys and values; held
 equal to verl's helper by tests/integrations/test_verl_rollout_correction.py) with the mask
-applied once as a bitwise AND (``loss/_policy_reference.keep_bits``: exactly
+applied once as a bitwise AND (``glm_kernels/_bits.keep_bits``: exactly
 ``where(mask, x, 0)``, NaN and inf included), the per-row sums shared between metrics and
 one host transfer for all of them. Rejection sampling (``rollout_rs``) is verl's own
 ``compute_rollout_rejection_mask`` (a rollout-correction helper, called as verl calls it).

@@ -1,6 +1,6 @@
 """Argument checks shared by the public loss functions (each names the argument it refuses).
 
-Tensor checks live in ``glm_kernels._dispatch``; these are the non-tensor arguments: flags,
+Tensor checks live in ``glm_kernels._checks``; these are the non-tensor arguments: flags,
 process groups and the IcePop hyper-parameters, whose bad values would otherwise give an empty
 or inverted band and a silently wrong loss.
 """
@@ -8,20 +8,17 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import _dispatch
-
-
-check_bool = _dispatch.check_bool     # one helper for every public flag
+from ... import _checks
 
 
 def check_loss_mask(loss_mask, ref_name: str, ref: torch.Tensor, *,
                     name: str = "loss_mask") -> None:
     """loss_mask: bool or 0/1 numbers of ``ref``'s shape (``name``: what the caller calls it)."""
-    _dispatch.check_tensor(name, loss_mask)
+    _checks.check_tensor(name, loss_mask)
     if not (loss_mask.dtype == torch.bool or loss_mask.is_floating_point()
             or loss_mask.dtype in (torch.uint8, torch.int8, torch.int32, torch.int64)):
         raise TypeError(f"{name} must be bool or 0/1 numbers, got dtype {loss_mask.dtype}")
-    _dispatch.check_same_shape(name, loss_mask, ref_name, ref)
+    _checks.check_same_shape(name, loss_mask, ref_name, ref)
 
 
 def check_tp_group(tp_group) -> None:
@@ -44,23 +41,23 @@ def check_icepop_hyperparameters(beta, gate_low: Optional[float], gate_high: Opt
     beta > 1 (beta = 1 keeps only ratios of exactly 1); 0 <= gate_low < gate_high (finite);
     0 <= eps_low < 1 (the lower clip 1 - eps_low stays positive); eps_high >= 0.
     """
-    beta = _dispatch.check_finite_number("beta", beta)
+    beta = _checks.check_finite_number("beta", beta)
     if beta <= 1.0:
         raise ValueError(f"beta must be > 1 (the gate [1/beta, beta] is empty or inverted "
                          f"otherwise), got {beta}")
-    lo = 1.0 / beta if gate_low is None else _dispatch.check_finite_number("gate_low", gate_low)
-    hi = beta if gate_high is None else _dispatch.check_finite_number("gate_high", gate_high)
+    lo = 1.0 / beta if gate_low is None else _checks.check_finite_number("gate_low", gate_low)
+    hi = beta if gate_high is None else _checks.check_finite_number("gate_high", gate_high)
     if lo < 0:
         raise ValueError(f"gate_low must be >= 0 (a ratio is never negative), got {lo}")
     if not lo < hi:
         raise ValueError(f"gate_low must be < gate_high (the gate [gate_low, gate_high] is "
                          f"empty or a single point otherwise), got gate_low={lo}, "
                          f"gate_high={hi}")
-    eps_low = _dispatch.check_finite_number("eps_low", eps_low, nonnegative=True)
+    eps_low = _checks.check_finite_number("eps_low", eps_low, nonnegative=True)
     if eps_low >= 1.0:
         raise ValueError(f"eps_low must be in [0, 1) (the clip band starts at 1 - eps_low > 0), "
                          f"got {eps_low}")
-    eps_high = _dispatch.check_finite_number("eps_high", eps_high, nonnegative=True)
+    eps_high = _checks.check_finite_number("eps_high", eps_high, nonnegative=True)
     return lo, hi, eps_low, eps_high
 
 
@@ -69,7 +66,7 @@ def check_dual_clip(dual_clip: Optional[float]) -> Optional[float]:
     advantage token's PPO term lies above the clip band's -(1 + eps_high) A only for c > 1."""
     if dual_clip is None:
         return None
-    value = _dispatch.check_finite_number("dual_clip", dual_clip)
+    value = _checks.check_finite_number("dual_clip", dual_clip)
     if value <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (dual-clip PPO caps a negative-advantage "
                          f"token's term at -dual_clip * A), got {value}")

@@ -6,7 +6,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ... import _dispatch
+from ... import _checks, _dispatch
 from ..._launch import sm_count
 
 
@@ -49,7 +49,7 @@ class LogitsLaunchConfig:
             return self.max_programs
         if device.type != "cuda":
             return 1 << 30
-        return sm_count(device.index or 0) * self.programs_per_sm
+        return sm_count(device.index) * self.programs_per_sm
 
 
 # Small tiles for the interpreter (every plan is exercised at test sizes: one tile up to 256
@@ -71,15 +71,15 @@ def run_op(op, impl, *args):
 
 def check_logits_and_ids(logits, token_ids, logits_name="logits") -> int:
     """Validate [*S, V] logits against [*S] int32/int64 ids; returns V."""
-    _dispatch.check_tensor(logits_name, logits, floating=True)
-    _dispatch.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
+    _checks.check_tensor(logits_name, logits, floating=True)
+    _checks.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"{logits_name} must be [*S, V] with V >= 1, got shape "
                          f"{tuple(logits.shape)}")
     if token_ids.shape != logits.shape[:-1]:
         raise ValueError(f"token_ids must have shape {logits_name}.shape[:-1] = "
                          f"{tuple(logits.shape[:-1])}, got {tuple(token_ids.shape)}")
-    _dispatch.check_same_device({logits_name: logits, "token_ids": token_ids})
+    _checks.check_same_device({logits_name: logits, "token_ids": token_ids})
     return logits.shape[-1]
 
 

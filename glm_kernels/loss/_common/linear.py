@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import _dispatch
+from ... import _checks, _dispatch
 from . import invariant as _invariant
 
 DEFAULT_MEMORY_BUDGET = 512 << 20          # bytes for the [C, V] logits chunk
@@ -46,20 +46,20 @@ def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor,
                         token_ids: torch.Tensor) -> None:
     """hidden [*S, H] fp32/bf16/fp16, weight [V, H] (V >= 1) of the same dtype, token_ids [*S]
     int32/int64, all on one device."""
-    _dispatch.check_tensor("hidden", hidden, dtypes=(torch.float32, torch.bfloat16,
+    _checks.check_tensor("hidden", hidden, dtypes=(torch.float32, torch.bfloat16,
                                                      torch.float16))
-    _dispatch.check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=(2,))
+    _checks.check_tensor("weight", weight, dtypes=(hidden.dtype,), ndim=(2,))
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden must be [*S, H] with H = weight.shape[1] = {weight.shape[1]}, "
                          f"got shape {tuple(hidden.shape)}")
     if weight.shape[0] == 0:
         raise ValueError("weight must be [V, H] with V >= 1, got shape "
                          f"{tuple(weight.shape)}")
-    _dispatch.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
+    _checks.check_tensor("token_ids", token_ids, dtypes=(torch.int32, torch.int64))
     if token_ids.shape != hidden.shape[:-1]:
         raise ValueError(f"token_ids must have shape hidden.shape[:-1] = "
                          f"{tuple(hidden.shape[:-1])}, got {tuple(token_ids.shape)}")
-    _dispatch.check_same_device({"hidden": hidden, "weight": weight, "token_ids": token_ids})
+    _checks.check_same_device({"hidden": hidden, "weight": weight, "token_ids": token_ids})
 
 
 def chunk_config(op: str, hidden: torch.Tensor, weight: torch.Tensor, *,

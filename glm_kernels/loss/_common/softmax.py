@@ -5,7 +5,7 @@ With z = logits / T (temperature T), p = softmax(z), lse = logsumexp(z):
     selective log-prob   lp = z[t] - lse                       (log p of the sampled token t)
     entropy              H  = -sum_v p_v log p_v               (-inf entries contribute 0)
     reverse KL           KL(p_s || p_t) = sum_v p_s,v (log p_s,v - log p_t,v)
-    IcePop from logits   icepop_loss(lp(logits, t), ...)       (loss/_reference.py)
+    IcePop from logits   icepop_loss(lp(logits, t), ...)       (loss/icepop/_reference.py)
 
 Gradients (what the kernels write, softmax recomputed from the saved lse):
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ... import _dispatch
+from ... import _checks
 from . import _reference
 
 OPD_FORMS = ("log_ratio", "kl_penalty")
@@ -35,7 +35,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-
     >>> [round(a, 4) for a in group_advantages(torch.tensor([1., 0., 0., 0.]), 2).tolist()]
     [0.7071, -0.7071, 0.0, 0.0]
     """
-    _dispatch.check_tensor("rewards", rewards, ndim=(1,))
+    _checks.check_tensor("rewards", rewards, ndim=(1,))
     if rewards.is_complex():
         raise TypeError(f"rewards must be real, got dtype {rewards.dtype}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -43,7 +43,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, eps: float = 1e-
     if rewards.numel() % group_size:
         raise ValueError(f"rewards has {rewards.numel()} elements, not a multiple of "
                          f"group_size={group_size}")
-    eps = _dispatch.check_finite_number("eps", eps, nonnegative=True)
+    eps = _checks.check_finite_number("eps", eps, nonnegative=True)
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=torch.float32, device=rewards.device)
     return _reference.group_advantages_reference(rewards, group_size, eps)
@@ -63,16 +63,16 @@ def opd_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tenso
     >>> opd_advantages(torch.tensor([-1.0]), torch.tensor([-0.25]), form="log_ratio").tolist()
     [0.75]
     """
-    _dispatch.check_tensor("student_logprobs", student_logprobs, floating=True)
-    _dispatch.check_tensor("teacher_logprobs", teacher_logprobs, floating=True)
-    _dispatch.check_same_shape("teacher_logprobs", teacher_logprobs, "student_logprobs",
+    _checks.check_tensor("student_logprobs", student_logprobs, floating=True)
+    _checks.check_tensor("teacher_logprobs", teacher_logprobs, floating=True)
+    _checks.check_same_shape("teacher_logprobs", teacher_logprobs, "student_logprobs",
                                student_logprobs)
-    _dispatch.check_choice("form", form, OPD_FORMS)
-    coef = _dispatch.check_finite_number("coef", coef)
+    _checks.check_choice("form", form, OPD_FORMS)
+    coef = _checks.check_finite_number("coef", coef)
     if form == "kl_penalty":
         if advantages is None:
             raise ValueError("form='kl_penalty' needs advantages (the outcome advantages A)")
-        _dispatch.check_tensor("advantages", advantages, floating=True)
+        _checks.check_tensor("advantages", advantages, floating=True)
         shape = student_logprobs.shape
         if advantages.shape != shape and not (len(shape) == 2
                                               and advantages.shape == shape[:1]):
@@ -80,7 +80,7 @@ def opd_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tenso
                              f"got {tuple(advantages.shape)}")
     elif advantages is not None:
         raise ValueError("advantages is only used with form='kl_penalty'")
-    _dispatch.check_same_device(dict(student_logprobs=student_logprobs,
+    _checks.check_same_device(dict(student_logprobs=student_logprobs,
                                      teacher_logprobs=teacher_logprobs, advantages=advantages))
     return _reference.opd_advantages_reference(student_logprobs, teacher_logprobs, form=form,
                                                advantages=advantages, coef=coef)

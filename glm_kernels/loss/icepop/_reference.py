@@ -30,8 +30,9 @@ never read theirs.
 
 IcePop's metrics (``token_metrics``): pop_frac and clip_frac over masked tokens; the gate
 ratio's mean / max / min over M, the masked tokens whose log-probs (logprobs, old_logprobs,
-rollout) are all finite. The train/rollout mismatch metrics are defined in ``loss/mismatch.py``
-(plain torch on every backend: they read O(tokens) inputs, never the logits).
+rollout) are all finite. The train/rollout mismatch metrics are defined in
+``loss/mismatch/mismatch.py`` (plain torch on every backend: they read O(tokens) inputs, never
+the logits).
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def icepop_loss_reference(logprobs, rollout_logprobs, advantages, loss_mask=None
                           old_logprobs=None, beta=2.0, gate_low=None, gate_high=None,
                           eps_low=0.2, eps_high=0.28, reduction="token_mean",
                           return_metrics=False, dual_clip=None):
-    """The whole DESIGN 3.1 contract in readable torch (autograd gives the gradient)."""
+    """The whole docs/design.md 3.1 contract in readable torch (autograd gives the gradient)."""
     lo = 1.0 / beta if gate_low is None else gate_low
     hi = beta if gate_high is None else gate_high
     if advantages.shape != logprobs.shape:

@@ -21,11 +21,12 @@ def lean_icepop(lp, rollout, adv, mask, old, *, gate_low, gate_high, eps_low, ep
                 dual_clip, need_grad, store_loss, need_metrics=True
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch backend of :func:`glm_kernels.icepop_loss`: the vanilla PPO objective (dual
-    clip optional) under the IcePop gate, with IcePop's contract (``loss/_reference.py``: the
-    readable version and the tests' oracle). Flat [N] inputs (``adv`` per token, ``mask``
-    bool / 0-1 or None, ``old`` None = coupled). Returns (per-token loss [N] or [0], per-token
-    d(l m)/d lp [N] or [0], stats [8]: loss sum, masked, popped, clipped, gate-ratio sum /
-    max / min / count over the masked tokens with finite log-probs). ``need_metrics=False``
+    clip optional) under the IcePop gate, with IcePop's contract
+    (``loss/icepop/_reference.py``: the readable version and the tests' oracle). Flat [N]
+    inputs (``adv`` per token, ``mask`` bool / 0-1 or None, ``old`` None = coupled). Returns
+    (per-token loss [N] or [0], per-token d(l m)/d lp [N] or [0], stats [8]: loss sum, masked,
+    popped, clipped, gate-ratio sum / max / min / count over the masked tokens with finite
+    log-probs). ``need_metrics=False``
     computes the loss sum and the masked count only (the rest NaN): the loss and the
     gradient are the same bits either way.
 

@@ -1,9 +1,9 @@
 """IcePop loss straight from logits: log-probs, loss and dL/dlogits in one fused pass.
 
-Math (readable version: ``_logits_reference.icepop_loss_from_logits_reference``)::
+Math (readable version: ``icepop/_reference.icepop_loss_from_logits_reference``)::
 
     lp_i = log_softmax(logits_i / T)[t_i]                   (online lse over vocab tiles)
-    L    = reduce_i(l_i(lp_i))                              (IcePop, DESIGN 3.1)
+    L    = reduce_i(l_i(lp_i))                              (IcePop, docs/design.md 3.1)
     dL/dlogits_i = scale_i * dl_i/dlp_i / T * (onehot(t_i) - softmax(logits_i / T))
 
 ``scale_i`` is the reduction's weight of token i (1/max(sum m, 1) for token_mean, 1 for sum,
@@ -32,9 +32,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import _dispatch
+from ... import _checks, _dispatch
 from . import _reference as ref
-from .._common import checks as _checks
+from .._common import checks as loss_checks
 from .icepop import (_NUM_STATS, _check_hyperparameters, _check_inputs, _stats_from_partials,
                      icepop_loss, icepop_metrics)
 from ..mismatch import raise_if_nonfinite
@@ -246,7 +246,7 @@ def check_icepop_arguments(shape, device, rollout, advantages, loss_mask, old_lo
                                    device=device)
     _check_inputs(lp_shape, rollout, advantages, loss_mask, old_logprobs, reduction)
     checked = _check_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high)
-    return checked + (_dispatch.check_finite_number("temperature", temperature,
+    return checked + (_checks.check_finite_number("temperature", temperature,
                                                     positive=True),)
 
 
@@ -275,7 +275,7 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
                             reduction: str = "token_mean", return_metrics: bool = False,
                             raise_on_nonfinite: bool = False,
                             dual_clip: Optional[float] = None):
-    """IcePop loss (DESIGN 3.1) computed from logits in one fused pass.
+    """IcePop loss (docs/design.md 3.1) computed from logits in one fused pass.
 
     Parameters
     ----------
@@ -330,8 +330,8 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
     lo, hi, eps_low, eps_high, temperature = check_icepop_arguments(
         shape, logits.device, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction,
         beta, gate_low, gate_high, eps_low, eps_high, temperature)
-    dual = _checks.check_dual_clip(dual_clip)
-    _checks.check_tp_group(tp_group)
+    dual = loss_checks.check_dual_clip(dual_clip)
+    loss_checks.check_tp_group(tp_group)
     for name, flag in (("inplace_backward", inplace_backward),
                        ("return_metrics", return_metrics),
                        ("raise_on_nonfinite", raise_on_nonfinite)):

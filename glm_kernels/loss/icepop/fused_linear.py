@@ -20,8 +20,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks
+from ... import _checks
+from .._common import checks as loss_checks
 from .._common.launch import run_op
 from .._common.linear import (DEFAULT_MEMORY_BUDGET, FusedLinearConfig, check_linear_inputs,
                               chunk_config, chunked_linear_pass, make_fused_linear_config)
@@ -31,7 +31,7 @@ from .from_logits import (check_icepop_arguments, finish_fused_loss, flat_token_
 from .icepop import _stats_from_partials
 
 # [C, V] fp32 buffers the torch backend's pass holds beside the chunk at its peak (scaled
-# logits, then softmax and gradient; _logits_reference.icepop_logits_rows). The kernels: none.
+# logits, then softmax and gradient; icepop/_reference.icepop_logits_rows). The kernels: none.
 TORCH_FP32_TEMPORARIES = 3
 
 
@@ -173,7 +173,7 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
     lo, hi, eps_low, eps_high, temperature = check_icepop_arguments(
         shape, hidden.device, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction,
         beta, gate_low, gate_high, eps_low, eps_high, temperature)
-    dual = _checks.check_dual_clip(dual_clip)
+    dual = loss_checks.check_dual_clip(dual_clip)
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     config = chunk_config("icepop_loss_from_logits", hidden, weight, chunk_size=chunk_size,

@@ -1,6 +1,6 @@
 """IcePop policy loss: training/rollout mismatch gate + asymmetric PPO clip, fused.
 
-Math (DESIGN.md 3.1; readable version in ``loss/_reference.py``)::
+Math (docs/design.md 3.1; readable version in ``loss/icepop/_reference.py``)::
 
     coupled   (old_logprobs is None):
         rho = exp(lp - lp_rollout);  g = 1[lo <= sg(rho) <= hi]
@@ -18,27 +18,32 @@ through ``torch.compile`` (a fake kernel gives output shapes) and CUDA graphs; e
 run the op's body directly under a plain autograd node (the same backward formula) and skip
 the dispatcher's fixed cost.
 
-The torch backend (CPU) is the policy-loss family's lean torch path for the gated PPO
-objective (``loss/_policy_torch.lean_icepop``): the loss, the gradient coefficient and the
-statistics in closed form, kept tokens masked by one bitwise AND. The Triton backend keeps
-this module's kernel (``_kernels.py``): the family's kernel (``_policy_kernels.py``) has no
-gate-ratio mean / max / min statistics, counts a NaN / inf train-side token as popped (here
-it is left out of ``pop_frac`` and contributes 0, both modes), lets a NaN train-side
-log-prob reach the loss (verl's semantics; here such a token contributes 0) and counts
-``pg_clipfrac`` over all masked tokens (here ``clip_frac`` over kept tokens only) -- see benchmarks/NOTES.md (icepop_loss).
+Why IcePop keeps its own kernel beside the policy family (``glm_kernels.policy_loss``, whose
+``gate=`` composes the same gate with every variant): the two contracts differ where trainers
+observe them. Here a token whose train-side log-prob (``logprobs``, or ``old_logprobs`` when
+decoupled) is NaN / inf contributes exactly 0 to the loss and the gradient and is left out of
+``pop_frac``; the family follows verl, which lets such a value reach the loss and counts the
+token as popped. Here ``return_metrics`` reports the gate ratio's mean / max / min over the
+masked tokens with finite log-probs, statistics the family's kernel does not carry; and
+``clip_frac`` counts clipped tokens among the kept ones, where verl's ``pg_clipfrac`` (the
+family's) counts over all masked tokens. Folding these rules into the family would add
+constexpr branches and a second statistics layout to every variant's kernel for one preset, so
+the gated PPO stays this small single-pass kernel (``_kernels.py``); its torch backend is
+``_torch.lean_icepop`` (closed form, kept tokens masked by one bitwise AND).
+benchmarks/NOTES.md (icepop_loss) has the measurements.
 
 ``return_metrics`` adds the train/rollout mismatch metrics (verl's names and values,
-``loss/mismatch.py``), computed from the same per-token inputs after the kernel: turning them on
-never changes the loss or the gradient by a bit. :func:`mismatch_metrics` computes them alone
-for trainers with their own loss.
+``loss/mismatch/mismatch.py``), computed from the same per-token inputs after the kernel:
+turning them on never changes the loss or the gradient by a bit. :func:`mismatch_metrics`
+computes them alone for trainers with their own loss.
 """
 
 from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks
+from ... import _checks, _dispatch
+from .._common import checks as loss_checks
 from ._torch import lean_icepop
 from ..mismatch import mismatch_from_tokens, raise_if_nonfinite
 
@@ -54,7 +59,7 @@ _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max 
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
                        eps_high, dual_clip, need_grad, store_loss, need_metrics):
     """The torch backend: the policy-loss family's lean torch path for the gated PPO
-    objective (``loss/_policy_torch.lean_icepop``; closed-form gradient: autograd is off
+    objective (``loss/icepop/_torch.lean_icepop``; closed-form gradient: autograd is off
     inside a custom op's implementation)."""
     flat = lambda t: None if t is None else t.reshape(-1)   # noqa: E731
     return lean_icepop(flat(logprobs), flat(rollout), flat(adv), flat(mask), flat(old),
@@ -224,7 +229,8 @@ def icepop_metrics(stats: torch.Tensor, train, rollout, loss_mask, also_finite, 
                    gate_high) -> Dict[str, torch.Tensor]:
     """The metrics dict: IcePop's from the kernel's stats [8] (pop_frac, clip_frac and the
     gate ratio's mean / max / min over M, the masked tokens with finite log-probs) and the
-    mismatch metrics of ``loss/mismatch.py`` from the per-token tensors. Device ops only."""
+    mismatch metrics of ``loss/mismatch/mismatch.py`` from the per-token tensors. Device ops
+    only."""
     masked = stats[1]
     denom = masked.clamp(min=1.0)
     counted = stats[7]
@@ -244,10 +250,10 @@ def icepop_metrics(stats: torch.Tensor, train, rollout, loss_mask, also_finite, 
 
 def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs,
                   reduction):
-    check = _dispatch.check_tensor
+    check = _checks.check_tensor
     check("logprobs", logprobs, dtypes=(torch.float32, torch.bfloat16, torch.float16))
     check("rollout_logprobs", rollout_logprobs, floating=True)
-    _dispatch.check_same_shape("rollout_logprobs", rollout_logprobs, "logprobs", logprobs)
+    _checks.check_same_shape("rollout_logprobs", rollout_logprobs, "logprobs", logprobs)
     check("advantages", advantages, floating=True)
     if advantages.shape != logprobs.shape:
         per_seq_ok = logprobs.dim() == 2 and advantages.shape == logprobs.shape[:1]
@@ -256,22 +262,22 @@ def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprob
                 f"advantages must have the shape of logprobs {tuple(logprobs.shape)} or, for "
                 f"2-D logprobs [B, T], shape [B]; got shape {tuple(advantages.shape)}")
     if loss_mask is not None:
-        _checks.check_loss_mask(loss_mask, "logprobs", logprobs)
+        loss_checks.check_loss_mask(loss_mask, "logprobs", logprobs)
     if old_logprobs is not None:
         check("old_logprobs", old_logprobs, floating=True)
-        _dispatch.check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
-    _dispatch.check_choice("reduction", reduction, REDUCTIONS)
+        _checks.check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
+    _checks.check_choice("reduction", reduction, REDUCTIONS)
     if reduction == "seq_mean_token_mean" and logprobs.dim() != 2:
         raise ValueError("reduction='seq_mean_token_mean' needs 2-D logprobs [B, T], got shape "
                          f"{tuple(logprobs.shape)}")
-    _dispatch.check_same_device(dict(logprobs=logprobs, rollout_logprobs=rollout_logprobs,
+    _checks.check_same_device(dict(logprobs=logprobs, rollout_logprobs=rollout_logprobs,
                                      advantages=advantages, loss_mask=loss_mask,
                                      old_logprobs=old_logprobs))
 
 
 def _check_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high):
     """(gate_low, gate_high, eps_low, eps_high) as validated floats (``_checks``)."""
-    return _checks.check_icepop_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high)
+    return loss_checks.check_icepop_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high)
 
 
 def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
@@ -353,7 +359,7 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprobs, reduction)
     lo, hi, eps_low, eps_high = _check_hyperparameters(beta, gate_low, gate_high, eps_low,
                                                        eps_high)
-    dual = _checks.check_dual_clip(dual_clip)
+    dual = loss_checks.check_dual_clip(dual_clip)
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
     contiguous = lambda t: None if t is None else t.contiguous()   # noqa: E731

@@ -1,5 +1,5 @@
-"""Triton kernel of the reference-KL penalty (``loss/kl_penalty.py``; math in
-``loss/_kl_reference.py``). No validation here: callers pass contiguous [rows, T] tensors.
+"""Triton kernel of the reference-KL penalty (``loss/kl/kl_penalty.py``; math in
+``loss/kl/_reference.py``). No validation here: callers pass contiguous [rows, T] tensors.
 
 One pass over [rows, T] tokens in 2-D tiles (BLOCK_R rows x BLOCK_T columns: short responses
 share a tile, long ones span several) writes the per-token term and/or the gradient

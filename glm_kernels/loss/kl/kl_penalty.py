@@ -1,6 +1,6 @@
 """Reference-model KL penalty: verl's ``agg_loss(kl_penalty(...))``, fused; TRL's per-token KL.
 
-Math (readable version: ``loss/_kl_reference.py``), d = lp - ref::
+Math (readable version: ``loss/kl/_reference.py``), d = lp - ref::
 
     k1 / kl: d      abs: |d|      k2 / mse: d^2 / 2
     k3 / low_var_kl: clamp(e^xc - xc - 1, -10, 10), xc = clamp(ref - lp, -20, 20)
@@ -21,8 +21,8 @@ from typing import Optional, Tuple
 import numpy
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks
+from ... import _checks, _dispatch
+from .._common import checks as loss_checks
 from . import _reference as ref
 
 
@@ -44,10 +44,10 @@ def parse_kl_penalty(kl_penalty) -> Tuple[int, bool]:
 
 
 def _check_log_probs(log_prob, ref_log_prob) -> None:
-    _dispatch.check_tensor("log_prob", log_prob,
+    _checks.check_tensor("log_prob", log_prob,
                            dtypes=(torch.float32, torch.bfloat16, torch.float16))
-    _dispatch.check_tensor("ref_log_prob", ref_log_prob, floating=True)
-    _dispatch.check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
+    _checks.check_tensor("ref_log_prob", ref_log_prob, floating=True)
+    _checks.check_same_shape("ref_log_prob", ref_log_prob, "log_prob", log_prob)
     if log_prob.dim() < 1:
         raise ValueError("log_prob must have at least 1 dim ([*B, T], the last one the "
                          f"response), got shape {tuple(log_prob.shape)}")
@@ -59,7 +59,7 @@ def _optional_positive(name: str, value) -> Optional[float]:
         return None
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, numpy.bool_)):
         value = float(value)
-    return _dispatch.check_finite_number(name, value, positive=True)
+    return _checks.check_finite_number(name, value, positive=True)
 
 
 def _check_dp_size(dp_size) -> int:
@@ -247,11 +247,11 @@ def kl_penalty_loss(*, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
     (0.25, [[0.5, 0.5, 0.0]])
     """
     _check_log_probs(log_prob, ref_log_prob)
-    _checks.check_loss_mask(response_mask, "log_prob", log_prob, name="response_mask")
-    _dispatch.check_same_device(dict(log_prob=log_prob, ref_log_prob=ref_log_prob,
+    loss_checks.check_loss_mask(response_mask, "log_prob", log_prob, name="response_mask")
+    _checks.check_same_device(dict(log_prob=log_prob, ref_log_prob=ref_log_prob,
                                      response_mask=response_mask))
     kind_code, straight_through = parse_kl_penalty(kl_penalty)
-    _dispatch.check_choice("loss_agg_mode", loss_agg_mode, ref.LOSS_AGG_MODES)
+    _checks.check_choice("loss_agg_mode", loss_agg_mode, ref.LOSS_AGG_MODES)
     dp_size = _check_dp_size(dp_size)
     batch_num_tokens = _optional_positive("batch_num_tokens", batch_num_tokens)
     global_batch_size = _optional_positive("global_batch_size", global_batch_size)
@@ -303,7 +303,7 @@ def kl_penalty_terms(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, *,
     True
     """
     _check_log_probs(log_prob, ref_log_prob)
-    _dispatch.check_same_device(dict(log_prob=log_prob, ref_log_prob=ref_log_prob))
+    _checks.check_same_device(dict(log_prob=log_prob, ref_log_prob=ref_log_prob))
     kind_code, straight_through = parse_kl_penalty(kl_penalty)
     _checks.check_bool("clamp", clamp)
     need_grad = bool(log_prob.requires_grad and torch.is_grad_enabled())

@@ -22,7 +22,7 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from ... import _dispatch
+from ... import _checks, _dispatch
 from .._common import softmax as ref
 from .._common.invariant import row_shift
 
@@ -45,8 +45,8 @@ def check_nucleus(keep_token_ids, keep_offsets, n_rows: int, vocab_total: int,
     """
     if (keep_token_ids is None) != (keep_offsets is None):
         raise ValueError("keep_token_ids and keep_offsets go together: pass both or neither")
-    _dispatch.check_tensor("keep_token_ids", keep_token_ids, dtypes=INDEX_DTYPES, ndim=(1,))
-    _dispatch.check_tensor("keep_offsets", keep_offsets, dtypes=INDEX_DTYPES, ndim=(1,))
+    _checks.check_tensor("keep_token_ids", keep_token_ids, dtypes=INDEX_DTYPES, ndim=(1,))
+    _checks.check_tensor("keep_offsets", keep_offsets, dtypes=INDEX_DTYPES, ndim=(1,))
     if keep_offsets.numel() != n_rows + 1:
         raise ValueError(f"keep_offsets must have one entry per row plus one ({n_rows + 1}), "
                          f"got {keep_offsets.numel()}")

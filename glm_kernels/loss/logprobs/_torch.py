@@ -1,4 +1,4 @@
-"""selective_logprobs' torch backend, in row chunks: the closed forms of ``_logits_reference``
+"""selective_logprobs' torch backend, in row chunks: the closed forms of ``_common/softmax``
 (lse, H = log s - t / s, d/dz = c (onehot - p) - c_H p (log p + H)) computed over a few rows
 at a time in two reused fp32 scratch buffers.
 

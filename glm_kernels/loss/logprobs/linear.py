@@ -27,14 +27,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks
+from ... import _checks
 from .._common.launch import run_op
 from .._common.linear import check_linear_inputs, chunk_config, chunked_linear_pass
 from .logprobs import _grad_into, _logprobs_impl
 
 # [C, V] fp32 buffers the torch backend's passes hold beside the chunk at their peak (the
-# backward one with the entropy term; _logits_reference.softmax_grad): measured by
+# backward one with the entropy term; _common/softmax.softmax_grad): measured by
 # tests/loss/test_linear_logprobs.py. The kernels: none.
 TORCH_FP32_TEMPORARIES = 5
 
@@ -208,7 +207,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids:
     (torch.Size([2, 3, 4]), torch.Size([5, 4]))
     """
     check_linear_inputs(hidden, weight, token_ids)
-    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    temperature = _checks.check_finite_number("temperature", temperature, positive=True)
     _checks.check_bool("return_entropy", return_entropy)
     _checks.check_bool("fp32_weight_grad", fp32_weight_grad)
     config = chunk_config("selective_logprobs", hidden, weight, chunk_size=chunk_size,

@@ -1,6 +1,6 @@
 """Selective log-probs (and entropy) from logits, without an fp32 [tokens, V] tensor.
 
-Math (readable version in ``loss/_logits_reference.py``), with z = logits / T::
+Math (readable version in ``loss/_common/softmax.py``), with z = logits / T::
 
     lp  = z[t] - lse,   lse = log sum_v e^(z_v)          (online over vocab tiles, one read)
     H   = -sum_v p_v log p_v = log s - t / s              (s, t carried with the lse)
@@ -9,7 +9,7 @@ Math (readable version in ``loss/_logits_reference.py``), with z = logits / T::
 Forward reads the logits once and saves lse (and H) [N] fp32; backward recomputes p from the
 logits and lse (one read, one write). With ``tp_group`` each rank holds a Megatron
 vocab-parallel shard; the shard statistics are combined by two all-reduces
-(``_vocab_parallel.py``) and backward stays communication-free.
+(``_common/vocab_parallel.py``) and backward stays communication-free.
 
 The compute primitives are ``torch.library`` custom ops (fake kernels give shapes), so the op
 traces through ``torch.compile``; in eager mode the wrappers call the plain implementation
@@ -20,8 +20,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks
+from ... import _checks, _dispatch
+from .._common import checks as loss_checks
 from .._common.launch import (check_logits_and_ids, check_token_id_flag, make_launch_config,
                               prepare_call, rows_2d, run_op)
 from .._common import softmax as ref
@@ -303,9 +303,9 @@ def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
     [-0.3333, -0.3333, 0.6667]
     """
     check_logits_and_ids(logits, token_ids)
-    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    temperature = _checks.check_finite_number("temperature", temperature, positive=True)
     _checks.check_bool("return_entropy", return_entropy)
-    _checks.check_tp_group(tp_group)
+    loss_checks.check_tp_group(tp_group)
     if keep_token_ids is not None or keep_offsets is not None:
         vocab_total = logits.shape[-1] if tp_group is None else \
             _vocab_parallel.shard_range(logits.shape[-1], tp_group)[1]

@@ -41,8 +41,8 @@ from typing import Dict, Optional
 
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks, invariant as _invariant
+from ... import _checks, _dispatch
+from .._common import checks as loss_checks, invariant as _invariant
 
 LOG_RATIO_CLAMP = 20.0
 _EPS = 1e-8                           # verl's masked_mean denominator guard
@@ -224,16 +224,16 @@ def mismatch_metrics(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     >>> round(m["k3_kl"].item(), 6)                             # e^0.1 - 1 - 0.1
     0.005171
     """
-    check = _dispatch.check_tensor
+    check = _checks.check_tensor
     check("train_logprobs", train_logprobs, dtypes=(torch.float32, torch.bfloat16,
                                                     torch.float16))
     check("rollout_logprobs", rollout_logprobs, floating=True)
-    _dispatch.check_same_shape("rollout_logprobs", rollout_logprobs, "train_logprobs",
+    _checks.check_same_shape("rollout_logprobs", rollout_logprobs, "train_logprobs",
                                train_logprobs)
     if loss_mask is not None:
-        _checks.check_loss_mask(loss_mask, "train_logprobs", train_logprobs)
-    _dispatch.check_same_device(dict(train_logprobs=train_logprobs,
+        loss_checks.check_loss_mask(loss_mask, "train_logprobs", train_logprobs)
+    _checks.check_same_device(dict(train_logprobs=train_logprobs,
                                      rollout_logprobs=rollout_logprobs, loss_mask=loss_mask))
-    lo, hi, _, _ = _checks.check_icepop_hyperparameters(beta, gate_low, gate_high, 0.2, 0.28)
+    lo, hi, _, _ = loss_checks.check_icepop_hyperparameters(beta, gate_low, gate_high, 0.2, 0.28)
     return mismatch_from_tokens(train_logprobs, rollout_logprobs, loss_mask, gate_low=lo,
                                 gate_high=hi)

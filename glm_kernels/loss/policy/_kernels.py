@@ -1,8 +1,8 @@
 """Triton kernels of the policy-loss family. No validation here: callers pass contiguous flat
-views (``loss/policy.py``).
+views (``loss/policy/policy.py``).
 
 Two launch shapes of one design, both built from the same per-tile helpers
-(``loss/_policy_tile.py``: ``policy_objective``, ``token_terms``, ...; and
+(``loss/policy/_tile.py``: ``policy_objective``, ``token_terms``, ...; and
 ``_kernels.icepop_gate`` / ``ppo_clip_term``, shared with IcePop):
 
 * token-ratio variants: one program per BLOCK of flat tokens, a single pass.
@@ -100,7 +100,8 @@ def _policy_seq_kernel(
     (RATIO 3) writes its sequence loss to loss_ptr[row].
     SEQ_IS (1 truncate, 2 mask; not VESPO): w_b = exp(clamp(sum_m (old - rollout), -20, 20))
     truncated at seq_is_high or zeroed outside [seq_is_low, seq_is_high] multiplies every
-    token weight of the row (loss/sequence_is.py's weight, without its [N] tensor). RATIO 1 /
+    token weight of the row (loss/policy/sequence_is.py's weight, without its [N] tensor).
+    RATIO 1 /
     2 sum the row's old - rollout in phase 1; RATIO 0 and 3 need w_b in their first pass
     already (GMPO sums log(weight) over the row) and take a phase 0 over old, rollout, mask.
     n_splits programs share a row (RATIO 0 only; 1 elsewhere): each reduces the whole row's
@@ -327,7 +328,7 @@ def row_splits(n, num_rows, block, device, interpret):
     from ..._launch import sm_count
     rows = max(num_rows, 1)
     mean_chunks = -(-n // (rows * block))
-    target = _INTERPRET_PROGRAMS if interpret else _PROGRAMS_PER_SM * sm_count(device.index or 0)
+    target = _INTERPRET_PROGRAMS if interpret else _PROGRAMS_PER_SM * sm_count(device.index)
     return max(1, min(mean_chunks, -(-target // rows), _MAX_ROW_SPLITS))
 
 
@@ -378,7 +379,7 @@ def policy_fwd(spec, codes, lp, old, adv, mask, token_weights, rollout, selectio
 
 def _policy_aot_specs():
     """The GPU launches of the presets (bf16 log-probs, mask, decoupled gate and token
-    weights: the most inputs a launch reads), at the block sizes loss/policy.py uses."""
+    weights: the most inputs a launch reads), at the block sizes loss/policy/policy.py uses."""
     from ..._aot import AotSpec
     floats = ("gate_low", "gate_high", "log_clamp", "clip_low", "clip_high", "eps_low",
               "eps_high", "dual_clip", "p0", "p1", "p2", "p3")

@@ -1,7 +1,7 @@
 """Readable torch reference of every policy-loss variant (the test oracle; autograd gives its
 gradient). Also the ``torch`` backend of :func:`glm_kernels.policy_loss` for TRL's
 ``delta``, grpo_sequence / luspo, geo_mean and vespo; every other preset (gated or not) takes
-the lean path of ``loss/_policy_torch.py`` (held equal to this one by tests/loss/
+the lean path of ``loss/policy/_torch.py`` (held equal to this one by tests/loss/
 test_policy_lean.py).
 
 Everything runs on a flat token layout: ``[N]`` tensors plus :class:`Rows`, the token ->
@@ -17,7 +17,7 @@ import torch
 from ..._bits import and_bits, keep_bits
 from ._spec import PolicyLossSpec
 
-_GATE_LOG_CLAMP = 20.0                 # the IcePop gate's log-ratio clamp (loss/icepop.py)
+_GATE_LOG_CLAMP = 20.0                 # the IcePop gate's log-ratio clamp (loss/icepop/icepop.py)
 _VESPO_LOG_MIN = math.log(1e-8)        # TRL get_gamma_weights' lower clamp
 
 

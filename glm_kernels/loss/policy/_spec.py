@@ -9,7 +9,7 @@ floats: changing a value never recompiles.
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from ... import _dispatch
+from ... import _checks
 
 RATIOS = ("token", "sequence_stopgrad", "sequence", "geo_mean", "sequence_sum")
 OBJECTIVES = ("ppo", "cispo", "sapo", "reinforce", "dppo_tv", "dppo_kl", "dro", "clip_cov",
@@ -59,15 +59,15 @@ class PolicyLossSpec:
     default_reduction: str = "token_mean"
 
     def __post_init__(self):
-        _dispatch.check_choice("PolicyLossSpec.ratio", self.ratio, RATIOS)
-        _dispatch.check_choice("PolicyLossSpec.objective", self.objective, OBJECTIVES)
-        _dispatch.check_choice("PolicyLossSpec.default_reduction", self.default_reduction,
+        _checks.check_choice("PolicyLossSpec.ratio", self.ratio, RATIOS)
+        _checks.check_choice("PolicyLossSpec.objective", self.objective, OBJECTIVES)
+        _checks.check_choice("PolicyLossSpec.default_reduction", self.default_reduction,
                                REDUCTIONS)
         if self.log_ratio_clamp is not None:
-            _dispatch.check_finite_number("PolicyLossSpec.log_ratio_clamp",
+            _checks.check_finite_number("PolicyLossSpec.log_ratio_clamp",
                                           self.log_ratio_clamp, positive=True)
         if self.seq_log_ratio_max is not None:
-            _dispatch.check_finite_number("PolicyLossSpec.seq_log_ratio_max",
+            _checks.check_finite_number("PolicyLossSpec.seq_log_ratio_max",
                                           self.seq_log_ratio_max)
         if self.ratio == "geo_mean" and self.objective != "ppo":
             raise ValueError("PolicyLossSpec: ratio='geo_mean' (GMPO) goes with objective='ppo', "
@@ -140,7 +140,7 @@ def resolve_params(spec: PolicyLossSpec, params: dict, eps_low: float, eps_high:
     for name, default in allowed.items():
         value = params.get(name, default)
         if value is not None:
-            value = _dispatch.check_finite_number(name, value)
+            value = _checks.check_finite_number(name, value)
         out[name] = value
     obj = spec.objective
     if obj == "cispo":

@@ -1,5 +1,5 @@
 """Per-tile math of the policy-loss family (``@triton.jit`` helpers only), shared by the
-token and the sequence kernel of ``loss/_policy_kernels.py``: the objective of one tile, a
+token and the sequence kernel of ``loss/policy/_kernels.py``: the objective of one tile, a
 tile's inputs, a token-ratio tile's weighted terms and gradient, the sequence IS weight, and
 the stats row."""
 import triton
@@ -7,7 +7,7 @@ import triton.language as tl
 
 from .._common.tiles import icepop_gate, ppo_clip_term
 
-# 20.0 = verl rollout_corr_helper.SAFETY_BOUND (loss/sequence_is.py): the sequence IS
+# 20.0 = verl rollout_corr_helper.SAFETY_BOUND (loss/policy/sequence_is.py): the sequence IS
 # log-weight's clamp
 _SEQ_IS_LOG_BOUND = tl.constexpr(20.0)
 

@@ -22,7 +22,7 @@ multiply ``g * dL``. With ``u_t = w_t l_t`` (w: token weights, detached) and r =
 
 each times 1[|lr| <= clamp] on the terms through r or lr (the clamp's gradient), and zeroed
 exactly (whatever the inputs) outside the mask and where w = 0, as the reference's
-``where``. The readable autograd version of every variant is ``_policy_reference.py`` (the
+``where``. The readable autograd version of every variant is ``policy/_reference.py`` (the
 tests' oracle); these objectives cost ~0.3-1 ms in verl, so the reference's fixed cost of
 an autograd graph (~10 nodes) and its masking passes showed against them.
 """

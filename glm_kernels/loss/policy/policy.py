@@ -1,10 +1,10 @@
 """The fused policy-loss family: every verl / TRL policy loss, IcePop composable on each.
 
 Per-token math: docs/policy_loss.md (one row per preset); readable version in
-``loss/_policy_reference.py``. The variant is a compile-time :class:`PolicyLossSpec`
-(``loss/_policy_spec.py``); its hyper-parameters are runtime floats.
+``loss/policy/_reference.py``. The variant is a compile-time :class:`PolicyLossSpec`
+(``loss/policy/_spec.py``); its hyper-parameters are runtime floats.
 
-Forward writes the gradient (``loss/_policy_kernels.py``). With ``u_t = m_t w_t l_t`` the
+Forward writes the gradient (``loss/policy/_kernels.py``). With ``u_t = m_t w_t l_t`` the
 token's weighted term (w: token weights x gate weight x the row's sequence IS weight w_b,
 detached; w_b is reduced in the kernel's first pass over the row) and ``c_b`` the reduction's
 factor of row b (1/D for token_mean, 1/(n_b D) for seq_mean_token_mean, ...: constant within a
@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks
+from ... import _checks, _dispatch
+from .._common import checks as loss_checks
 from ._reference import Rows, policy_loss_reference
 from ._torch import lean_applies, lean_policy_loss, seq_row_scale
 from .sequence_is import check_seq_is, seq_is_token_weights
@@ -57,11 +57,11 @@ def _layout(logprobs, cu_seqlens):
 
 def _check_tensors(logprobs, old_logprobs, advantages, loss_mask, token_weights,
                    rollout_logprobs, cu_seqlens, selection):
-    check = _dispatch.check_tensor
+    check = _checks.check_tensor
     check("logprobs", logprobs, dtypes=(torch.float32, torch.bfloat16, torch.float16),
           ndim=(1, 2))
     check("old_logprobs", old_logprobs, floating=True)
-    _dispatch.check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
+    _checks.check_same_shape("old_logprobs", old_logprobs, "logprobs", logprobs)
     check("advantages", advantages, floating=True)
     if cu_seqlens is not None:
         check("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=(1,))
@@ -78,17 +78,17 @@ def _check_tensors(logprobs, old_logprobs, advantages, loss_mask, token_weights,
         raise ValueError(f"advantages must have the shape of logprobs {tuple(logprobs.shape)} "
                          f"or one value per sequence [B]; got shape {tuple(advantages.shape)}")
     if loss_mask is not None:
-        _checks.check_loss_mask(loss_mask, "logprobs", logprobs)
+        loss_checks.check_loss_mask(loss_mask, "logprobs", logprobs)
     if token_weights is not None:
         check("token_weights", token_weights, floating=True)
-        _dispatch.check_same_shape("token_weights", token_weights, "logprobs", logprobs)
+        _checks.check_same_shape("token_weights", token_weights, "logprobs", logprobs)
     if rollout_logprobs is not None:
         check("rollout_logprobs", rollout_logprobs, floating=True)
-        _dispatch.check_same_shape("rollout_logprobs", rollout_logprobs, "logprobs", logprobs)
+        _checks.check_same_shape("rollout_logprobs", rollout_logprobs, "logprobs", logprobs)
     if selection is not None:
         check("selection", selection, dtypes=(torch.bool,))
-        _dispatch.check_same_shape("selection", selection, "logprobs", logprobs)
-    _dispatch.check_same_device(dict(
+        _checks.check_same_shape("selection", selection, "logprobs", logprobs)
+    _checks.check_same_device(dict(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
         loss_mask=loss_mask, token_weights=token_weights, rollout_logprobs=rollout_logprobs,
         cu_seqlens=cu_seqlens, selection=selection))
@@ -96,7 +96,7 @@ def _check_tensors(logprobs, old_logprobs, advantages, loss_mask, token_weights,
 
 def _check_reduction(spec, reduction, denominator, norm_length, logprobs, cu_seqlens):
     reduction = spec.default_reduction if reduction is None else reduction
-    _dispatch.check_choice("reduction", reduction, REDUCTIONS)
+    _checks.check_choice("reduction", reduction, REDUCTIONS)
     if (reduction == "row_mean") != (spec.ratio == "geo_mean") and reduction not in (
             "sum", "none"):
         raise ValueError(f"reduction={reduction!r} does not fit ratio={spec.ratio!r}: geo_mean "
@@ -115,7 +115,7 @@ def _check_reduction(spec, reduction, denominator, norm_length, logprobs, cu_seq
                 raise ValueError(f"denominator must be a number or a 0-d tensor, got shape "
                                  f"{tuple(denominator.shape)}, dtype {denominator.dtype}")
         else:
-            denominator = _dispatch.check_finite_number("denominator", denominator,
+            denominator = _checks.check_finite_number("denominator", denominator,
                                                         positive=True)
     if reduction == "seq_mean_token_sum_norm":
         if norm_length is None:
@@ -124,7 +124,7 @@ def _check_reduction(spec, reduction, denominator, norm_length, logprobs, cu_seq
                                  "'seq_mean_token_sum_norm' on packed inputs (verl's "
                                  "loss_scale_factor; padded [B, T] defaults to T)")
             norm_length = float(logprobs.shape[-1])
-        norm_length = _dispatch.check_finite_number("norm_length", norm_length, positive=True)
+        norm_length = _checks.check_finite_number("norm_length", norm_length, positive=True)
     elif norm_length is not None:
         raise ValueError(f"norm_length is only used by reduction='seq_mean_token_sum_norm', "
                          f"got reduction={reduction!r}")
@@ -365,17 +365,17 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     spec = resolve_variant(variant)
     _check_tensors(logprobs, old_logprobs, advantages, loss_mask, token_weights,
                    rollout_logprobs, cu_seqlens, selection)
-    eps_low = _dispatch.check_finite_number("eps_low", eps_low, nonnegative=True)
-    eps_high = _dispatch.check_finite_number("eps_high", eps_high, nonnegative=True)
+    eps_low = _checks.check_finite_number("eps_low", eps_low, nonnegative=True)
+    eps_high = _checks.check_finite_number("eps_high", eps_high, nonnegative=True)
     if spec.objective in ("ppo", "clip_cov") and spec.ratio != "geo_mean" and eps_low >= 1.0:
         raise ValueError(f"eps_low must be in [0, 1) (the clip band starts at 1 - eps_low > 0), "
                          f"got {eps_low}")
-    dual = _checks.check_dual_clip(dual_clip)
+    dual = loss_checks.check_dual_clip(dual_clip)
     if dual is not None and spec.objective != "ppo":
         raise ValueError(f"dual_clip applies to objective 'ppo' only, got objective "
                          f"{spec.objective!r}")
     params = resolve_params(spec, variant_params, eps_low, eps_high)
-    _dispatch.check_choice("gate", gate, GATES)
+    _checks.check_choice("gate", gate, GATES)
     if seq_is is not None:
         seq_is_high, seq_is_low = check_seq_is(seq_is, seq_is_high, seq_is_low)
         if rollout_logprobs is None:
@@ -394,7 +394,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     else:
         if rollout_logprobs is None:
             raise ValueError(f"gate={gate!r} needs rollout_logprobs")
-        lo, hi, _, _ = _checks.check_icepop_hyperparameters(
+        lo, hi, _, _ = loss_checks.check_icepop_hyperparameters(
             _DEFAULT_GATE[1], gate_low if gate_low is not None else _DEFAULT_GATE[0],
             gate_high, 0.0, 0.0)
     if spec.objective in ("clip_cov", "kl_cov"):
@@ -402,7 +402,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     elif selection is not None:
         raise ValueError(f"selection is used by objectives clip_cov / kl_cov only, got "
                          f"objective {spec.objective!r}")
-    loss_scale = _dispatch.check_finite_number("loss_scale", loss_scale)
+    loss_scale = _checks.check_finite_number("loss_scale", loss_scale)
     _checks.check_bool("return_stats", return_stats)
     reduction, denominator, norm_length = _check_reduction(spec, reduction, denominator,
                                                            norm_length, logprobs, cu_seqlens)

@@ -9,7 +9,7 @@ verl does.
 """
 import torch
 
-from ... import _dispatch
+from ... import _checks
 
 
 def _masked_mean(values, mask):
@@ -29,9 +29,9 @@ def clip_cov_selection(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     """
     for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs),
                     ("advantages", advantages), ("loss_mask", loss_mask)):
-        _dispatch.check_tensor(name, t)
-        _dispatch.check_same_shape(name, t, "logprobs", logprobs)
-    ratio_arg = _dispatch.check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
+        _checks.check_tensor(name, t)
+        _checks.check_same_shape(name, t, "logprobs", logprobs)
+    ratio_arg = _checks.check_finite_number("clip_cov_ratio", clip_cov_ratio, positive=True)
     lp = logprobs.detach()
     ratio = torch.exp(lp - old_logprobs)
     pg1 = -advantages * ratio
@@ -57,9 +57,9 @@ def kl_cov_selection(logprobs: torch.Tensor, advantages: torch.Tensor,
     tokens, computed on the CPU as verl does (same ties)."""
     for name, t in (("logprobs", logprobs), ("advantages", advantages),
                     ("loss_mask", loss_mask)):
-        _dispatch.check_tensor(name, t)
-        _dispatch.check_same_shape(name, t, "logprobs", logprobs)
-    ratio_arg = _dispatch.check_finite_number("kl_cov_ratio", kl_cov_ratio, positive=True)
+        _checks.check_tensor(name, t)
+        _checks.check_same_shape(name, t, "logprobs", logprobs)
+    ratio_arg = _checks.check_finite_number("kl_cov_ratio", kl_cov_ratio, positive=True)
     valid = loss_mask.reshape(-1) > 0
     valid_idx = torch.nonzero(valid, as_tuple=True)[0]
     # gathered by the index already found (a boolean index would search the mask again)

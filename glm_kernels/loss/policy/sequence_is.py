@@ -4,7 +4,7 @@ verl's ``rollout_is="sequence"`` (and slime's / TRL's sequence modes) weight eve
 sequence b by w_b = exp(clamp(sum_{t in b} m_t (old_t - rollout_t), -20, 20)), truncated
 (TIS: min(w_b, high)) or masked (MIS: w_b 1[low <= w_b <= high]). :func:`policy_loss` takes
 them through ``seq_is=``: on the Triton / interpreter backends the sequence kernel reduces
-them for every preset (``loss/_policy_kernels.py``; token-ratio presets run its per-sequence
+them for every preset (``loss/policy/_kernels.py``; token-ratio presets run its per-sequence
 layout under ``seq_is``), with no [N] tensor; the torch backend makes them token weights
 here (one row reduction in torch, no sync). :func:`sequence_is_weights` gives them alone.
 """
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ... import _dispatch
+from ... import _checks
 from ._reference import Rows
 
 SEQ_IS_MODES = ("truncate", "mask")
@@ -21,13 +21,13 @@ _SAFETY_BOUND = 20.0          # verl rollout_corr_helper.SAFETY_BOUND
 
 def check_seq_is(mode, high, low):
     """(high, low) as validated floats for ``mode`` (low: 1 / high unless given, mask only)."""
-    _dispatch.check_choice("seq_is", mode, SEQ_IS_MODES)
-    high = _dispatch.check_finite_number("seq_is_high", high, positive=True)
+    _checks.check_choice("seq_is", mode, SEQ_IS_MODES)
+    high = _checks.check_finite_number("seq_is_high", high, positive=True)
     if mode == "truncate":
         if low is not None:
             raise ValueError("seq_is_low is used by seq_is='mask' only")
         return high, None
-    low = 1.0 / high if low is None else _dispatch.check_finite_number("seq_is_low", low,
+    low = 1.0 / high if low is None else _checks.check_finite_number("seq_is_low", low,
                                                                        nonnegative=True)
     if not low < high:
         raise ValueError(f"seq_is_low must be < seq_is_high, got {low} >= {high}")
@@ -59,17 +59,17 @@ def sequence_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tens
         low <= w <= high, else 0; low defaults to 1 / high).
     Returns fp32 weights of the input shape (detached), constant within each sequence.
     """
-    _dispatch.check_tensor("old_logprobs", old_logprobs, floating=True, ndim=(1, 2))
-    _dispatch.check_tensor("rollout_logprobs", rollout_logprobs, floating=True)
-    _dispatch.check_same_shape("rollout_logprobs", rollout_logprobs, "old_logprobs",
+    _checks.check_tensor("old_logprobs", old_logprobs, floating=True, ndim=(1, 2))
+    _checks.check_tensor("rollout_logprobs", rollout_logprobs, floating=True)
+    _checks.check_same_shape("rollout_logprobs", rollout_logprobs, "old_logprobs",
                                old_logprobs)
     if loss_mask is not None:
-        _dispatch.check_tensor("loss_mask", loss_mask)
-        _dispatch.check_same_shape("loss_mask", loss_mask, "old_logprobs", old_logprobs)
+        _checks.check_tensor("loss_mask", loss_mask)
+        _checks.check_same_shape("loss_mask", loss_mask, "old_logprobs", old_logprobs)
     high, low = check_seq_is(mode, high, low)
     n = old_logprobs.numel()
     if cu_seqlens is not None:
-        _dispatch.check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64),
+        _checks.check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64),
                                ndim=(1,))
         if old_logprobs.dim() != 1:
             raise ValueError("cu_seqlens needs packed 1-D inputs [N]")

@@ -1,6 +1,6 @@
 """Triton kernels for the reverse KL between two logits tensors. No validation here.
 
-Same conventions as ``_logits_kernels.py`` ([N, V] rows, unit column stride, fp32 math on
+Same conventions as ``logprobs/_kernels.py`` ([N, V] rows, unit column stride, fp32 math on
 z = logits * inv_temp, online statistics over vocab tiles).
 """
 from __future__ import annotations

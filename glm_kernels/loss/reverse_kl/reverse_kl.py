@@ -1,6 +1,6 @@
 """Exact full-vocab reverse KL from logits (on-policy distillation), fused, vocab-parallel.
 
-Math (readable version: ``_logits_reference.reverse_kl_reference``), z = logits / T::
+Math (readable version: ``reverse_kl/_reference.reverse_kl_reference``), z = logits / T::
 
     KL(p_s || p_t) = sum_v p_s,v (log p_s,v - log p_t,v)
                    = u / s_s - (lse_s - lse_t),   u = sum_v e^(z_s,v - m_s) (z_s,v - z_t,v)
@@ -16,8 +16,8 @@ from typing import Tuple
 
 import torch
 
-from ... import _dispatch
-from .._common import checks as _checks
+from ... import _checks, _dispatch
+from .._common import checks as loss_checks
 from . import _reference as ref
 from .._common import vocab_parallel as _vocab_parallel
 from .._common.launch import make_launch_config, rows_2d, run_op
@@ -154,17 +154,17 @@ def reverse_kl_from_logits(student_logits: torch.Tensor, teacher_logits: torch.T
     >>> kl.sum().backward(); student.grad.shape
     torch.Size([2, 2])
     """
-    _dispatch.check_tensor("student_logits", student_logits, floating=True)
-    _dispatch.check_tensor("teacher_logits", teacher_logits, floating=True)
-    _dispatch.check_same_shape("teacher_logits", teacher_logits, "student_logits",
+    _checks.check_tensor("student_logits", student_logits, floating=True)
+    _checks.check_tensor("teacher_logits", teacher_logits, floating=True)
+    _checks.check_same_shape("teacher_logits", teacher_logits, "student_logits",
                                student_logits)
     if student_logits.dim() < 1 or student_logits.shape[-1] == 0:
         raise ValueError("student_logits must be [*S, V] with V >= 1, got shape "
                          f"{tuple(student_logits.shape)}")
-    _dispatch.check_same_device({"student_logits": student_logits,
+    _checks.check_same_device({"student_logits": student_logits,
                                  "teacher_logits": teacher_logits})
-    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
-    _checks.check_tp_group(tp_group)
+    temperature = _checks.check_finite_number("temperature", temperature, positive=True)
+    loss_checks.check_tp_group(tp_group)
     kl = _ReverseKL.apply(rows_2d(student_logits), rows_2d(teacher_logits.detach()),
                           1.0 / temperature, tp_group)
     return kl.reshape(student_logits.shape[:-1])
