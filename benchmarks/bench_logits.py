@@ -293,7 +293,7 @@ def _tuning_sweeps(n_tokens, vocabs, hidden, bandwidth, rate) -> dict:
     the gradient written in place) for 1, 2, 4 persistent programs per SM (long rows are swept
     twice; fewer rows in flight = more L2 hits on the second sweep); fused-linear fwd+bwd for
     several chunk sizes (time and peak memory)."""
-    from glm_kernels.loss.logprobs import logprobs
+    from glm_kernels.loss._common.launch import LogitsLaunchConfig
     from glm_kernels.loss.icepop.from_logits import (flat_token_inputs, icepop_rows_into,
                                                      token_scales)
     rows = []
@@ -306,7 +306,7 @@ def _tuning_sweeps(n_tokens, vocabs, hidden, bandwidth, rate) -> dict:
         scale = token_scales(inp["mask"], shape, "token_mean", logits.device)
         ids = inp["ids"].reshape(-1)
         for per_sm in (1, 2, 4):
-            cfg = logprobs.LogitsLaunchConfig(programs_per_sm=per_sm)
+            cfg = LogitsLaunchConfig(programs_per_sm=per_sm)
             seconds = _common.time_fn(lambda: icepop_rows_into(
                 logits, logits, ids, rollout, None, adv, mask, scale, inv_temp=1.0,
                 gate_low=0.5, gate_high=2.0, eps_low=0.2, eps_high=0.28, config=cfg),

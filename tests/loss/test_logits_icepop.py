@@ -7,7 +7,7 @@ import torch
 
 import glm_kernels
 from glm_kernels.loss.icepop import from_logits
-from glm_kernels.loss.logprobs import logprobs
+from glm_kernels.loss._common import launch
 from glm_kernels.loss.icepop._reference import icepop_loss_from_logits_reference
 from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
 from glm_kernels.loss.icepop.from_logits import icepop_loss_from_logits
@@ -180,7 +180,7 @@ def test_fused_kernel_writes_every_element(kernel_backend):
     for v, dtype in ((517, torch.float32), (300, torch.bfloat16), (100, torch.float32)):
         logits, ids, rollout, adv, mask, _ = _inputs(2, 5, v, seed=v, dtype=dtype)
         n = 10
-        cfg = logprobs.make_launch_config("interpret")
+        cfg = launch.make_launch_config("interpret")
         row_tiles, block_v, warps = cfg.row_plan(v, logits.element_size())
         grad = torch.full((n, v), float("nan"), dtype=dtype, device=DEVICE)
         rows = torch.full((n, 8), float("nan"), device=DEVICE)
@@ -199,13 +199,13 @@ def test_fused_kernel_writes_every_element(kernel_backend):
 
 
 def test_row_plans_cover_every_path():
-    cfg = logprobs.LogitsLaunchConfig()
+    cfg = launch.LogitsLaunchConfig()
     assert cfg.row_plan(19360, 2) == (3, 8192, 32)          # TP=8 shard of GLM-5, bf16
     assert cfg.row_plan(19360, 4)[0] == 0                   # fp32: streamed
     assert cfg.row_plan(154880, 2)[0] == 0
     assert cfg.row_plan(16384, 4) == (1, 16384, 16)
     assert cfg.row_plan(1000, 2) == (1, 1024, 4)
-    small = logprobs.make_launch_config("interpret")
+    small = launch.make_launch_config("interpret")
     assert [small.row_plan(v, 2)[0] for v in (200, 300, 517)] == [1, 3, 0]
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import glm_kernels
+from glm_kernels.loss._common import launch
 from glm_kernels.loss.logprobs import logprobs
 from glm_kernels.loss.logprobs._reference import selective_logprobs_reference
 from glm_kernels.loss.logprobs.logprobs import selective_logprobs
@@ -235,7 +236,7 @@ def test_gpu_kernel_flags_bad_ids_on_device():
     end the CUDA context, so only the flag is tested here)."""
     logits = _logits((4, 30)).to(DEVICE)
     ids = torch.tensor([0, 31, 2, -4], device=DEVICE)
-    flag = logprobs.token_id_flag(ids, 30)
+    flag = launch.token_id_flag(ids, 30)
     lp, lse = torch.empty(4, device=DEVICE), torch.empty(4, device=DEVICE)
     _logits_kernels.logprob_final(logits, ids, flag, lp, lse, None, inv_temp=1.0,
                                   block_v=4096, num_warps=8)
@@ -254,7 +255,8 @@ def test_gpu_glm5_vocab(v):
     assert_close(got[2].float(), ref[2].float(), tol=1e-2, name="dlogits")
 
 
-@pytest.mark.parametrize("module", ["logprobs", "from_logits", "reverse_kl", "fused_linear"])
+@pytest.mark.parametrize("module", ["logprobs.logprobs", "icepop.from_logits",
+                                    "reverse_kl.reverse_kl", "icepop.fused_linear"])
 def test_docstring_examples(module):
     """The runnable examples in the public docstrings (torch backend, CPU)."""
     import doctest
