@@ -31,7 +31,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .._json import json_loads_bounded
+from ._json import json_loads_bounded
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,

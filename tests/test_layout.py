@@ -50,9 +50,21 @@ def _imports(name: str) -> List[Tuple[str, int]]:
     return found
 
 
+def _is_extension(dotted: str) -> bool:
+    """A compiled module (``glm_kernels._host``): no Python source, no imports of its own."""
+    if dotted == "glm_kernels._host":      # built by setup.py; absent from an unbuilt tree
+        return True
+    parent, _, leaf = dotted.rpartition(".")
+    if parent not in MODULES or not MODULES[parent][1]:
+        return False
+    return any(MODULES[parent][0].parent.glob(f"{leaf}.*.so")) or any(
+        MODULES[parent][0].parent.glob(f"{leaf}.*.pyd"))
+
+
 def _target_module(dotted: str) -> str:
-    """The module an imported path lands in: itself if it is a module, else its parent."""
-    return dotted if dotted in MODULES else dotted.rpartition(".")[0]
+    """The module an imported path lands in: itself if it is a module (or a compiled
+    extension), else its parent."""
+    return dotted if dotted in MODULES or _is_extension(dotted) else dotted.rpartition(".")[0]
 
 
 def _graph() -> Dict[str, Set[str]]:

@@ -18,8 +18,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import _checks, _dispatch
-from . import _device, _host_codec, _safetensors
+from .. import _checks, _dispatch, _safetensors
+from . import _device, _host_codec
 from . import _reference as ref
 from ._device import DeltaKernelConfig, default_config
 from .packet import (ENCODINGS, SUPPORTED_DTYPES, DeltaPacket, build_payload, check_packet,

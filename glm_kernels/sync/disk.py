@@ -34,7 +34,7 @@ waited on), files are written under random ``O_EXCL`` temporary names and rename
 control name is moved aside by the sender (one SyncError, the next publish proceeds), JSON is
 bounded in size and nesting before it is parsed, versions are at most 2**63 - 1, and a
 safetensors header is checked whole (offsets inside the data section, no two tensors
-overlapping) before any tensor is read (``glm_kernels.delta._safetensors``).
+overlapping) before any tensor is read (``glm_kernels._safetensors``).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from .. import _checks, _dispatch, _json
-from ..delta import _safetensors as st
+from .. import _safetensors as st
 from ..delta.packet import check_int
 from .protocol import (DTYPES, KINDS, MAX_VERSION, Entry, SyncError, Transport, TransportError,
                        Update, check_epoch, check_shape, dtype_name)
@@ -102,7 +102,7 @@ def _open_regular(path: str):
 def _read_entries(fd: int, size: int):
     """(glm_sync metadata, {tensor name: (uint8 tensor of its bytes, safetensors dtype, shape)})
     of a safetensors file. The whole header is checked (offsets inside the data section, no
-    overlaps: see ``delta._safetensors``) before the first tensor byte is read."""
+    overlaps: see ``glm_kernels._safetensors``) before the first tensor byte is read."""
     metadata, infos = st.read_header(fd, size, error=SyncError)
     if "glm_sync" not in metadata:
         raise SyncError("no glm_sync metadata: not a file of this transport")

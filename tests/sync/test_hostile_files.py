@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from glm_kernels import sync
-from glm_kernels.delta import _safetensors as st
+from glm_kernels import _safetensors as st
 from glm_kernels.sync.disk import LOCK, MANIFEST, REQUEST
 from glm_kernels.sync.protocol import (_SEAL, FORMAT_VERSION, MAGIC, MAX_VERSION, Frame,
                                       assemble, digest, pack)

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from ... import _dispatch, delta, force_backend
-from ...delta import _reference as ref
+from ...delta import checksum_algebra as ref
 from ...delta.packet import parse_payload
 
 logger = logging.getLogger(__name__)
