@@ -8,9 +8,14 @@ import tempfile
 
 # A private Inductor cache per test session: the default one (/tmp/torchinductor_<user>) is
 # shared by every run on the machine, and a compiled graph cached before a custom op's fake
-# kernel changed is replayed with the old fake's strides.
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+# kernel changed is replayed with the old fake's strides. Under pytest-xdist each worker makes
+# its own: a worker inherits the controller's environment, where this file already ran (the
+# owner variable tells a directory made here from one the user set).
+_CACHE_OWNER = "GLM_KERNELS_TEST_INDUCTOR_CACHE_PID"
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ or \
+        os.environ.get(_CACHE_OWNER, str(os.getpid())) != str(os.getpid()):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="glm_kernels_inductor_")
+    os.environ[_CACHE_OWNER] = str(os.getpid())
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 import pytest  # noqa: E402
@@ -28,12 +33,29 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_shared_fixtures(items)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_shared_fixtures(items):
+    """pytest-xdist (``make test``: ``--dist loadgroup``) hands tests out one at a time, so two
+    workers would each build a fixture the tests of one module share (a wheel build, a gloo
+    world, compiled graphs). A test that uses a module-, class- or package-scoped fixture of
+    this test tree runs in its module's group: one worker, the fixture built once. A test
+    already in a group keeps it (the Ray tests' ``xdist_group("ray")``: one local Ray instance
+    at a time, beside the engines' health pings and timings as in a serial run)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d.baseid and d.scope in ("class", "module", "package")
+               for seq in defs.values() for d in seq):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 class LazyKernels:

@@ -18,7 +18,8 @@ from examples.async_trainer.ray_rollout import RayRollout                  # noq
 from examples.async_trainer.model import TinyLM                            # noqa: E402
 from tests.examples._ray_procs import session_processes, take                # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
+pytestmark = [pytest.mark.skipif(os.name != "posix", reason="POSIX signals"),
+              pytest.mark.xdist_group("ray")]      # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

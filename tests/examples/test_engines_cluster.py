@@ -33,7 +33,8 @@ from examples.async_trainer.log import setup_logging                       # noq
 from examples.async_trainer.placement import EnginePlacement, PlacementError  # noqa: E402
 from tests.examples._ray_procs import alive, take                           # noqa: E402
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals"),
+              pytest.mark.xdist_group("ray")]      # see tests/conftest.py
 REPO = Path(__file__).resolve().parents[2]
 RAY_CLI = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; "
                                  "sys.argv[0] = 'ray'; main()"]

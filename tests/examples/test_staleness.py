@@ -8,6 +8,7 @@ from examples.async_trainer.trainer import train
 from examples.async_trainer.config import TrainerConfig
 
 
+@pytest.mark.xdist_group("ray")                    # see tests/conftest.py
 @pytest.mark.parametrize("backend, prompts_per_step, batch, ahead", [
     ("process", 1, 64, 1),      # the issue's setting: a batch is 32 steps' worth of prompts
     ("ray", 1, 64, 1),

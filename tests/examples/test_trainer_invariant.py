@@ -246,6 +246,7 @@ def test_short_run_is_bitwise_on_policy_process_backend(tmp_path):
     assert all(r["logprob_max_abs_diff"] > 0.0 for r in default)   # the real bf16 gap
 
 
+@pytest.mark.xdist_group("ray")                    # see tests/conftest.py
 def test_short_run_is_bitwise_on_policy_ray_backend(tmp_path):
     pytest.importorskip("ray")
     steps = _train_steps(tmp_path, batch_invariant=True, rollout_backend="ray", engines=2)

@@ -20,7 +20,8 @@ from examples.async_trainer.config import TrainerConfig                    # noq
 from examples.async_trainer.log import setup_logging                       # noqa: E402
 from tests.examples._ray_procs import alive, session_processes              # noqa: E402
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals"),
+              pytest.mark.xdist_group("ray")]      # see tests/conftest.py
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(tasks="reverse", sft_steps=2, rl_steps=12, opd_steps=0, prompts_per_step=2,
             group_size=2, eval_prompts=4, progress=False, rollout_backend="ray")

@@ -35,6 +35,7 @@ def test_bad_sft_weights_name_the_field(weights, capsys):
     assert "--sft-weights" in capsys.readouterr().err
 
 
+@pytest.mark.xdist_group("ray")                    # see tests/conftest.py
 @pytest.mark.parametrize("backend", ["process", "ray"])
 def test_tora_stages_on_either_rollout_backend(tmp_path, backend):
     if backend == "ray":

@@ -1,6 +1,10 @@
 """Shared pieces of the sync tests: a small model state, random sparse steps, and the bodies of
 the spawned processes (kept here so ``spawn`` can import them by name)."""
+import faulthandler
 import os
+import queue
+import signal
+import time
 import traceback
 
 import pytest
@@ -103,6 +107,7 @@ def _in_gloo(rank, world, init_file, report_q, timeout_s, body):
     """``body(link)`` in a gloo group over a broadcast link from rank 0. A crash is reported
     and ends the process; the teardown runs after every step was reported, so a gloo
     teardown abort cannot change the verdict."""
+    faulthandler.register(signal.SIGUSR1)      # collect_reports dumps a stalled rank's stacks
     try:
         torch.set_num_threads(1)
         import datetime
@@ -113,6 +118,10 @@ def _in_gloo(rank, world, init_file, report_q, timeout_s, body):
         body(sync.BroadcastTransport(src=0))
     except BaseException:
         report_q.put(("crash", rank, traceback.format_exc()))
+        # os._exit skips the queue's feeder thread: without the flush the report is lost and
+        # the parent sees nothing (Queue.Empty after its timeout) instead of the traceback.
+        report_q.close()
+        report_q.join_thread()
         os._exit(1)
     try:
         dist.barrier()
@@ -190,3 +199,35 @@ def gloo_faults(rank, world, init_file, report_q):
         else:
             _receive_and_report(link, state, report_q, 4)
     _in_gloo(rank, world, init_file, report_q, 60, body)
+
+
+def collect_reports(report_q, procs, count, stall_s=240.0):
+    """``count`` reports from the spawned ``procs``. A crash report fails at once with its
+    traceback; ranks that have all exited short of ``count`` fail naming their exit codes;
+    ``stall_s`` without a report while a rank lives (a loaded 2-core machine starts two
+    torch processes slowly, the bound is generous) fails after dumping every live rank's
+    Python stacks to stderr (faulthandler, SIGUSR1), which the failure report shows."""
+    out, last = [], time.monotonic()
+    while len(out) < count:
+        try:
+            msg = report_q.get(timeout=1.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                try:                             # a report sent just before its rank exited
+                    msg = report_q.get(timeout=5.0)
+                except queue.Empty:
+                    pytest.fail(f"the ranks exited (codes {[p.exitcode for p in procs]}) "
+                                f"after {len(out)} of {count} reports: {out}")
+            elif time.monotonic() - last > stall_s:
+                for p in procs:
+                    if p.is_alive():
+                        os.kill(p.pid, signal.SIGUSR1)
+                time.sleep(2.0)
+                pytest.fail(f"no report for {stall_s:.0f} s after {len(out)} of {count} "
+                            f"(the ranks' stacks are in the captured stderr): {out}")
+            else:
+                continue
+        assert msg[0] != "crash", msg[-1]
+        out.append(msg)
+        last = time.monotonic()
+    return out

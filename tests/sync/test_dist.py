@@ -2,7 +2,7 @@
 refusal and the all_reduce-driven resync."""
 import torch.multiprocessing as mp
 
-from tests.sync._helpers import ENC, STEPS, gloo_rank
+from tests.sync._helpers import ENC, STEPS, collect_reports, gloo_rank
 
 DRIFT_AT = 9
 
@@ -17,9 +17,7 @@ def test_gloo_broadcast_twenty_steps_with_resync(tmp_path):
         p.start()
     try:
         sent, got = {}, {}
-        for _ in range(2 * (STEPS + 1)):
-            msg = report_q.get(timeout=180)
-            assert msg[0] != "crash", msg[2]
+        for msg in collect_reports(report_q, procs, 2 * (STEPS + 1)):
             (sent if msg[0] == 0 else got)[msg[1]] = msg[2:]
     finally:
         for p in procs:
@@ -54,7 +52,7 @@ def test_gloo_aborted_publish_and_restarted_sender_keep_lock_step(tmp_path):
     for p in procs:
         p.start()
     try:
-        msgs = [report_q.get(timeout=120) for _ in range(6)]
+        msgs = collect_reports(report_q, procs, 6)
     finally:
         for p in procs:
             p.join(timeout=30)
