@@ -213,6 +213,65 @@ def test_behaviour_policy_refuses_a_version_it_does_not_hold():
         behaviour.annotate([sample])
 
 
+def _tool_caller(cfg, call_logit: float):
+    """A model whose every position's logits are ``call_logit`` for ``<tool_call>`` and 0
+    elsewhere: every tool session has a second turn, whose log-probs name the weights."""
+    model = _model(cfg, seed=3)
+    with torch.no_grad():
+        model.norm.weight.zero_()
+        model.norm.bias.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[task.TOOL_CALL] = call_logit / cfg.d_model
+    return model
+
+
+def test_a_session_spanning_a_weight_update_runs_on_one_version():
+    """A Ray engine's session whose weights change between its two turns (what broke
+    logprob_max_abs_diff == 0 on the Ray backend, multi-turn tasks only): both turns run on
+    the first turn's weights, and the trainer's recompute with the sample's version matches
+    every sampled token bitwise. An engine that does not hold that version (a replacement)
+    says so, and the session can start over."""
+    from examples.async_trainer.engines import _EngineImpl, _Link
+    from examples.async_trainer.batch import BEHAVIOUR_KEY
+    from examples.async_trainer.sessions import new_session
+    cfg = TrainerConfig(tasks="tool", batch_invariant=True).validate()
+    engine, link, behaviour = _EngineImpl(cfg, "e0", 0), _Link(0), BehaviourPolicy(cfg)
+
+    def publish(model):
+        frames, _ = link.publish({k: v.detach().clone() for k, v in model.state_dict().items()})
+        version = engine.update(frames)["version"]
+        behaviour.remember(version, model)
+        return version
+
+    assert publish(_tool_caller(cfg, 40.0)) == 1
+    prompt = task.make_prompt(cfg, "tool", torch.Generator().manual_seed(0))
+    sess = new_session(cfg, "s", [prompt], 2)
+    res = engine.turn(dict(sess.next_turn(), session="s", seed=1))
+    sess.feed(res, res["version"])
+    assert not sess.done                                                # the tool was called
+    assert publish(_tool_caller(cfg, 2.0)) == 2                         # other log-probs
+    res = engine.turn(dict(sess.next_turn(), session="s", seed=2))
+    sess.feed(res, res["version"])
+    samples = sess.samples()
+    behaviour.annotate(samples)
+    for s in samples:
+        assert s["version"] == 1
+        mask = torch.tensor(s["loss_mask"]) > 0
+        assert mask.sum() > 1                                           # both turns sampled
+        assert torch.equal(torch.tensor(s[BEHAVIOUR_KEY])[mask],
+                           torch.tensor(s["rollout_logprobs"])[mask])
+    assert res["version"] == 1                            # the second turn ran on v1's weights
+    # A fresh engine (a replacement: only the current weights) refuses version 1.
+    fresh = _EngineImpl(cfg, "e1", 0)
+    fresh.update(_Link(1).publish({k: v.clone() for k, v in behaviour.snapshots[2].items()},
+                                  full=True)[0])
+    again = new_session(cfg, "t", [prompt], 2)
+    res = fresh.turn(dict(again.next_turn(), session="t", seed=1))
+    again.feed(res, 1)
+    res = fresh.turn(dict(again.next_turn(), session="t", seed=2))
+    assert res["missing_version"] == 1 and res["rows"] is None
+
+
 def test_config_and_flag():
     assert parse(["--batch-invariant"]).batch_invariant is True
     assert parse(["--batch-invariant", "false"]).batch_invariant is False
