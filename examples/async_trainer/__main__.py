@@ -6,7 +6,7 @@ import sys
 from dataclasses import fields
 
 from .checkpoint import CheckpointError
-from .config import TrainerConfig
+from .config import HELP, TrainerConfig
 from .log import logger, setup_logging
 from .supervisor import RolloutError
 from .trainer import train
@@ -32,9 +32,13 @@ def parse(argv=None) -> TrainerConfig:
                                              "by default (see docs/trainer.md)")
     for f in fields(TrainerConfig):
         flag = isinstance(f.default, bool)       # ``--batch-invariant`` alone means true
+        default = CLI_DEFAULTS.get(f.name, f.default)
+        shown = repr(default) if isinstance(default, str) else str(default).lower() if flag \
+            else str(default)
+        # argparse formats the help with %: a literal % in a description is doubled
         ap.add_argument("--" + f.name.replace("_", "-"), type=_bool if flag else type(f.default),
-                        default=CLI_DEFAULTS.get(f.name, f.default),
-                        metavar=type(f.default).__name__.upper(),
+                        default=default, metavar=type(f.default).__name__.upper(),
+                        help=f"{HELP[f.name]} (default: {shown})".replace("%", "%%"),
                         **({"nargs": "?", "const": True} if flag else {}))
     return TrainerConfig(**vars(ap.parse_args(argv)))
 

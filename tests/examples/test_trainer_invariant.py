@@ -284,15 +284,16 @@ def test_config_and_flag():
         TrainerConfig(batch_invariant=1).validate()
 
 
-def _train_steps(tmp_path, **kw):
+def _train_steps(tmp_path, tasks="reverse", **kw):
     from examples.async_trainer.trainer import train
-    cfg = TrainerConfig(tasks="reverse", sft_steps=2, rl_steps=4, opd_steps=2, prompts_per_step=2,
-                        group_size=2, opd_prompts_per_step=4, eval_prompts=4,
-                        out_dir=str(tmp_path), progress=False, **kw)
+    kw = dict(dict(sft_steps=2, rl_steps=4, opd_steps=2), **kw)
+    cfg = TrainerConfig(tasks=tasks, prompts_per_step=2, group_size=2, opd_prompts_per_step=4,
+                        eval_prompts=4, out_dir=str(tmp_path), progress=False, **kw)
     train(cfg)
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in records if r["kind"] == "train" and r["stage"] != "sft"]
-    assert [r["stage"] for r in steps] == ["rl:reverse"] * 4 + ["opd"] * 2
+    assert [r["stage"] for r in steps] == \
+        [f"rl:{t}" for t in cfg.task_list() for _ in range(cfg.rl_steps)] + ["opd"] * cfg.opd_steps
     return steps
 
 
@@ -306,9 +307,12 @@ def test_short_run_is_bitwise_on_policy_process_backend(tmp_path):
 
 
 def test_short_run_is_bitwise_on_policy_ray_backend(tmp_path):
+    # The tool task: two-turn sessions (20 SFT steps teach the call), whose turns an
+    # engine could run on two weight versions (test_a_session_spanning_...).
     pytest.importorskip("ray")
-    steps = _train_steps(tmp_path, batch_invariant=True, rollout_backend="ray", engines=2)
-    assert all(r["logprob_max_abs_diff"] == 0.0 for r in steps)
+    steps = _train_steps(tmp_path, tasks="tool", sft_steps=20, rl_steps=6,
+                         batch_invariant=True, rollout_backend="ray", engines=2)
+    assert [r["logprob_max_abs_diff"] for r in steps] == [0.0] * len(steps)
     assert all(r["pop_frac"] == 0.0 for r in steps)
 
 
