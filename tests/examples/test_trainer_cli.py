@@ -1,5 +1,5 @@
 """The example trainer's command line as a new user meets it: ``--help`` describes every flag
-with its default."""
+with its default; ``--resume`` of a finished run starts nothing and says the run is complete."""
 import argparse
 import subprocess
 import sys
@@ -55,3 +55,34 @@ def test_help_prints_every_flag():
     assert "(default: 'reverse,tool,tora')" in text     # the CLI's own default for --tasks
     assert "--batch-invariant [BOOL] rollout and trainer log-probs bitwise equal" in text
     assert text.count("(default: ") == len(fields(TrainerConfig))
+
+
+def test_resume_of_a_finished_run_starts_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    from examples.async_trainer import trainer
+    from examples.async_trainer.log import setup_logging
+    setup_logging()
+    cfg = TrainerConfig(tasks="reverse", sft_steps=2, rl_steps=2, opd_steps=0,
+                        prompts_per_step=2, group_size=2, eval_prompts=4, progress=False,
+                        rollout_backend="process", out_dir=str(tmp_path))
+    done = trainer.train(cfg)
+    assert done["exit_code"] == 0
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+
+    def refuse(*a, **kw):
+        raise AssertionError("a finished run's resume started a stage or an engine")
+
+    monkeypatch.setattr(trainer, "_start_engines", refuse)
+    monkeypatch.setattr(trainer, "Run", refuse)
+    capsys.readouterr()
+    code = cli.main(["--resume", str(tmp_path / "checkpoint.pt"), "--out-dir", str(tmp_path)])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "is already complete" in err and "nothing to do" in err
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics      # nothing rewritten
+    again = trainer.train(TrainerConfig(resume=str(tmp_path / "checkpoint.pt"),
+                                        out_dir=str(tmp_path), progress=False))
+    assert again["exit_code"] == 0 and again["evals"] == done["evals"]
+    assert again["trained_ids"] == done["trained_ids"]
+    # A stage evaluated but not finished (or the reverse) is not complete.
+    assert trainer.pending_stages(cfg, {"sft": {}}, [{"kind": "eval", "stage": "sft"}]) == \
+        ["rl:reverse"]
