@@ -272,6 +272,41 @@ def test_a_session_spanning_a_weight_update_runs_on_one_version():
     assert res["missing_version"] == 1 and res["rows"] is None
 
 
+def test_a_session_whose_version_its_engine_lacks_starts_over():
+    """The pump's side of ``missing_version``: the session starts over (no turn of it kept),
+    queued for its engine, counted; nothing is emitted."""
+    import threading
+    from examples.async_trainer.ray_rollout import RayRollout
+
+    class Router:
+        def route(self, sid):
+            return "e1", False
+
+    class Group:
+        lock, router, version = threading.RLock(), Router(), 2
+        ray = type("Ray", (), {"get": staticmethod(lambda ref: ref_results[ref])})
+
+        def alive(self):
+            return ["e0", "e1"]
+
+    cfg = TrainerConfig(tasks="tool", batch_invariant=True).validate()
+    rollout = RayRollout(Group(), cfg, "t", 0, {"tool": 1.0}, 2, 1)
+    (sid,) = rollout._new_sessions(1)
+    old = rollout.sessions[sid]
+    old.turns, old.version = 1, 1                              # as after its first turn
+    ref_results = {"r": {"rows": None, "missing_version": 1, "version": 2, "engine": "e0",
+                         "session_found": False, "reused_tokens": 0}}
+    rollout.inflight["r"] = {"session": sid, "engine": "e0", "t0": 0.0, "rows": 2,
+                             "continued": True, "moved": False}
+    rollout._finish("r")
+    new = rollout.sessions[sid]
+    assert new is not old and new.turns == 0 and new.next_turn()["version"] is None
+    assert new.rows == old.rows and list(rollout.queues["e1"]) == [sid]
+    assert rollout.sessions_restarted == 1 and rollout.env_jobs == []
+    assert rollout.outbox.empty()
+    rollout._env.shutdown()
+
+
 def test_config_and_flag():
     assert parse(["--batch-invariant"]).batch_invariant is True
     assert parse(["--batch-invariant", "false"]).batch_invariant is False
