@@ -9,7 +9,7 @@ from .checkpoint import CheckpointError
 from .config import HELP, TrainerConfig
 from .log import logger, setup_logging
 from .supervisor import RolloutError
-from .trainer import train
+from .trainer import RESUME_OVERRIDES, train
 
 
 def _bool(text: str) -> bool:
@@ -26,7 +26,8 @@ def _bool(text: str) -> bool:
 CLI_DEFAULTS = {"tasks": "reverse,tool,tora"}
 
 
-def parse(argv=None) -> TrainerConfig:
+def _parser(with_defaults: bool = True) -> argparse.ArgumentParser:
+    """The CLI; ``with_defaults=False``: flags not given are left out of the result."""
     ap = argparse.ArgumentParser(prog="python -m examples.async_trainer",
                                  description="SFT -> async GRPO + IcePop per task -> OPD, on CPU "
                                              "by default (see docs/trainer.md)")
@@ -37,10 +38,24 @@ def parse(argv=None) -> TrainerConfig:
             else str(default)
         # argparse formats the help with %: a literal % in a description is doubled
         ap.add_argument("--" + f.name.replace("_", "-"), type=_bool if flag else type(f.default),
-                        default=default, metavar=type(f.default).__name__.upper(),
+                        default=default if with_defaults else argparse.SUPPRESS,
+                        metavar=type(f.default).__name__.upper(),
                         help=f"{HELP[f.name]} (default: {shown})".replace("%", "%%"),
                         **({"nargs": "?", "const": True} if flag else {}))
-    return TrainerConfig(**vars(ap.parse_args(argv)))
+    return ap
+
+
+def parse(argv=None) -> TrainerConfig:
+    return TrainerConfig(**vars(_parser().parse_args(argv)))
+
+
+def ignored_on_resume(argv=None) -> list:
+    """The flags given with ``--resume`` that it ignores (it keeps the checkpoint's
+    configuration but for ``trainer.RESUME_OVERRIDES``)."""
+    given = vars(_parser(with_defaults=False).parse_args(argv))
+    if not given.get("resume"):
+        return []
+    return ["--" + name.replace("_", "-") for name in given if name not in RESUME_OVERRIDES]
 
 
 def _error(err: Exception) -> str:
@@ -63,6 +78,11 @@ def main(argv=None) -> int:
     except (TypeError, ValueError) as err:
         print(_error(err), file=sys.stderr)
         return 2
+    ignored = ignored_on_resume(argv)
+    if ignored:
+        logger.warning(f"--resume continues with the checkpoint's configuration: "
+                       f"{' '.join(ignored)} ignored (only --out-dir, --device and --progress "
+                       f"apply; more steps need a new run)")
     try:
         out = train(cfg)
     except CheckpointError as err:

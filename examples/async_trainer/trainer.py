@@ -225,6 +225,10 @@ def _stages(run, on_step) -> None:
             run.save()
 
 
+# The fields a resume takes from its command line; every other one is the checkpoint's.
+RESUME_OVERRIDES = ("resume", "out_dir", "progress", "device")
+
+
 def pending_stages(cfg, finished: dict, records: List[dict]) -> List[str]:
     """The stages of ``cfg`` (in order) a run with ``finished`` stages and ``records`` still
     has to train or to evaluate (what :func:`_stages` would do)."""
@@ -305,8 +309,7 @@ def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.load(cfg.resume)
-        keep = {"resume": cfg.resume, "out_dir": cfg.out_dir, "progress": cfg.progress,
-                "device": cfg.device}
+        keep = {name: getattr(cfg, name) for name in RESUME_OVERRIDES}
         known = {f.name for f in dataclasses.fields(TrainerConfig)}
         unknown = sorted(set(ckpt["config"]) - known)
         if unknown:

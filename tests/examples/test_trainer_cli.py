@@ -27,6 +27,13 @@ def _parser_actions(monkeypatch):
     return [a for a in parser._actions if a.dest != "help"]
 
 
+def test_flags_a_resume_ignores_are_named():
+    assert cli.ignored_on_resume(["--rl-steps", "9", "--out-dir", "x"]) == []
+    assert cli.ignored_on_resume(["--resume", "c.pt", "--out-dir", "x", "--device", "cpu",
+                                  "--progress", "--rl-steps", "9", "--batch-invariant"]) == \
+        ["--rl-steps", "--batch-invariant"]
+
+
 def test_every_field_has_a_description():
     assert set(HELP) == {f.name for f in fields(TrainerConfig)}
     assert all(text.strip() and "\n" not in text for text in HELP.values())
@@ -74,10 +81,13 @@ def test_resume_of_a_finished_run_starts_nothing_and_says_so(tmp_path, monkeypat
     monkeypatch.setattr(trainer, "_start_engines", refuse)
     monkeypatch.setattr(trainer, "Run", refuse)
     capsys.readouterr()
-    code = cli.main(["--resume", str(tmp_path / "checkpoint.pt"), "--out-dir", str(tmp_path)])
+    code = cli.main(["--resume", str(tmp_path / "checkpoint.pt"), "--out-dir", str(tmp_path),
+                     "--rl-steps", "5", "--progress", "false"])
     assert code == 0
     err = capsys.readouterr().err
     assert "is already complete" in err and "nothing to do" in err
+    # More steps cannot be asked of a resume: the flag is named as ignored, not dropped silently.
+    assert "checkpoint's configuration: --rl-steps ignored" in err
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics      # nothing rewritten
     again = trainer.train(TrainerConfig(resume=str(tmp_path / "checkpoint.pt"),
                                         out_dir=str(tmp_path), progress=False))
