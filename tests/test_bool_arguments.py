@@ -37,6 +37,8 @@ def _calls():
         "full": lambda v: sync.Sender(sync.LocalTransport()).publish({"w": new}, full=v),
         "return_metrics": lambda v: glm_kernels.icepop_loss(
             torch.zeros(3), torch.zeros(3), torch.ones(3), return_metrics=v),
+        "warn_on_nonfinite": lambda v: glm_kernels.icepop_loss(
+            torch.zeros(3), torch.zeros(3), torch.ones(3), warn_on_nonfinite=v),
         "return_entropy": lambda v: glm_kernels.selective_logprobs(
             logits, torch.zeros(5, dtype=torch.int64), return_entropy=v),
     }

@@ -39,7 +39,10 @@ def sdist(tmp_path_factory):
             shutil.copy2(source, os.path.join(tree, name))
     out = tmp_path_factory.mktemp("dist")
     code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(out)!r}))"
-    name = _run([sys.executable, "-c", code], cwd=tree).stdout.strip().splitlines()[-1]
+    proc = _run([sys.executable, "-c", code], cwd=tree)
+    name = proc.stdout.strip().splitlines()[-1]
+    with open(os.path.join(out, "build.log"), "w") as f:     # test_sdist_build_is_clean
+        f.write(proc.stdout + proc.stderr)
     return os.path.join(out, name)
 
 
@@ -102,6 +105,55 @@ def test_sdist_ships_license_docs_and_sources(sdist):
     with open(os.path.join(ROOT, "LICENSE"), "rb") as f:
         assert license_text == f.read()
     assert b"Apache License" in license_text and b"Version 2.0, January 2004" in license_text
+
+
+def _sdist_names(sdist):
+    with tarfile.open(sdist) as tf:
+        root = tf.getnames()[0].split("/")[0]
+        names = {n[len(root) + 1:] for n in tf.getnames() if tf.getmember(n).isfile()}
+        pkg_info = tf.extractfile(f"{root}/PKG-INFO").read().decode()
+    return names, pkg_info
+
+
+def test_sdist_carries_what_the_readmes_commands_need_and_nothing_stray(sdist):
+    """`make demo` and `make test` from an unpacked sdist: the Makefile, the example, every
+    test (not only setuptools' default top-level tests/test*.py), the benchmarks and the CI
+    scripts the Makefile calls; every file is one git tracks (no build output, no runs/)."""
+    names, _ = _sdist_names(sdist)
+    needed = {"Makefile", "benchmarks/aot_report.py", ".ci/check_verl_install.py", ".ci/run"}
+    for prefix in ("examples/", "tests/", "benchmarks/", ".ci/", "glm_kernels/"):
+        needed |= set(_tracked(prefix))
+    assert needed <= names, sorted(needed - names)
+    tracked = set(_run(["git", "-C", ROOT, "ls-files", "--cached", "--others",
+                        "--exclude-standard"]).stdout.split())          # what the fixture ships
+    generated = {"PKG-INFO", "setup.cfg"}
+    stray = {n for n in names - tracked - generated if not n.startswith("glm_kernels.egg-info/")}
+    assert not stray, sorted(stray)
+
+
+def test_sdist_build_is_clean(sdist):
+    with open(os.path.join(os.path.dirname(sdist), "build.log")) as f:
+        log = f.read()
+    assert "no files found matching" not in log and "warning: no previously" not in log, log
+
+
+def test_metadata_markers_classifiers(sdist):
+    _, pkg_info = _sdist_names(sdist)
+    ray = [line for line in pkg_info.splitlines() if line.startswith("Requires-Dist: ray")]
+    assert ray and all('python_version >= "3.10"' in line for line in ray), ray
+    assert {"example", "integrations"} <= {line.split('extra == "')[1].rstrip('"')
+                                           for line in ray}
+    classifiers = {line.split(": ", 1)[1] for line in pkg_info.splitlines()
+                   if line.startswith("Classifier: ")}
+    assert "Programming Language :: Python :: 3.9" in classifiers     # requires-python's floor
+    assert any(c.startswith("Topic :: ") for c in classifiers)
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+
+
+def test_wheel_carries_only_the_package(wheels):
+    for kind in ("ext", "pure"):
+        top = {n.split("/")[0] for n in _wheel_files(wheels[kind])}
+        assert top == {"glm_kernels", "glm_kernels-0.1.0.dist-info"}, (kind, sorted(top))
 
 
 def _probe_installed(wheel, tmp_path):

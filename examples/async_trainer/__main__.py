@@ -6,10 +6,10 @@ import sys
 from dataclasses import fields
 
 from .checkpoint import CheckpointError
-from .config import TrainerConfig
+from .config import HELP, TrainerConfig
 from .log import logger, setup_logging
 from .supervisor import RolloutError
-from .trainer import train
+from .trainer import RESUME_OVERRIDES, train
 
 
 def _bool(text: str) -> bool:
@@ -26,17 +26,36 @@ def _bool(text: str) -> bool:
 CLI_DEFAULTS = {"tasks": "reverse,tool,tora"}
 
 
-def parse(argv=None) -> TrainerConfig:
+def _parser(with_defaults: bool = True) -> argparse.ArgumentParser:
+    """The CLI; ``with_defaults=False``: flags not given are left out of the result."""
     ap = argparse.ArgumentParser(prog="python -m examples.async_trainer",
                                  description="SFT -> async GRPO + IcePop per task -> OPD, on CPU "
                                              "by default (see docs/trainer.md)")
     for f in fields(TrainerConfig):
         flag = isinstance(f.default, bool)       # ``--batch-invariant`` alone means true
+        default = CLI_DEFAULTS.get(f.name, f.default)
+        shown = repr(default) if isinstance(default, str) else str(default).lower() if flag \
+            else str(default)
+        # argparse formats the help with %: a literal % in a description is doubled
         ap.add_argument("--" + f.name.replace("_", "-"), type=_bool if flag else type(f.default),
-                        default=CLI_DEFAULTS.get(f.name, f.default),
+                        default=default if with_defaults else argparse.SUPPRESS,
                         metavar=type(f.default).__name__.upper(),
+                        help=f"{HELP[f.name]} (default: {shown})".replace("%", "%%"),
                         **({"nargs": "?", "const": True} if flag else {}))
-    return TrainerConfig(**vars(ap.parse_args(argv)))
+    return ap
+
+
+def parse(argv=None) -> TrainerConfig:
+    return TrainerConfig(**vars(_parser().parse_args(argv)))
+
+
+def ignored_on_resume(argv=None) -> list:
+    """The flags given with ``--resume`` that it ignores (it keeps the checkpoint's
+    configuration but for ``trainer.RESUME_OVERRIDES``)."""
+    given = vars(_parser(with_defaults=False).parse_args(argv))
+    if not given.get("resume"):
+        return []
+    return ["--" + name.replace("_", "-") for name in given if name not in RESUME_OVERRIDES]
 
 
 def _error(err: Exception) -> str:
@@ -59,6 +78,11 @@ def main(argv=None) -> int:
     except (TypeError, ValueError) as err:
         print(_error(err), file=sys.stderr)
         return 2
+    ignored = ignored_on_resume(argv)
+    if ignored:
+        logger.warning(f"--resume continues with the checkpoint's configuration: "
+                       f"{' '.join(ignored)} ignored (only --out-dir, --device and --progress "
+                       f"apply; more steps need a new run)")
     try:
         out = train(cfg)
     except CheckpointError as err:

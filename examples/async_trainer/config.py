@@ -219,3 +219,70 @@ class TrainerConfig:
             raise ValueError(f"config.batch_invariant is built and tested on CPU only "
                              f"(device {self.resolved_device()!r}); use device 'cpu'")
         return self
+
+
+# One line per field: the CLI's ``--help`` (each flag with its default) and the reference of
+# what every field does (tests/examples/test_trainer_cli.py checks that none is missing).
+HELP: Dict[str, str] = {
+    "tasks": "RL tasks, comma-separated, of reverse, tool, tora (one RL stage and teacher each; "
+             "OPD mixes them)",
+    "num_digits": "digits of a task's number",
+    "vocab_digits": "distinct digit tokens (>= 2)",
+    "d_model": "model width (n_heads times an even head size)",
+    "n_layers": "transformer blocks",
+    "n_heads": "attention heads of the MLA layers",
+    "n_experts": "MoE experts per layer",
+    "top_k": "experts each token is routed to",
+    "n_expert_groups": "expert groups of the group-limited (noaux_tc) routing",
+    "topk_groups": "expert groups a token may route into",
+    "balance_bias_rate": "step of the aux-loss-free load-balancing bias",
+    "sft_steps": "SFT warm-up steps on the mixture of tasks",
+    "sft_batch": "SFT examples per step",
+    "sft_lr": "SFT learning rate",
+    "sft_weights": "SFT examples per task relative to 1, as 'task=N,...' (tasks not listed: 1)",
+    "rl_steps": "asynchronous GRPO + IcePop steps per task",
+    "rl_lr": "RL learning rate (AdamW parts of MuonSplit)",
+    "prompts_per_step": "RL prompts (groups) per step",
+    "group_size": "RL samples per prompt (>= 2 for GRPO)",
+    "opd_steps": "on-policy distillation steps (both teachers into the SFT student)",
+    "opd_lr": "OPD learning rate (AdamW parts of MuonSplit)",
+    "opd_prompts_per_step": "OPD prompts per step (group size 1)",
+    "opd_ratio": "fraction of OPD prompts drawn from the first task (the others share the rest)",
+    "muon_lr": "Muon learning rate of the matrices (RL and OPD)",
+    "weight_decay": "weight decay of RL and OPD",
+    "dp_ranks": "simulated data-parallel ranks",
+    "packing": "micro-batch packing: first_fit or kk (Karmarkar-Karp balanced)",
+    "max_tokens_per_microbatch": "tokens per micro-batch (at least one trajectory)",
+    "rollout_batch_samples": "trajectories generated per batch (process) or per session "
+                             "round over the engines (ray), at most",
+    "max_ahead_steps": "staleness bound: a group is trained at most this many weight versions "
+                       "after the one it was generated with",
+    "rollout_dtype": "weights the rollout runs in: bfloat16, float32, or auto (bfloat16; "
+                     "float32 with --batch-invariant)",
+    "batch_invariant": "rollout and trainer log-probs bitwise equal (fp32 rollout, CPU only; "
+                       "docs/trainer.md)",
+    "routing_replay": "train with the experts the rollout routed to (R3)",
+    "beta": "IcePop gate [1/beta, beta] (> 1)",
+    "eps_low": "PPO clip below 1",
+    "eps_high": "PPO clip above 1",
+    "eval_prompts": "held-out prompts per task of each evaluation",
+    "device": "auto (cuda if available), cpu or cuda",
+    "seed": "random seed",
+    "out_dir": "where metrics.jsonl, checkpoint.pt and the plots go",
+    "resume": "path of a checkpoint.pt to continue from",
+    "checkpoint_every": "optimizer steps between checkpoints (0: only at stage ends and on "
+                        "exit; always also on Ctrl-C, SIGTERM, a failure)",
+    "rollout_restarts": "rollout deaths in a row (no step between) that are restarted; one "
+                        "more stops the run (exit 1)",
+    "progress": "tqdm progress bars",
+    "rollout_backend": "ray (engine actors behind a session router), process (one spawned "
+                       "rollout process), or auto (ray when installed)",
+    "engines": "rollout engine actors (ray)",
+    "ray_address": "Ray cluster to join ('': start a local Ray instance)",
+    "health_interval": "seconds between engine health checks (ray)",
+    "kill_engine_at": "kill one engine actor after this global step (0: never; ray)",
+    "engine_cpus": "CPUs of each engine's placement-group bundle (ray)",
+    "placement_strategy": "engine placement: PACK, SPREAD (over nodes), STRICT_PACK, "
+                          "STRICT_SPREAD (ray)",
+    "placement_timeout": "seconds to wait for the engines' bundles before failing (ray)",
+}

@@ -5,7 +5,12 @@
   (a full snapshot first, then zstd deltas), and serves turns of sessions token in ->
   token out (``sampler.EngineCore``: fp32 log-probs recorded at sampling time, each live
   session's prefix kept between its turns). ``ping`` runs in its own concurrency group, so a busy
-  engine still answers and only a dead or hung one does not.
+  engine still answers and only a dead or hung one does not. In batch-invariant mode it also
+  keeps the weights of its last few versions and runs every turn of a session on the version
+  of the session's first turn (the request's ``version``): a session spanning a weight update
+  would otherwise mix two versions, which no single-version recompute by the trainer matches.
+  A session whose version the engine does not hold (evicted, or a replacement engine) gets
+  ``missing_version`` back and starts over on the current weights.
 * :class:`EngineGroup` (the driver's side, one per training run): starts the actors
   (``ray.init()``: a local instance, or ``address=`` an existing cluster), each in its own
   bundle of a placement group (``placement.py``; a replacement reuses its bundle), keeps one
@@ -23,6 +28,7 @@ import itertools
 import os
 import threading
 import time
+from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import torch
@@ -55,6 +61,13 @@ class _EngineImpl:
         self.core = EngineCore(self.model, batch_invariant=cfg.batch_invariant)
         self._new_receiver()
         self._lock = threading.Lock()
+        # Batch-invariant mode: the weights of the last versions (sessions pinned to them);
+        # a session older than the staleness bound is dropped by the trainer anyway.
+        self.kept: Optional["OrderedDict[int, Dict[str, torch.Tensor]]"] = \
+            OrderedDict() if cfg.batch_invariant else None
+        self.keep_versions = cfg.max_ahead_steps + 2
+        self._pinned: Optional[TinyLM] = None
+        self._pinned_version = 0
 
     def _new_receiver(self):
         self.inbox = sync.LocalTransport()
@@ -71,17 +84,48 @@ class _EngineImpl:
                 self.receiver.poll()
             except sync.SyncError as err:
                 refused = str(err)
+            self._keep_current()
             return {"version": self.receiver.version, "refused": refused,
                     "full_requested": self.inbox.full_requested()}
 
+    def _keep_current(self) -> None:
+        """Batch-invariant mode: keep a copy of the weights just received (last
+        ``keep_versions``)."""
+        version = self.receiver.version
+        if self.kept is None or version == 0 or version in self.kept:
+            return
+        self.kept[version] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        while len(self.kept) > self.keep_versions:
+            self.kept.popitem(last=False)
+
+    def _weights_of(self, version: int) -> TinyLM:
+        """A model holding the kept weights of ``version``."""
+        if self._pinned is None:
+            self._pinned = TinyLM(self.cfg, vocab.vocab_size(self.cfg)).to(
+                self.cfg.resolved_device(), self.cfg.rollout_torch_dtype()).eval()
+        if self._pinned_version != version:
+            self._pinned.load_state_dict(self.kept[version])
+            self._pinned_version = version
+        return self._pinned
+
     def turn(self, req: dict) -> dict:
-        """One turn of a session (``EngineCore.turn``; ``req`` also has ``seed``), with the
-        weight version it ran on and this engine's id."""
+        """One turn of a session (``EngineCore.turn``; ``req`` also has ``seed``, and
+        ``version``: the session's earlier turns' weights, honoured in batch-invariant mode),
+        with the weight version it ran on and this engine's id. ``missing_version`` (set,
+        ``rows`` None): batch-invariant mode, the session's version is not held here."""
         with self._lock, torch.no_grad():
             version = self.receiver.version
             if version == 0:
                 raise RuntimeError(f"engine {self.engine_id}: no weights yet")
-            out = self.core.turn(req, torch.Generator().manual_seed(req["seed"]))
+            model, want = None, req.get("version")
+            if self.kept is not None and want is not None and want != version:
+                if want not in self.kept:
+                    self.core.forget(req["session"])
+                    return {"rows": None, "missing_version": want, "version": version,
+                            "engine": self.engine_id, "session_found": False,
+                            "reused_tokens": 0}
+                model, version = self._weights_of(want), want
+            out = self.core.turn(req, torch.Generator().manual_seed(req["seed"]), model)
             out.update(version=version, engine=self.engine_id)
             return out
 

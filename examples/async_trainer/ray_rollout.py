@@ -53,6 +53,8 @@ class RayRollout:
         self.outbox: "queue.Queue[dict]" = queue.Queue()
         self.sessions: Dict[str, object] = {}         # live sessions (sessions.Session)
         self.prompt_ids: Dict[str, List[str]] = {}
+        self.prompts: Dict[str, list] = {}            # session -> its prompts (a restart)
+        self.sessions_restarted = 0                   # batch-invariant: version not held
         self.queues: Dict[str, Deque[str]] = {}       # engine -> sessions whose turn waits
         self.inflight: Dict[object, dict] = {}        # ref -> the turn sent (engine, session)
         self.ready_at: Dict[str, float] = {}          # session -> when its turn was ready
@@ -228,6 +230,7 @@ class RayRollout:
             self._next_prompt += k
             self.started_prompts += k
             self.sessions[sid] = new_session(self.cfg, sid, prompts, self.group_size)
+            self.prompts[sid] = prompts
             out.append(sid)
         return out
 
@@ -259,6 +262,9 @@ class RayRollout:
         except Exception as err:      # the engine died under it: its turn runs again
             self._fail_engine(info["engine"], f"{type(err).__name__} in a turn", also=[info])
             return
+        if res.get("missing_version") is not None:
+            self._restart_session(info["session"], info["engine"], res["missing_version"])
+            return
         with self._mu:
             if info["continued"] and not info["moved"]:
                 self.continued += 1
@@ -267,6 +273,19 @@ class RayRollout:
         sess = self.sessions[info["session"]]
         self.env_jobs.append((info["session"], self._env.submit(sess.feed, res,
                                                                 res["version"])))
+
+    def _restart_session(self, sid: str, eid: str, version: int) -> None:
+        """Batch-invariant mode: engine ``eid`` no longer holds the weights ``version`` the
+        session's earlier turns ran on (a replacement engine, or a version evicted): the
+        session starts over on the current weights, so every turn of it has one version."""
+        self.sessions[sid] = new_session(self.cfg, sid, self.prompts[sid], self.group_size)
+        self.sessions_restarted += 1
+        logger.info(f"rollout {self.tag}: session {sid} starts over (engine {eid} no longer "
+                    f"holds its weights v{version})")
+        with self.group.lock:
+            target, _ = self.group.router.route(sid)
+        self.ready_at[sid] = time.monotonic()
+        self.queues.setdefault(target, deque()).append(sid)
 
     def _collect_env(self) -> None:
         """Sessions whose environment step is done: the next turn queued on the session's
@@ -299,6 +318,7 @@ class RayRollout:
         with self.group.lock:
             self.group.router.end_session(sid)
         del self.sessions[sid]
+        self.prompts.pop(sid, None)
         for s in samples:
             self.generated += 1
             self.outbox.put(s)

@@ -97,21 +97,24 @@ class EngineCore:
         self.sessions: "OrderedDict[str, Dict[int, tuple]]" = OrderedDict()
         self.turns = self.session_hits = self.reused_tokens = 0
 
-    def turn(self, req: dict, gen: Optional[torch.Generator] = None) -> dict:
+    def turn(self, req: dict, gen: Optional[torch.Generator] = None, model=None) -> dict:
+        """One turn; ``model`` (default: the engine's) is the weights to run it on (an
+        engine that keeps an older version for the sessions that started on it)."""
+        model = self.model if model is None else model
         sid = req["session"]
         found = sid in self.sessions
         cache = self.sessions.pop(sid, {})
-        device = next(self.model.parameters()).device
+        device = next(model.parameters()).device
         by_len: Dict[int, list] = {}
         for row, ctx in req["rows"]:
             by_len.setdefault(len(ctx), []).append((row, list(ctx)))
         out, reused = {}, 0
         for length, members in sorted(by_len.items()):
-            recorder = RoutingRecorder(self.model)
+            recorder = RoutingRecorder(model)
             toks = torch.tensor([ctx for _, ctx in members], device=device)
             live = torch.ones(len(members), dtype=torch.bool, device=device)
             with invariant.mode(self.batch_invariant):
-                toks, ids, lps, mask = sample_turn(self.model, toks, live, req["steps"],
+                toks, ids, lps, mask = sample_turn(model, toks, live, req["steps"],
                                                    req["stops"], recorder, gen=gen,
                                                    greedy=req.get("greedy", False))
             fresh = recorder.recorded()                   # [layers, rows, fed, k] or None
@@ -137,3 +140,7 @@ class EngineCore:
             while len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         return {"rows": out, "session_found": found, "reused_tokens": reused}
+
+    def forget(self, session: str) -> None:
+        """Drop a session's cached prefix (it starts over)."""
+        self.sessions.pop(session, None)

@@ -7,7 +7,10 @@ A session is one request's conversations: its prompts, each repeated ``group_siz
 (None when every row is done), ``feed(result, version)`` takes the engine's answer and runs
 the environment, ``samples()`` gives one sample per row in the format of
 ``rollout.generate``. A sample's ``version`` is the oldest weight version any of its turns
-was generated with (what its staleness is measured from).
+was generated with (what its staleness is measured from). Every request after the first
+carries that version (``version``): an engine in batch-invariant mode runs the whole session
+on those weights (``engines.py``), so that the trainer's recompute with one version matches
+every turn bitwise; other engines ignore it.
 
 * ``reverse``: one turn (the answer).
 * ``tool``: turn 1 is the one-token tool call; the environment appends the observation span
@@ -47,8 +50,9 @@ class Session(ABC):
         self._next: Optional[dict] = self._first_turn()
 
     def next_turn(self) -> Optional[dict]:
-        """The next request (``rows``, ``steps``, ``stops``, ``end``), None when done."""
-        return self._next
+        """The next request (``rows``, ``steps``, ``stops``, ``end``, and ``version``: the
+        weight version of the earlier turns, None before the first), None when done."""
+        return None if self._next is None else dict(self._next, version=self.version)
 
     @property
     def done(self) -> bool:

@@ -225,6 +225,23 @@ def _stages(run, on_step) -> None:
             run.save()
 
 
+# The fields a resume takes from its command line; every other one is the checkpoint's.
+RESUME_OVERRIDES = ("resume", "out_dir", "progress", "device")
+
+
+def pending_stages(cfg, finished: dict, records: List[dict]) -> List[str]:
+    """The stages of ``cfg`` (in order) a run with ``finished`` stages and ``records`` still
+    has to train or to evaluate (what :func:`_stages` would do)."""
+    evaluated = {r["stage"] for r in records if r.get("kind") == "eval"}
+    return [s for s in stage_steps(cfg) if s not in finished or s not in evaluated]
+
+
+def _evals(records: List[dict]) -> dict:
+    """Stage -> {task: held-out pass rate} of the evaluation records."""
+    return {r["stage"]: {k[5:]: v for k, v in r.items() if k.startswith("eval_")}
+            for r in records if r.get("kind") == "eval"}
+
+
 def _wrap_up(run, stop, failure) -> List[str]:
     """The exit path (signals only noted meanwhile): checkpoint, metrics file, plot, and log
     lines saying what was written (only that). Returns the names of the files written."""
@@ -292,8 +309,7 @@ def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
     ckpt = None
     if cfg.resume:
         ckpt = checkpoint.load(cfg.resume)
-        keep = {"resume": cfg.resume, "out_dir": cfg.out_dir, "progress": cfg.progress,
-                "device": cfg.device}
+        keep = {name: getattr(cfg, name) for name in RESUME_OVERRIDES}
         known = {f.name for f in dataclasses.fields(TrainerConfig)}
         unknown = sorted(set(ckpt["config"]) - known)
         if unknown:
@@ -308,6 +324,15 @@ def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
         checkpoint.validate(ckpt, cfg.resume, stage_steps(cfg), new_model(cfg).state_dict(),
                             lambda stage: stage_optimizer(cfg, stage, new_model(cfg)))
     cfg.validate()
+    if ckpt is not None and not pending_stages(cfg, ckpt["finished"], ckpt["records"]):
+        # Nothing left to run: no engines, no rollout, no file rewritten.
+        logger.info(f"the run in {cfg.resume} is already complete (stages "
+                    f"{', '.join(stage_steps(cfg))} finished and evaluated): nothing to do; a "
+                    f"resumed run keeps its checkpoint's configuration (start a new run with "
+                    f"another --out-dir for more steps)")
+        return {"records": ckpt["records"], "trained_ids": ckpt["trained"],
+                "evals": _evals(ckpt["records"]), "accounting": ckpt["accounting"],
+                "interrupted": False, "exit_code": 0, "outputs": [], "config": cfg}
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     engines = _start_engines(cfg) if cfg.use_ray() else None   # before the handlers: ray.init
@@ -333,8 +358,6 @@ def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:
             engines.shutdown()
     code = exit_code(stop) if stop is not None else \
         (128 + guard.received if guard.received is not None else 0)
-    evals = {r["stage"]: {k[5:]: v for k, v in r.items() if k.startswith("eval_")}
-             for r in run.records if r.get("kind") == "eval"}
-    return {"records": run.records, "trained_ids": run.trained, "evals": evals,
+    return {"records": run.records, "trained_ids": run.trained, "evals": _evals(run.records),
             "accounting": run.accounting, "interrupted": code != 0, "exit_code": code,
             "outputs": outputs, "config": cfg}

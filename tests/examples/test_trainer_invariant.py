@@ -213,6 +213,100 @@ def test_behaviour_policy_refuses_a_version_it_does_not_hold():
         behaviour.annotate([sample])
 
 
+def _tool_caller(cfg, call_logit: float):
+    """A model whose every position's logits are ``call_logit`` for ``<tool_call>`` and 0
+    elsewhere: every tool session has a second turn, whose log-probs name the weights."""
+    model = _model(cfg, seed=3)
+    with torch.no_grad():
+        model.norm.weight.zero_()
+        model.norm.bias.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[task.TOOL_CALL] = call_logit / cfg.d_model
+    return model
+
+
+def test_a_session_spanning_a_weight_update_runs_on_one_version():
+    """A Ray engine's session whose weights change between its two turns (what broke
+    logprob_max_abs_diff == 0 on the Ray backend, multi-turn tasks only): both turns run on
+    the first turn's weights, and the trainer's recompute with the sample's version matches
+    every sampled token bitwise. An engine that does not hold that version (a replacement)
+    says so, and the session can start over."""
+    from examples.async_trainer.engines import _EngineImpl, _Link
+    from examples.async_trainer.batch import BEHAVIOUR_KEY
+    from examples.async_trainer.sessions import new_session
+    cfg = TrainerConfig(tasks="tool", batch_invariant=True).validate()
+    engine, link, behaviour = _EngineImpl(cfg, "e0", 0), _Link(0), BehaviourPolicy(cfg)
+
+    def publish(model):
+        frames, _ = link.publish({k: v.detach().clone() for k, v in model.state_dict().items()})
+        version = engine.update(frames)["version"]
+        behaviour.remember(version, model)
+        return version
+
+    assert publish(_tool_caller(cfg, 40.0)) == 1
+    prompt = task.make_prompt(cfg, "tool", torch.Generator().manual_seed(0))
+    sess = new_session(cfg, "s", [prompt], 2)
+    res = engine.turn(dict(sess.next_turn(), session="s", seed=1))
+    sess.feed(res, res["version"])
+    assert not sess.done                                                # the tool was called
+    assert publish(_tool_caller(cfg, 2.0)) == 2                         # other log-probs
+    res = engine.turn(dict(sess.next_turn(), session="s", seed=2))
+    sess.feed(res, res["version"])
+    samples = sess.samples()
+    behaviour.annotate(samples)
+    for s in samples:
+        assert s["version"] == 1
+        mask = torch.tensor(s["loss_mask"]) > 0
+        assert mask.sum() > 1                                           # both turns sampled
+        assert torch.equal(torch.tensor(s[BEHAVIOUR_KEY])[mask],
+                           torch.tensor(s["rollout_logprobs"])[mask])
+    assert res["version"] == 1                            # the second turn ran on v1's weights
+    # A fresh engine (a replacement: only the current weights) refuses version 1.
+    fresh = _EngineImpl(cfg, "e1", 0)
+    fresh.update(_Link(1).publish({k: v.clone() for k, v in behaviour.snapshots[2].items()},
+                                  full=True)[0])
+    again = new_session(cfg, "t", [prompt], 2)
+    res = fresh.turn(dict(again.next_turn(), session="t", seed=1))
+    again.feed(res, 1)
+    res = fresh.turn(dict(again.next_turn(), session="t", seed=2))
+    assert res["missing_version"] == 1 and res["rows"] is None
+
+
+def test_a_session_whose_version_its_engine_lacks_starts_over():
+    """The pump's side of ``missing_version``: the session starts over (no turn of it kept),
+    queued for its engine, counted; nothing is emitted."""
+    import threading
+    from examples.async_trainer.ray_rollout import RayRollout
+
+    class Router:
+        def route(self, sid):
+            return "e1", False
+
+    class Group:
+        lock, router, version = threading.RLock(), Router(), 2
+        ray = type("Ray", (), {"get": staticmethod(lambda ref: ref_results[ref])})
+
+        def alive(self):
+            return ["e0", "e1"]
+
+    cfg = TrainerConfig(tasks="tool", batch_invariant=True).validate()
+    rollout = RayRollout(Group(), cfg, "t", 0, {"tool": 1.0}, 2, 1)
+    (sid,) = rollout._new_sessions(1)
+    old = rollout.sessions[sid]
+    old.turns, old.version = 1, 1                              # as after its first turn
+    ref_results = {"r": {"rows": None, "missing_version": 1, "version": 2, "engine": "e0",
+                         "session_found": False, "reused_tokens": 0}}
+    rollout.inflight["r"] = {"session": sid, "engine": "e0", "t0": 0.0, "rows": 2,
+                             "continued": True, "moved": False}
+    rollout._finish("r")
+    new = rollout.sessions[sid]
+    assert new is not old and new.turns == 0 and new.next_turn()["version"] is None
+    assert new.rows == old.rows and list(rollout.queues["e1"]) == [sid]
+    assert rollout.sessions_restarted == 1 and rollout.env_jobs == []
+    assert rollout.outbox.empty()
+    rollout._env.shutdown()
+
+
 def test_config_and_flag():
     assert parse(["--batch-invariant"]).batch_invariant is True
     assert parse(["--batch-invariant", "false"]).batch_invariant is False
@@ -225,15 +319,16 @@ def test_config_and_flag():
         TrainerConfig(batch_invariant=1).validate()
 
 
-def _train_steps(tmp_path, **kw):
+def _train_steps(tmp_path, tasks="reverse", **kw):
     from examples.async_trainer.trainer import train
-    cfg = TrainerConfig(tasks="reverse", sft_steps=2, rl_steps=4, opd_steps=2, prompts_per_step=2,
-                        group_size=2, opd_prompts_per_step=4, eval_prompts=4,
-                        out_dir=str(tmp_path), progress=False, **kw)
+    kw = dict(dict(sft_steps=2, rl_steps=4, opd_steps=2), **kw)
+    cfg = TrainerConfig(tasks=tasks, prompts_per_step=2, group_size=2, opd_prompts_per_step=4,
+                        eval_prompts=4, out_dir=str(tmp_path), progress=False, **kw)
     train(cfg)
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in records if r["kind"] == "train" and r["stage"] != "sft"]
-    assert [r["stage"] for r in steps] == ["rl:reverse"] * 4 + ["opd"] * 2
+    assert [r["stage"] for r in steps] == \
+        [f"rl:{t}" for t in cfg.task_list() for _ in range(cfg.rl_steps)] + ["opd"] * cfg.opd_steps
     return steps
 
 
@@ -248,9 +343,12 @@ def test_short_run_is_bitwise_on_policy_process_backend(tmp_path):
 
 @pytest.mark.xdist_group("ray")                    # see tests/conftest.py
 def test_short_run_is_bitwise_on_policy_ray_backend(tmp_path):
+    # The tool task: two-turn sessions (20 SFT steps teach the call), whose turns an
+    # engine could run on two weight versions (test_a_session_spanning_...).
     pytest.importorskip("ray")
-    steps = _train_steps(tmp_path, batch_invariant=True, rollout_backend="ray", engines=2)
-    assert all(r["logprob_max_abs_diff"] == 0.0 for r in steps)
+    steps = _train_steps(tmp_path, tasks="tool", sft_steps=20, rl_steps=6,
+                         batch_invariant=True, rollout_backend="ray", engines=2)
+    assert [r["logprob_max_abs_diff"] for r in steps] == [0.0] * len(steps)
     assert all(r["pop_frac"] == 0.0 for r in steps)
 
 

@@ -239,6 +239,32 @@ def test_raise_on_nonfinite_coupled_and_clean_input(any_backend):
     assert loss.item() == pytest.approx(-0.5)      # token 0: -1 * 1, over 2 masked tokens
 
 
+def test_nonfinite_train_logprobs_warn_once_naming_the_count(any_backend, monkeypatch, caplog):
+    """Non-finite train-side log-probs give 0 loss and 0 gradient: said once per process (a
+    diverged policy is not silent), with the count; warn_on_nonfinite=False is silent."""
+    from glm_kernels import _dispatch
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    lp = torch.tensor([float("nan"), float("-inf"), -1.0], device=DEVICE, requires_grad=True)
+    rollout = torch.full((3,), -1.0, device=DEVICE)
+    adv = torch.ones(3, device=DEVICE)
+    mask = torch.tensor([1, 1, 0], device=DEVICE)
+    with caplog.at_level("WARNING", logger="glm_kernels"):
+        glm_kernels.icepop_loss(lp, rollout, adv, warn_on_nonfinite=False)
+        assert caplog.records == []
+        glm_kernels.icepop_loss(lp[2:], rollout[2:], adv[2:])          # finite: nothing
+        assert caplog.records == []
+        loss = glm_kernels.icepop_loss(lp, rollout, adv, mask)
+        loss.backward()
+        assert loss.item() == 0.0 and lp.grad.abs().sum().item() == 0.0
+        (record,) = caplog.records
+        assert record.levelname == "WARNING"
+        assert "icepop_loss: 2 of 2 masked tokens have a non-finite" in record.getMessage()
+        glm_kernels.icepop_loss(lp, rollout, adv, old_logprobs=rollout.flip(0))
+        assert len(caplog.records) == 1                                  # once per process
+    with pytest.raises(ValueError, match="non-finite"):                  # raise still raises
+        glm_kernels.icepop_loss(lp, rollout, adv, raise_on_nonfinite=True)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_advantage_of_a_kept_token_propagates(any_backend, bad):
     """Documented: a NaN/inf advantage of a kept token reaches the loss and that token's
@@ -410,6 +436,7 @@ class TestBadInputs:
         (dict(gate_high=float("inf")), ValueError, "gate_high"),
         (dict(return_metrics="yes"), TypeError, "return_metrics"),
         (dict(raise_on_nonfinite=1), TypeError, "raise_on_nonfinite"),
+        (dict(warn_on_nonfinite=0), TypeError, "warn_on_nonfinite"),
     ])
     def test_silent_band_and_flag_errors_name_the_argument(self, kwargs, error, name):
         args = (torch.zeros(3), torch.zeros(3), torch.zeros(3))

@@ -45,7 +45,7 @@ import torch
 from ... import _checks, _dispatch
 from .._common import checks as loss_checks
 from ._torch import lean_icepop
-from ..mismatch import mismatch_from_tokens, raise_if_nonfinite
+from ..mismatch import mismatch_from_tokens, raise_if_nonfinite, train_side_nonfinite_count
 
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "sum", "none")
 _BLOCK_GPU, _WARPS_GPU = 4096, 8
@@ -54,6 +54,7 @@ _BLOCK_GPU, _WARPS_GPU = 4096, 8
 _BLOCK_GPU_DUAL = 1024
 _BLOCK_INTERPRET = 1024
 _NUM_STATS = 8                 # loss, masked, popped, clipped, ratio sum / max / min / count
+_NONFINITE_KEY = "icepop_loss: non-finite train-side log-probs"   # warned once per process
 
 
 def _token_stats_torch(logprobs, rollout, adv, mask, old, gate_low, gate_high, eps_low,
@@ -275,6 +276,20 @@ def _check_inputs(logprobs, rollout_logprobs, advantages, loss_mask, old_logprob
                                      old_logprobs=old_logprobs))
 
 
+def _warn_if_nonfinite(train, loss_mask, also_finite) -> None:
+    """warn_on_nonfinite: one host read of the count; the warning once per process."""
+    bad = train_side_nonfinite_count(train, loss_mask, also_finite)
+    if bad:
+        masked = train.numel() if loss_mask is None else int((loss_mask != 0).sum().item())
+        _dispatch.warn_once(
+            _NONFINITE_KEY,
+            f"icepop_loss: {bad} of {masked} masked tokens have a non-finite (NaN/inf) "
+            f"train-side log-prob; they contribute 0 to the loss and the gradient (has the "
+            f"policy diverged?). Logged once per process: raise_on_nonfinite=True raises "
+            f"instead, warn_on_nonfinite=False silences it; return_metrics=True counts them "
+            f"in nonfinite_frac")
+
+
 def _check_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high):
     """(gate_low, gate_high, eps_low, eps_high) as validated floats (``_checks``)."""
     return loss_checks.check_icepop_hyperparameters(beta, gate_low, gate_high, eps_low, eps_high)
@@ -286,7 +301,7 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
                 gate_low: Optional[float] = None, gate_high: Optional[float] = None,
                 eps_low: float = 0.2, eps_high: float = 0.28, reduction: str = "token_mean",
                 return_metrics: bool = False, raise_on_nonfinite: bool = False,
-                dual_clip: Optional[float] = None
+                dual_clip: Optional[float] = None, warn_on_nonfinite: bool = True
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
     """IcePop policy loss (GLM-5 RL; Ring-1T "IcePop"), fused forward and gradient.
 
@@ -330,6 +345,13 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         train-side log-prob (logprobs, or old_logprobs); costs one host read of a count (a
         device sync on a GPU). Default: such tokens contribute 0 and are counted in
         nonfinite_frac.
+    warn_on_nonfinite : bool, default True
+        Log a warning (logger ``glm_kernels``, once per process, naming the count) the first
+        time a masked token has a NaN/inf train-side log-prob: it contributes 0 to the loss and
+        the gradient, so a diverged policy would otherwise go unnoticed. Until that warning the
+        check costs one host read of a count per eager call (a device sync on a GPU); after it,
+        or with False, none. Skipped inside ``torch.compile`` (no graph break: read
+        ``nonfinite_frac`` from the metrics there) and when ``raise_on_nonfinite`` is set.
 
     Returns
     -------
@@ -362,11 +384,15 @@ def icepop_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     dual = loss_checks.check_dual_clip(dual_clip)
     _checks.check_bool("return_metrics", return_metrics)
     _checks.check_bool("raise_on_nonfinite", raise_on_nonfinite)
+    _checks.check_bool("warn_on_nonfinite", warn_on_nonfinite)
     contiguous = lambda t: None if t is None else t.contiguous()   # noqa: E731
     train, also_finite = ((logprobs, None) if old_logprobs is None
                           else (old_logprobs, logprobs))
     if raise_on_nonfinite:
         raise_if_nonfinite("icepop_loss", train, loss_mask, also_finite)
+    elif warn_on_nonfinite and not torch.compiler.is_compiling() and \
+            _NONFINITE_KEY not in _dispatch.fallbacks_logged():
+        _warn_if_nonfinite(train, loss_mask, also_finite)
     need_grad = bool(logprobs.requires_grad and torch.is_grad_enabled())
     args = (contiguous(logprobs), contiguous(rollout_logprobs), contiguous(advantages),
             contiguous(loss_mask), contiguous(old_logprobs), lo, hi, eps_low, eps_high, dual,
