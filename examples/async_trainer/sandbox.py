@@ -349,7 +349,13 @@ class _Run:
         finally:
             gone = self._stop(proc, init, pidfd)
         duration = time.monotonic() - t0
-        status_line = _read_line(report_r, time.monotonic() + 0.5, buf)
+        status_line, until = None, time.monotonic() + 0.5
+        while True:                # the last status line (unsafe: the snippet can write here)
+            line = _read_line(report_r, until, buf)
+            if line is None:
+                break
+            if line.startswith("status "):
+                status_line = line
         raw = os.pread(out_fd, a["output_limit"] + 1, 0)
         if gone:
             left = remove_tree(self.parent_fd, os.path.basename(self.base))

@@ -87,42 +87,64 @@ def locked_flags(path):
     return out
 
 
+O_PATH = getattr(os, "O_PATH", 0o10000000)
+
+
+def source(path):
+    """What a bind needs of a host path, taken while the setup process can still reach it
+    (as root in a user namespace it then becomes the run's uid, which may not traverse the
+    path's parents, e.g. a root-only home): ("link", target) or (fd, is a directory, flags)."""
+    if os.path.islink(path):                          # /bin -> usr/bin on merged-/usr
+        return ("link", os.readlink(path))
+    fd = os.open(path, O_PATH | os.O_CLOEXEC)
+    return (fd, os.path.isdir(path), locked_flags(path))
+
+
 def bind_ro(src, dst, device=False):
-    """Bind ``src`` read-only at ``dst`` (a device node keeps working: writes to a device do
-    not need a writable mount, but chmod / chown / utimes fail with EROFS)."""
-    os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
-    if os.path.islink(src):                           # /bin -> usr/bin on merged-/usr
-        os.symlink(os.readlink(src), dst)
+    """Bind ``src`` (from :func:`source`) read-only at ``dst`` (relative to the new root, the
+    working directory). A device node keeps working: writes to a device do not need a
+    writable mount, but chmod / chown / utimes fail with EROFS."""
+    parent = os.path.dirname(dst)
+    if parent:
+        os.makedirs(parent, 0o755, exist_ok=True)
+    if src[0] == "link":
+        os.symlink(src[1], dst)
         return
-    if os.path.isdir(src):
+    fd, is_dir, flags = src
+    if is_dir:
         os.makedirs(dst, 0o755, exist_ok=True)
     else:
         open(dst, "w").close()
-    mount(src, dst, None, MS_BIND)
+    mount(f"/proc/self/fd/{fd}", dst, None, MS_BIND)
+    os.close(fd)
     mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID
-          | (0 if device else MS_NODEV) | locked_flags(src))
+          | (0 if device else MS_NODEV) | flags)
 
 
-def new_root(cfg, arch, owner):
+def new_root(cfg, arch, owner, become=None):
     """A read-only tmpfs with read-only binds of what the interpreter needs (its standard
     library at a neutral path, its own site-packages hidden), a size-limited tmpfs at /sandbox
     owned by ``owner`` (the run's directory: nothing of it reaches the host's disk); then
-    pivot_root into it and detach the old root."""
-    root = cfg["root"]
+    pivot_root into it and detach the old root. ``become()`` runs once the host paths are
+    open and the new root is the working directory (the switch to the run's uid)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    for src, dst in cfg["binds"]:
-        bind_ro(src, root + dst, device=dst.startswith("/dev/"))
     host_lib, lib = cfg["stdlib"]
-    bind_ro(host_lib, root + lib)
-    if os.path.isdir(host_lib + "/site-packages"):    # third-party packages: not the snippet's
-        mount("tmpfs", root + lib + "/site-packages", "tmpfs",
+    binds = [(source(src), dst) for src, dst in cfg["binds"]] + [(source(host_lib), lib)]
+    hide_site = os.path.isdir(host_lib + "/site-packages")
+    mount("tmpfs", cfg["root"], "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755,uid=0,gid=0")
+    os.chdir(cfg["root"])
+    if become:
+        become()
+    for src, dst in binds:
+        bind_ro(src, dst.lstrip("/"), device=dst.startswith("/dev/"))
+    if hide_site:                                     # third-party packages: not the snippet's
+        mount("tmpfs", lib.lstrip("/") + "/site-packages", "tmpfs",
               MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
-    os.mkdir(root + "/sandbox", 0o755)
-    mount("tmpfs", root + "/sandbox", "tmpfs", MS_NOSUID | MS_NODEV,
+    os.mkdir("sandbox", 0o755)
+    mount("tmpfs", "sandbox", "tmpfs", MS_NOSUID | MS_NODEV,
           f"size={cfg['disk']},nr_inodes=4096,mode=0700,uid={owner},gid={owner}")
-    os.mkdir(root + "/.old", 0o700)
-    check(libc.syscall(arch["pivot_root"], root.encode(), (root + "/.old").encode()), "pivot_root")
+    os.mkdir(".old", 0o700)
+    check(libc.syscall(arch["pivot_root"], b".", b".old"), "pivot_root")
     os.chdir("/")
     check(libc.umount2(b"/.old", 2), "umount old root")   # MNT_DETACH
     os.rmdir("/.old")
@@ -304,10 +326,11 @@ def isolated(cfg, method, report, status_w, go_r):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         owner = 0
-    new_root(cfg, arch, owner)
-    if method == "userns" and root_user:
+    def become_run_uid():
         os.setresgid(0, 0, 0)            # kernel ids: the run's uid / gid from now on
         os.setresuid(0, 0, 0)
+
+    new_root(cfg, arch, owner, become_run_uid if method == "userns" and root_user else None)
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "pdeathsig")     # dies with the runner
     alive_r, alive_w = os.pipe()       # EOF on alive_r: this setup process is gone
     pid = os.fork()
