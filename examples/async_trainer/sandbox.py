@@ -156,6 +156,22 @@ def _binds() -> tuple:
     return _BINDS
 
 
+def _others_can_read(path: str) -> bool:
+    """Whether a uid with no relation to the owners can list ``path`` (every parent
+    searchable by others)."""
+    path = os.path.realpath(path)
+    try:
+        if not os.stat(path).st_mode & 0o005 == 0o005:
+            return False
+        while path != "/":
+            path = os.path.dirname(path)
+            if not os.stat(path).st_mode & 0o001:
+                return False
+    except OSError:
+        return False
+    return True
+
+
 def _read_line(fd: int, deadline: float, buf: bytearray) -> Optional[str]:
     """One line from the pipe ``fd`` (``buf`` keeps what came after it), or None at EOF or
     the deadline."""
@@ -287,18 +303,22 @@ class _Run:
 
     def go(self, code: str, a: dict) -> SandboxResult:
         run_uid = self.uid.uid if self.uid is not None else None
+        # Unsafe mode as root runs the snippet as the run's own uid too, where that uid can
+        # read the interpreter's standard library (not under a root-only home, e.g. pyenv's).
+        unsafe_uid = run_uid if run_uid is not None and _others_can_read(
+            os.path.dirname(os.__file__)) else None
         os.mkdir("root", 0o700, dir_fd=self.base_fd)
         os.mkdir("work", 0o700, dir_fd=self.base_fd)
-        if run_uid is not None:                    # unsafe mode as root: the run's own uid
+        if unsafe_uid is not None:
             work = os.open("work", _DIR, dir_fd=self.base_fd)
-            os.fchown(work, run_uid, run_uid)
+            os.fchown(work, unsafe_uid, unsafe_uid)
             os.close(work)
         out_fd = self._fd(os.open("output", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                                   | os.O_CLOEXEC, 0o600, dir_fd=self.base_fd))
         binds, stdlib = _binds() if a["methods"] else ([], None)
         cfg = {"code": code, "mem": a["memory_mb"] << 20, "cpu": a["cpu_s"], "fsize": a["fsize"],
                "nproc": a["nproc"], "disk": a["disk"], "methods": list(a["methods"]),
-               "unsafe": a["unsafe"], "uid": run_uid, "root": os.path.join(self.base, "root"),
+               "unsafe": a["unsafe"], "uid": run_uid, "unsafe_uid": unsafe_uid, "root": os.path.join(self.base, "root"),
                "work": os.path.join(self.base, "work"), "binds": binds, "stdlib": stdlib}
         if sys.platform.startswith("linux"):
             self.cgroups = RunCgroups((a["memory_mb"] << 20) + a["disk"] + RUNNER_MEMORY,
@@ -344,7 +364,7 @@ class _Run:
                 timed_out = time.monotonic() >= deadline
                 if not timed_out:
                     error = "the runner ended without a verdict"
-        except (BrokenPipeError, OSError) as e:       # the runner died early
+        except (OSError, ValueError) as e:            # the runner died early / said nonsense
             error = f"the runner failed: {e}"
         finally:
             gone = self._stop(proc, init, pidfd)

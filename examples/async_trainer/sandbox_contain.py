@@ -156,6 +156,9 @@ class RunCgroups:
             if self.memory == self.v2:
                 events = _read(os.path.join(self.memory, "memory.events")).split()
                 return int(events[events.index("oom_kill") + 1]) > 0
+            for line in _read(os.path.join(self.memory, "memory.oom_control")).splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1]) > 0
             return int(_read(os.path.join(self.memory, "memory.failcnt"))) > 0
         except (OSError, ValueError, IndexError):
             return False

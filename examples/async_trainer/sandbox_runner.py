@@ -25,7 +25,7 @@ The config (JSON): ``code``, ``methods`` (``"rootns"``, ``"userns"``), ``unsafe`
 (``[host path, path in the new root]``, read-only), ``stdlib`` (``[host, neutral]``: the
 interpreter's standard library and where the snippet sees it), ``root`` (an empty directory,
 the new root's mount point), ``work`` (the unsafe mode's directory), ``uid`` (the run's own
-host uid as root, else null), ``disk`` (bytes of the run's tmpfs), ``mem``/``cpu``/``fsize``/
+host uid as root, else null), ``unsafe_uid`` (the uid an unsafe run drops to, or null), ``disk`` (bytes of the run's tmpfs), ``mem``/``cpu``/``fsize``/
 ``nproc`` (the rlimits).
 """
 import ctypes
@@ -439,6 +439,7 @@ def main(report):
                 os.write(go_w, b"go")
             os.close(go_w)
             status = read_status(status_r)        # EOF: the init and the snippet are gone
+            os.waitpid(-1, 0)                     # the setup process (its CPU time counts)
             send("status " + status if status else "status none")
             os._exit(0)
         reasons.append(msg)
@@ -452,10 +453,11 @@ def main(report):
     pid = os.fork()
     if pid == 0:
         os.close(report)
-        if cfg["uid"] is not None:                # root: never run the snippet as root
+        uid = cfg["unsafe_uid"]
+        if uid is not None:                       # root: the run's own uid where it can
             os.setgroups([])
-            os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
-            os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
         set_limits(cfg)
         run_snippet(cfg["code"], close=(status_r, status_w, go_r, go_w))
     _, status, rusage = os.wait4(pid, 0)
