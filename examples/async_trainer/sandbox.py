@@ -287,12 +287,19 @@ class _Run:
         self.base_fd = self._fd(os.open(os.path.basename(self.base), _DIR,
                                         dir_fd=self.parent_fd))
         self.cgroups = None
+        self.started = False
 
     def _fd(self, fd: int) -> int:
         self.fds.append(fd)
         return fd
 
     def close(self) -> None:
+        """Release what is left; a run that never started a process has its directory and
+        cgroups removed here (a started one is handled by :meth:`go` once it is gone)."""
+        if not self.started:
+            remove_tree(self.parent_fd, os.path.basename(self.base))
+            if self.cgroups is not None:
+                self.cgroups.kill_and_wait(time.monotonic())
         for fd in self.fds:
             try:
                 os.close(fd)
@@ -335,6 +342,7 @@ class _Run:
                                     env={"LANG": "C.UTF-8", "PATH": "/usr/bin:/bin"})
         finally:
             os.close(report_w)
+        self.started = True
         contained = []
         if self.cgroups is not None and self.cgroups.join(proc.pid):
             contained += self.cgroups.layers
