@@ -193,9 +193,10 @@ def _read_line(fd: int, deadline: float, buf: bytearray) -> Optional[str]:
 def _decode_status(line: Optional[str], cpu_s: int, memory_hit: bool):
     """(status, exit_code, killed_by, limit) from the runner's ``status ...`` line."""
     parts = (line or "").split()
-    if len(parts) == 3 and parts[:2] == ["status", "exit"]:
+    if len(parts) == 3 and parts[:2] == ["status", "exit"] and parts[2].isdigit():
         return "exit", int(parts[2]), None, None
-    if len(parts) == 4 and parts[:2] == ["status", "signal"] and parts[2].isdigit():
+    if (len(parts) == 4 and parts[:2] == ["status", "signal"] and parts[2].isdigit()
+            and parts[3].replace(".", "", 1).isdigit()):
         num, cpu = int(parts[2]), float(parts[3])
         try:
             name = signal.Signals(num).name
@@ -288,6 +289,7 @@ class _Run:
                                         dir_fd=self.parent_fd))
         self.cgroups = None
         self.started = False
+        self.memory_hit = False
 
     def _fd(self, fd: int) -> int:
         self.fds.append(fd)
@@ -325,8 +327,9 @@ class _Run:
         binds, stdlib = _binds() if a["methods"] else ([], None)
         cfg = {"code": code, "mem": a["memory_mb"] << 20, "cpu": a["cpu_s"], "fsize": a["fsize"],
                "nproc": a["nproc"], "disk": a["disk"], "methods": list(a["methods"]),
-               "unsafe": a["unsafe"], "uid": run_uid, "unsafe_uid": unsafe_uid, "root": os.path.join(self.base, "root"),
-               "work": os.path.join(self.base, "work"), "binds": binds, "stdlib": stdlib}
+               "unsafe": a["unsafe"], "uid": run_uid, "unsafe_uid": unsafe_uid,
+               "root": os.path.join(self.base, "root"), "work": os.path.join(self.base, "work"),
+               "binds": binds, "stdlib": stdlib}
         if sys.platform.startswith("linux"):
             self.cgroups = RunCgroups((a["memory_mb"] << 20) + a["disk"] + RUNNER_MEMORY,
                                       a["nproc"] + 3)
@@ -403,12 +406,11 @@ class _Run:
             isolation = ("none",)
         else:
             isolation = ()
-        memory_hit = self.cgroups is not None and self.cgroups.memory_exceeded()
         if timed_out:
             status, exit_code, killed_by, limit = "timeout", None, None, None
         else:
             status, exit_code, killed_by, limit = _decode_status(status_line, a["cpu_s"],
-                                                                 memory_hit)
+                                                                 self.memory_hit)
             if status == "error" and error is None:
                 error = f"the run ended without a status ({status_line!r})"
         if self.cgroups is not None and self.cgroups.dirs and not gone:
@@ -437,6 +439,7 @@ class _Run:
         except subprocess.TimeoutExpired:
             gone = False
         if self.cgroups is not None and self.cgroups.dirs:
+            self.memory_hit = self.cgroups.memory_exceeded()      # before the cgroups go
             gone = self.cgroups.kill_and_wait(deadline) and gone
         elif init is not None and pidfd is None:
             gone = False            # an isolated run we cannot watch: leave its files alone

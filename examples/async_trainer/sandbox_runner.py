@@ -25,8 +25,8 @@ The config (JSON): ``code``, ``methods`` (``"rootns"``, ``"userns"``), ``unsafe`
 (``[host path, path in the new root]``, read-only), ``stdlib`` (``[host, neutral]``: the
 interpreter's standard library and where the snippet sees it), ``root`` (an empty directory,
 the new root's mount point), ``work`` (the unsafe mode's directory), ``uid`` (the run's own
-host uid as root, else null), ``unsafe_uid`` (the uid an unsafe run drops to, or null), ``disk`` (bytes of the run's tmpfs), ``mem``/``cpu``/``fsize``/
-``nproc`` (the rlimits).
+host uid as root, else null), ``unsafe_uid`` (the uid an unsafe run drops to, or null),
+``disk`` (bytes of the run's tmpfs), ``mem``/``cpu``/``fsize``/``nproc`` (the rlimits).
 """
 import ctypes
 import json
@@ -340,7 +340,7 @@ def isolated(cfg, method, report, status_w, go_r):
         os.close(report)
         os.close(status_w)
         os.close(go_r)
-        _, status = os.waitpid(pid, 0)
+        os.waitpid(pid, 0)
         os._exit(0)
     try:
         os.close(alive_w)

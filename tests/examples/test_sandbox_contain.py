@@ -205,7 +205,8 @@ def test_unsafe_mode_cleans_up_by_fd_and_cannot_claim_isolation(trainer):
     directory), rewrites ``../isolation`` and every pipe it can reach with a fake verdict."""
     code = """
 import os
-fds = ['../isolation'] + [f'/proc/{os.getppid()}/fd/{i}' for i in range(3, 9)] + [f'/proc/self/fd/{i}' for i in range(3, 9)]
+fds = ['../isolation'] + [f'/proc/{pid}/fd/{i}' for pid in (os.getppid(), 'self')
+                          for i in range(3, 9)]
 for path in fds:
     try:
         with open(path, 'w') as f:
@@ -321,7 +322,7 @@ site = os.path.dirname(os.__file__) + '/site-packages'
 print('site', os.listdir(site) if os.path.isdir(site) else [])
 print('exists', os.path.exists(HOST))
 """
-    (r0,), info = trainer([("print(1)", {})])
+    _, info = trainer([("print(1)", {})])
     host = info["stdlib"]
     (r,), _ = trainer([(code.replace("HOST", repr(host)), {})])
     assert r.ok, r
