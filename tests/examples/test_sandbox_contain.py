@@ -249,6 +249,21 @@ time.sleep(3)
                     "only (docs/trainer.md)")
     (r,), info = trainer([(code, dict(memory_mb=256, timeout_s=3.5))])
     assert r.output.count("held") <= 3, r                     # 8 x 100 MiB > 256 + 80 MiB
+    # The largest process of the run is the OOM killer's victim: the snippet, reported so.
+    code = """
+import os, time
+for i in range(3):
+    if os.fork() == 0:
+        x = b'x' * (60 << 20)
+        time.sleep(3)
+        os._exit(0)
+y = b'y' * (150 << 20)
+for i in range(3):
+    os.wait()
+"""
+    (r,), _ = trainer([(code, dict(memory_mb=200, timeout_s=6.0))])
+    assert (r.status, r.limit, r.killed_by) == ("limit", "memory", "SIGKILL"), r
+    assert r.observation() == "Killed: SIGKILL (memory limit)"
 
 
 def test_concurrent_runs_do_not_share_process_limits(trainer):
