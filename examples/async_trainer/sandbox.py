@@ -338,7 +338,8 @@ class _Run:
         t0 = time.monotonic()
         deadline = t0 + a["timeout_s"]
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-u", RUNNER, str(report_w)],
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-u", RUNNER, str(report_w),
+                                     str(os.getpid())],
                                     stdin=subprocess.PIPE, stdout=out_fd,
                                     stderr=subprocess.STDOUT, pass_fds=(report_w,),
                                     cwd=self.base, start_new_session=True,

@@ -88,6 +88,33 @@ def _read(path: str) -> str:
         return f.read()
 
 
+_SWEPT = set()     # cgroup directories this process has swept of dead trainers' run cgroups
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove the (empty) run cgroups a killed trainer left: named after a pid that is gone
+    (one that is alive, or reused, keeps them; a cgroup with processes cannot be removed)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for n in names:
+        parts = n.split("-")
+        if len(parts) != 4 or parts[:2] != ["tora", "sandbox"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.rmdir(os.path.join(parent, n))
+        except OSError:
+            pass
+
+
 class RunCgroups:
     """The run's cgroups: whatever of v2 (kill) / memory / pids could be created here."""
 
@@ -102,11 +129,14 @@ class RunCgroups:
             own = _own_cgroups()
         except (OSError, ValueError):
             return
-        name = "tora-sandbox-" + uuid.uuid4().hex[:12]
+        name = f"tora-sandbox-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         for key in ("", "memory", "pids"):
             if key not in own:
                 continue
             mnt, path = own[key]
+            if (mnt, path) not in _SWEPT:
+                _SWEPT.add((mnt, path))
+                _remove_stale(mnt + path)
             d = os.path.join(mnt + path, name)
             try:
                 os.mkdir(d, 0o700)

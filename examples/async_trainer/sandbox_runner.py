@@ -1,6 +1,6 @@
-"""The sandbox's runner: ``python -I -S -u sandbox_runner.py <report fd>``, started by
-:func:`examples.async_trainer.sandbox.run_python` in its own session. Not imported: it runs as
-a script and imports the standard library only (the snippet runs in its interpreter: nothing
+"""The sandbox's runner: ``python -I -S -u sandbox_runner.py <report fd> <trainer pid>``,
+started by :func:`examples.async_trainer.sandbox.run_python` in its own session; it dies with
+the trainer. Not imported: it runs as a script and imports the standard library only (the snippet runs in its interpreter: nothing
 here is a barrier until the kernel enforces it).
 
 Protocol with the trainer (who holds the other ends):
@@ -420,7 +420,12 @@ def read_status(status_r):
     return b"".join(chunks).decode("ascii", "replace")
 
 
-def main(report):
+def main(report, trainer):
+    # Die with the trainer (a killed trainer must not leave a run behind; the setup and init
+    # processes die with this one in turn), unless it is gone already.
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "pdeathsig")
+    if os.getppid() != trainer:
+        os._exit(1)
     cfg = json.loads(sys.stdin.readline())
 
     def send(line):
@@ -466,4 +471,4 @@ def main(report):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]))

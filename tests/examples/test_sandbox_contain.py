@@ -76,7 +76,7 @@ def trainer(request):
         os.chown(tmp, sandbox.NOBODY, sandbox.NOBODY)
         kw = dict(user=sandbox.NOBODY, group=sandbox.NOBODY, extra_groups=[])
 
-    def go(runs, unsafe=False, watch=None):
+    def go(runs, unsafe=False, watch=None, kill_when_seen=False):
         req = {"runs": [list(r) + [0.0] * (3 - len(r)) for r in runs], "tmpdir": tmp,
                "unsafe": unsafe}
         p = subprocess.Popen([exe, "-c", _TRAINER], stdin=subprocess.PIPE,
@@ -88,6 +88,13 @@ def trainer(request):
         while p.poll() is None and time.monotonic() < deadline:   # (its output is small)
             if watch:
                 uids |= {_uid_of(pid) for pid in base._named(watch)} - {None}
+                if uids and kill_when_seen:
+                    p.kill()                    # the trainer dies mid-run
+                    p.wait()
+                    p.stdout.close()
+                    p.stderr.close()
+                    go.leftovers_ok = True      # its run's directory stays: nobody removes it
+                    return None, {"uids": uids, "pid": p.pid}
             time.sleep(0.02)
         p.wait(timeout=max(deadline - time.monotonic(), 1))
         out, err = p.stdout.read(), p.stderr.read()
@@ -108,10 +115,10 @@ def trainer(request):
         info["as"] = request.param
         return results, info
 
-    go.who = request.param
+    go.who, go.leftovers_ok = request.param, False
     mode = stat.S_IMODE(os.stat(tmp).st_mode)
     yield go
-    left = os.listdir(tmp)
+    left = [] if go.leftovers_ok else os.listdir(tmp)
     assert stat.S_IMODE(os.stat(tmp).st_mode) == mode
     fd = os.open(os.path.dirname(tmp), os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -348,3 +355,53 @@ print('exists', os.path.exists(HOST))
     under_system = any((host + "/").startswith(d + "/") for d in ("/usr", "/lib", "/lib64"))
     if not under_system:                                       # e.g. /root/.pyenv/...
         assert host not in r.output and lines[5] == "exists False", r
+
+
+def test_a_killed_trainer_leaves_no_process_of_its_run(trainer):
+    marker = "orp" + uuid.uuid4().hex[:10]
+    code = base.NAME_ME.replace("MARKER", marker) + """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    name_me()
+    time.sleep(20)
+    os._exit(0)
+name_me()
+time.sleep(20)
+"""
+    try:
+        _, info = trainer([(code, dict(timeout_s=30.0))], watch=marker, kill_when_seen=True)
+        assert info["uids"]
+        # The runner dies with the trainer, the setup process and the init with the runner,
+        # and the namespace with its init (asynchronously: a bounded wait).
+        left = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            left = base._named(marker)
+            if not left:
+                break
+            time.sleep(0.05)
+        assert left == [], left
+        # Its run's cgroups (root) are removed by the next trainer's first run.
+        (r,), _ = trainer([("print(1)", {})])
+        stale = [p for d in ("unified", "memory", "pids", "")
+                 for p in _cgroup_dirs(f"/sys/fs/cgroup/{d}", f"tora-sandbox-{info['pid']}-")]
+        assert r.ok and stale == [], stale
+    finally:
+        assert base._none_named(marker)
+
+
+def _cgroup_dirs(top, prefix, depth=3):
+    """Directories named ``prefix...`` under ``top``, ``depth`` levels down at most."""
+    out = []
+    try:
+        entries = list(os.scandir(top))
+    except OSError:
+        return out
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            if e.name.startswith(prefix):
+                out.append(e.path)
+            elif depth > 0:
+                out += _cgroup_dirs(e.path, prefix, depth - 1)
+    return out
