@@ -233,6 +233,12 @@ def run_snippet(src, close=()):
     """Run the snippet; its exception becomes one ``Type: message`` line. Never returns."""
     for fd in close:
         os.close(fd)
+    try:                                # stdin: nothing (not the trainer's pipe)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+    except OSError:
+        os.close(0)
     g = {"__name__": "__main__", "__builtins__": __builtins__}
     code = 0
     try:
@@ -326,6 +332,7 @@ def isolated(cfg, method, report, status_w, go_r):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         owner = 0
+
     def become_run_uid():
         os.setresgid(0, 0, 0)            # kernel ids: the run's uid / gid from now on
         os.setresuid(0, 0, 0)
