@@ -28,15 +28,16 @@ is truncated to the width. Reward 1 when the last assistant turn is exactly the 
 digits then ``<eos>`` (with or without the tool).
 
 Runs are cached by program text (:class:`ToraEnv`): the sandbox is deterministic for these
-programs and starts fresh each time, and a batch repeats programs.
+programs and starts fresh each time, and a batch repeats programs. Only a run that exited 0
+within its limits is cached; any other is run again when the program comes back.
 """
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import vocab
-from .sandbox import run_python
+from .sandbox import SandboxUnavailable, run_python
 
 A_RANGE = (2, 10)              # the question a*b: a, b drawn from these ranges
 B_RANGE = (2, 10)
@@ -187,11 +188,21 @@ class ToraEnv:
         self.cache_size, self.workers = cache_size, workers
         self.calls = self.runs = self.errors = self.timeouts = 0
 
-    def _run(self, code: str) -> str:
-        res = run_python(code, timeout_s=self.timeout_s, output_limit=self.output_limit)
+    def _run(self, code: str) -> Tuple[str, bool]:
+        """The observation, and whether it is the program's answer (cacheable): only a run
+        that exited 0 within every limit is; a timeout, a limit, a signal, an error exit or a
+        sandbox failure may be the machine's doing (load, a concurrent run) and is run again
+        next time."""
+        try:
+            res = run_python(code, timeout_s=self.timeout_s, output_limit=self.output_limit)
+        except SandboxUnavailable:
+            raise                        # the machine's configuration, not the program
+        except Exception as e:           # a sandbox bug must not end the rollout
+            self.errors += 1
+            return f"SandboxError: {type(e).__name__}", False
         self.errors += not res.ok
         self.timeouts += res.timed_out
-        return res.observation(self.output_limit)
+        return res.observation(self.output_limit), res.ok
 
     def run_many(self, programs: List[str]) -> List[str]:
         """The observation text of every program (never raises for anything it does)."""
@@ -203,9 +214,9 @@ class ToraEnv:
         else:
             texts = [self._run(p) for p in todo]
         self.runs += len(todo)
-        fresh = dict(zip(todo, texts))
-        for p, text in fresh.items():
-            if len(self.cache) < self.cache_size:
+        fresh = {p: text for p, (text, _) in zip(todo, texts)}
+        for p, (text, answer) in zip(todo, texts):
+            if answer and len(self.cache) < self.cache_size:
                 self.cache[p] = text
         return [fresh[p] if p in fresh else self.cache[p] for p in programs]
 

@@ -1,8 +1,9 @@
 """The ToRA tool sandbox against hostile snippets, run the way an attacker would.
 
 Every escape of issue 24 (point 7) is tried twice: from the test process itself (root in CI:
-the ``rootns`` method, snippet as ``nobody``) and from a stand-in trainer process running as an
-unprivileged uid (``nobody``: the ``userns`` method, snippet and trainer the same uid). Each
+the ``rootns`` method, snippet as the run's own uid) and from a stand-in trainer process running
+as an unprivileged uid (``nobody``: the ``userns`` method, snippet and trainer the same uid;
+issue 32's findings are in test_sandbox_contain.py and test_sandbox_cleanup.py). Each
 check looks at the host afterwards (the target directory, a listener's accept queue, the
 trainer's signal count, the process table), not only at what the snippet printed.
 
