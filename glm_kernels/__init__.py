@@ -26,6 +26,7 @@ from .muon import HeadSplit, muon_split_orthogonalize, newton_schulz
 # After this line ``glm_kernels.topk`` is the function; the subpackage stays importable as
 # ``glm_kernels.topk.<module>`` (``from glm_kernels.topk import moe_route`` works too).
 from .topk import moe_route, topk
+from . import invariant  # noqa: E402  (GLM_KERNELS_BATCH_INVARIANT=1 enters its override)
 
 __version__ = "0.1.0"
 __all__ = ["icepop_loss", "icepop_loss_from_logits", "fused_linear_icepop_loss",

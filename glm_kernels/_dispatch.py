@@ -191,14 +191,16 @@ def force_backend(name: str):
 
 def batch_invariant(enabled: bool = True):
     """Inside the block (this thread), the log-prob, loss and metric ops give every row of a
-    batch a result bitwise independent of the other rows, their order and the chunking.
+    batch a result bitwise independent of the other rows, their order and the chunking; so do
+    the aten ops a whole model runs (``glm_kernels.invariant``: padding and KV cache too).
 
     Off by default: the default plans may tile by batch size for speed. ``enabled=False``
     turns it off inside a block where ``GLM_KERNELS_BATCH_INVARIANT=1`` turned it on.
     docs/batch_invariance.md lists the ops it covers and what it costs.
     """
     check_bool("enabled", enabled)
-    return _thread_setting("batch_invariant", enabled)
+    from .invariant import whole_model   # the aten override for whole models (imports this module)
+    return whole_model(_thread_setting("batch_invariant", enabled), enabled)
 
 
 def batch_invariant_enabled() -> bool:
