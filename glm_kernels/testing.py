@@ -152,3 +152,41 @@ def assert_batch_invariant(model, prompts, *, max_new_tokens: int = 4, pad_token
                 f"{report[name]} of {differ.numel()} log-probs; first: sequence {seq} step "
                 f"{step}: {lp[seq, step].item()!r} vs {rollout[seq, step].item()!r}")
     return report
+
+
+TINY_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "glm_moe_dsa")
+
+
+def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A randomly initialised transformers causal LM of ``model_type`` (one of
+    ``TINY_MODEL_TYPES``), small enough for CPU tests: hidden 64, 2 layers, vocabulary 96,
+    grouped-query heads; MoE models with 4 experts (2 per token); GLM-5 (``glm_moe_dsa``)
+    with MLA, its DSA indexer (eager attention: with sdpa the indexer gets no mask) and a
+    dense then a sparse layer. No end-of-sequence token (every sample runs its full length);
+    pad id 0. Needs ``transformers`` (not a dependency of glm_kernels)."""
+    import transformers
+    if model_type not in TINY_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r}: expected one of {TINY_MODEL_TYPES}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=128, pad_token_id=0, eos_token_id=None,
+                  bos_token_id=None)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    if model_type == "llama":
+        config = transformers.LlamaConfig(**common, **heads)
+    elif model_type == "qwen3":
+        config = transformers.Qwen3Config(**common, **heads)
+    elif model_type == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, **heads, num_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=32,
+                                             decoder_sparse_step=1)
+    else:
+        config = transformers.GlmMoeDsaConfig(
+            **common, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+            n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_topk=64,
+            index_head_dim=16, index_n_heads=2, mlp_layer_types=["dense", "sparse"],
+            attn_implementation="eager")
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
