@@ -142,8 +142,9 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return matmul_nt(a.contiguous(), b.t())
 
 
-def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1):
-    """beta * bias + alpha * (a @ b), the product on row tiles."""
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta=1, alpha=1,
+          mm: Callable = mm):
+    """beta * bias + alpha * (a @ b), the product through ``mm`` (row tiles)."""
     out = mm(a, b)
     if alpha != 1:
         out = out * alpha
@@ -164,10 +165,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-               bias: Optional[torch.Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+               mm: Callable = mm) -> torch.Tensor:
     """``aten._grouped_mm`` for x [S, K], weight [G, K, N], offsets [G] (row ends): group g's
-    rows times weight[g], each group on row tiles; rows past offsets[-1] are zero."""
+    rows times weight[g] through ``mm`` (row tiles); rows past offsets[-1] are zero."""
     out = x.new_zeros(x.shape[0], weight.shape[-1], dtype=out_dtype or x.dtype)
     start = 0
     ends: List[int] = [int(e) for e in offsets.tolist()]
@@ -219,3 +220,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = sum_nonzero(weighted.transpose(-1, -2))                           # [B, H, T, Dv]
     lse = shift.squeeze(-1) + elementwise(torch.log, total)
     return out.to(q.dtype), lse
+
+
+def visible_key_ranges(batch: int, t: int, length: int, attn_mask: Optional[torch.Tensor],
+                       is_causal: bool, device) -> Optional[tuple]:
+    """(lo, hi), int32 [B, T]: query i of row b sees exactly keys [lo, hi), as the split-KV
+    kernel takes them; None when a mask is not that (another pattern per head, a bias that is
+    neither 0 nor masked, or visible keys that are not one range). An additive entry at or
+    below half the dtype's lowest value counts as masked (transformers' padding masks)."""
+    visible = torch.ones(batch, 1, t, length, dtype=torch.bool, device=device)
+    if is_causal:
+        visible = visible & torch.ones(t, length, dtype=torch.bool, device=device).tril()
+    if attn_mask is not None:
+        mask = attn_mask
+        if mask.dtype != torch.bool:
+            masked = mask <= torch.finfo(mask.dtype).min / 2
+            if not bool(((mask == 0) | masked).all()):
+                return None
+            mask = ~masked
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        if mask.shape[1] != 1:
+            if not bool((mask == mask[:, :1]).all()):
+                return None
+            mask = mask[:, :1]
+        visible = visible & mask
+    visible = visible[:, 0].expand(batch, t, length)
+    count = visible.sum(-1)
+    lo = torch.where(count > 0, visible.int().argmax(-1), torch.zeros_like(count))
+    hi = lo + count
+    keys = torch.arange(length, device=device)
+    if not bool((((keys >= lo[..., None]) & (keys < hi[..., None])) == visible).all()):
+        return None
+    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()

@@ -22,8 +22,12 @@ the CUDA attention kernels, ...) and is not covered is reported once by name thr
 ``glm_kernels`` logger, never silently non-invariant. torch.library custom ops (the library's
 own, ``apply_glm_kernels``') run their own kernels, which read the same switch.
 
-On CUDA tensors the same ops run the same torch definitions (the Triton kernels in
-``_kernels.py`` are the GPU path being brought up: not measured on GPU).
+Backends (``glm_kernels.force_backend``): on CPU the torch definitions; on CUDA (and under the
+``interpret`` backend on CPU) mm / addmm / grouped_mm run the persistent fixed-tile Triton
+matmul and the CPU sdpa op the fixed-split-KV Triton attention (a mask that is not one key
+range per query falls back to the torch definition, logged once). On CUDA, attention runs
+invariantly with ``attn_implementation="eager"`` (bmm + softmax); torch's CUDA sdpa kernels
+are reported as uncovered. Not measured on GPU.
 """
 import contextlib
 from typing import Callable, Dict, Iterator
@@ -31,21 +35,74 @@ from typing import Callable, Dict, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from .._dispatch import batch_invariant_enabled, warn_once
+from .._dispatch import batch_invariant_enabled, select_backend, warn_once
 from . import _reference as ref
 
 aten = torch.ops.aten
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_backend(op: str, *tensors) -> str:
+    """'triton' / 'interpret' when the Triton kernels run ``op`` on these tensors, else
+    'torch' (the reference; the CPU default)."""
+    backend = select_backend(f"batch_invariant.{op}", *tensors)
+    if backend != "torch" and any(t.dtype not in _KERNEL_DTYPES or t.dtype != tensors[0].dtype
+                                  for t in tensors):
+        warn_once(f"batch_invariant:{op}:dtype", f"glm_kernels.batch_invariant(): {op} on "
+                  f"{[str(t.dtype) for t in tensors]} runs the torch definition (the kernel "
+                  "takes one of fp32/bf16/fp16 for every operand)")
+        return "torch"
+    return backend
+
+
+def _programs(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _mm(a, b):
+    backend = _kernel_backend("mm", a, b)
+    if backend == "torch":
+        return ref.mm(a, b)
+    from . import _kernels
+    out = a.new_empty(a.shape[0], b.shape[1])
+    _kernels.matmul(a, b, out, num_programs=_programs(a.device),
+                    interpret=backend == "interpret")
+    return out
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    return ref.addmm(bias, a, b, beta, alpha, mm=_mm)
+
+
 def _grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
     if offs is None or x.dim() != 2 or weight.dim() != 3:
         return NotImplemented
-    return ref.grouped_mm(x, weight, offs, bias, out_dtype)
+    if _kernel_backend("grouped_mm", x, weight) == "torch":
+        return ref.grouped_mm(x, weight, offs, bias, out_dtype)
+    return ref.grouped_mm(x, weight, offs, bias, out_dtype, mm=_mm)
 
 
 def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     if dropout_p != 0.0:
         return NotImplemented        # dropout draws per batch layout: reported, run as is
+    backend = _kernel_backend("attention", q, k, v)
+    if backend != "torch":
+        ranges = ref.visible_key_ranges(q.shape[0], q.shape[2], k.shape[2], attn_mask,
+                                        is_causal, q.device)
+        if ranges is not None:
+            from . import _kernels
+            out = q.new_empty(*q.shape[:3], v.shape[-1])
+            lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+            _kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(), *ranges, out,
+                               lse, q.shape[-1] ** -0.5 if scale is None else scale)
+            return out, lse
+        warn_once("batch_invariant:attention:mask", "glm_kernels.batch_invariant(): an "
+                  "attention mask that is not one key range per query runs the torch "
+                  "definition")
     return ref.attention(q, k, v, attn_mask, is_causal, scale)
 
 
@@ -66,8 +123,8 @@ _ELEMENTWISE = ("rsqrt", "silu", "sigmoid", "softplus", "gelu", "exp", "exp2", "
                 "log1p", "log2", "tanh", "sin", "cos", "erf", "mish", "elu", "logit")
 
 COVERED: Dict[object, Callable] = {
-    aten.mm.default: ref.mm,
-    aten.addmm.default: ref.addmm,
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
     aten.bmm.default: ref.bmm,
     aten._grouped_mm.default: _grouped_mm,
     aten._softmax.default: lambda x, dim, half: ref.softmax(x, dim, half),
