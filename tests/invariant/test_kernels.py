@@ -36,27 +36,30 @@ def _attention(q, k, v, lo, hi):
 
 
 def test_split_kv_attention(kernel_backend):
-    """70 keys: two splits of 64, the second ragged; grouped-query heads (4 over 2)."""
+    """Queries 65..67 of a 70-key causal row (two splits of 64, the second ragged), grouped-
+    query heads (2 over 1): against the torch definition, then one query decoded against a KV
+    cache of only its keys and behind 3 left-padding keys, to the bit."""
     torch.manual_seed(0)
-    b, h, t, n, d = 2, 4, 70, 70, 16
-    q, k, v = torch.randn(b, h, t, d), torch.randn(b, 2, n, d), torch.randn(b, 2, n, 8)
-    lo, hi = ref.visible_key_ranges(b, t, n, None, True, "cpu")
+    n, d, first = 70, 16, 65
+    q, k, v = torch.randn(1, 2, 3, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, 8)
+    lo = torch.zeros(1, 3, dtype=torch.int32)
+    hi = torch.arange(first + 1, first + 4, dtype=torch.int32)[None]
     out, lse = _attention(q, k, v, lo, hi)
-    want, want_lse = ref.attention(q, k, v, None, True, 0.25)
+    visible = torch.arange(n)[None, :] < hi[0, :, None]
+    want, want_lse = ref.attention(q, k, v, visible[None, None], False, 0.25)
     assert_close(out, want, tol=1e-5, name="attention")
     assert_close(lse, want_lse, tol=1e-5, name="logsumexp")
-    # Query 68 decoded against a KV cache of its 69 keys, and behind 3 left-padding keys.
-    s = 68
-    decode, _ = _attention(q[:, :, s:s + 1], k[:, :, :s + 1], v[:, :, :s + 1],
-                           torch.zeros(b, 1, dtype=torch.int32),
-                           torch.full((b, 1), s + 1, dtype=torch.int32))
-    assert_bits_equal(decode[:, :, 0], out[:, :, s], name="decode vs full")
-    pad = torch.zeros(b, 2, 3, d)
-    padded, _ = _attention(q[:, :, s:s + 1], torch.cat([pad, k[:, :, :s + 1]], 2),
+    s = first + 1                                   # query 1 sees keys 0..66
+    decode, _ = _attention(q[:, :, 1:2], k[:, :, :s + 1], v[:, :, :s + 1],
+                           torch.zeros(1, 1, dtype=torch.int32),
+                           torch.full((1, 1), s + 1, dtype=torch.int32))
+    assert_bits_equal(decode[:, :, 0], out[:, :, 1], name="decode vs full")
+    pad = torch.randn(1, 1, 3, d)
+    padded, _ = _attention(q[:, :, 1:2], torch.cat([pad, k[:, :, :s + 1]], 2),
                            torch.cat([pad[..., :8], v[:, :, :s + 1]], 2),
-                           torch.full((b, 1), 3, dtype=torch.int32),
-                           torch.full((b, 1), s + 4, dtype=torch.int32))
-    assert_bits_equal(padded[:, :, 0], out[:, :, s], name="left-padded")
+                           torch.full((1, 1), 3, dtype=torch.int32),
+                           torch.full((1, 1), s + 4, dtype=torch.int32))
+    assert_bits_equal(padded[:, :, 0], out[:, :, 1], name="left-padded")
 
 
 def test_visible_key_ranges():
@@ -72,9 +75,11 @@ def test_visible_key_ranges():
     assert ref.visible_key_ranges(2, 3, 5, bias, False, "cpu") is None
 
 
+@pytest.mark.slow
 def test_tiny_model_through_the_kernels(kernel_backend):
     """Llama's linears and its sdpa run the interpreted kernels inside the context: the
-    rollout and the full forwards still agree to the bit."""
+    rollout and the full forwards still agree to the bit (slow: about a minute of interpreted
+    attention programs; the kernels' own invariance is checked above)."""
     from glm_kernels.testing import assert_batch_invariant, tiny_causal_lm
     pytest.importorskip("transformers")
     model = tiny_causal_lm("llama")
