@@ -193,33 +193,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask) has probability exactly 0, so a query's bits are the same with its keys in a KV cache
     (decode), at the end of a causal row, or behind any left or right padding."""
     acc = _accumulation_dtype(q.dtype)
-    heads, kv_heads = q.shape[-3], k.shape[-3]
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=-3)
-        v = v.repeat_interleave(heads // kv_heads, dim=-3)
-    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
+    batch, heads, t, _ = q.shape
+    kv_heads, length = k.shape[-3], k.shape[-2]
+    # Grouped-query heads: query head h reads key head h // (H / Hk), by broadcasting.
+    qf = q.to(acc).reshape(batch, kv_heads, heads // kv_heads, t, q.shape[-1])
+    kf = k.to(acc).unsqueeze(2)                                            # [B, Hk, 1, L, D]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = tree_sum(qf.unsqueeze(-2) * kf.unsqueeze(-3)) * scale        # [B, H, T, L]
-    t, length = scores.shape[-2], scores.shape[-1]
+    scores = tree_sum(qf.unsqueeze(-2) * kf.unsqueeze(-3)) * scale        # [B, Hk, G, T, L]
     if is_causal:
         visible = torch.ones(t, length, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~visible, NEG_INF)
     if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, NEG_INF)
+        mask = attn_mask.expand(batch, heads, t, length).reshape(scores.shape)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, NEG_INF)
         else:
-            scores = scores + attn_mask.to(acc)
+            scores = scores + mask.to(acc)
     top = scores.amax(-1, keepdim=True)
     shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
     e = elementwise(torch.exp, scores - shift)
-    total = sum_nonzero(e)                                                  # [B, H, T]
+    total = sum_nonzero(e)                                                  # [B, Hk, G, T]
     # A query with every key masked (a padding row) gets 0, not 0/0: NaN there would reach
     # the real rows through the next layer's P @ V (0 * NaN is NaN).
     p = torch.where(total.unsqueeze(-1) > 0, e / total.unsqueeze(-1), torch.zeros_like(e))
-    weighted = p.unsqueeze(-1) * vf.unsqueeze(-3)                           # [B, H, T, L, Dv]
-    out = sum_nonzero(weighted.transpose(-1, -2))                           # [B, H, T, Dv]
+    # P @ V over each query's keys of non-zero probability, moved to the front in order.
+    keep = p != 0
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
+    p_front = p.gather(-1, order)                     # exact zeros after the kept keys
+    v_front = v.to(acc)[torch.arange(batch, device=q.device)[:, None, None, None, None],
+                        torch.arange(kv_heads, device=q.device)[None, :, None, None, None],
+                        order]                                          # [B, Hk, G, T, L, Dv]
+    out = tree_sum((p_front.unsqueeze(-1) * v_front).transpose(-1, -2))  # [B, Hk, G, T, Dv]
     lse = shift.squeeze(-1) + elementwise(torch.log, total)
-    return out.to(q.dtype), lse
+    return (out.reshape(batch, heads, t, -1).to(q.dtype), lse.reshape(batch, heads, t))
 
 
 def visible_key_ranges(batch: int, t: int, length: int, attn_mask: Optional[torch.Tensor],

@@ -168,14 +168,21 @@ def _has_float_tensor(args, kwargs) -> bool:
     return False
 
 
+_candidates: Dict[object, bool] = {}
+
+
 def report_uncovered(func, args, kwargs) -> None:
     """Log ``func`` once if it is a reduction or matrix op on floats the mode leaves as is."""
-    name = func.overloadpacket.__name__
+    candidate = _candidates.get(func)
+    if candidate is None:
+        candidate = _candidates[func] = (func.namespace == "aten" and
+                                         func.overloadpacket.__name__ in UNCOVERED_REDUCTIONS)
+    if not candidate:
+        return
     dtype = kwargs.get("dtype")
     if dtype is not None and not dtype.is_floating_point:
         return      # an integer result (cumsum of counts into int32) is exact
-    if func.namespace == "aten" and name in UNCOVERED_REDUCTIONS and _has_float_tensor(args,
-                                                                                        kwargs):
+    if _has_float_tensor(args, kwargs):
         warn_once(f"batch_invariant:uncovered:{func}",
                   f"glm_kernels.batch_invariant(): aten op {func} ran inside the context and is "
                   "not covered by the whole-model override: its rows may depend on the batch")
