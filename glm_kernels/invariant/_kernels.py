@@ -110,7 +110,8 @@ def _combine_splits_kernel(part_ptr, lo_ptr, hi_ptr, out_ptr, lse_ptr, T, H, DV,
                            stride_ob, stride_oh, stride_ot,
                            SPLIT: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Merge query ``program_id(0)``'s non-empty splits in order: out = acc / l,
-    lse = m + log l (a query with no visible key: out 0, lse -inf)."""
+    lse = m + log l (a query with no visible key: out 0, lse +inf, so a backward's
+    e^(score - lse) is 0)."""
     row = tl.program_id(0)
     t = row % T
     h = (row // T) % H
@@ -138,7 +139,7 @@ def _combine_splits_kernel(part_ptr, lo_ptr, hi_ptr, out_ptr, lse_ptr, T, H, DV,
     out = tl.where(l_sum > 0, acc / safe, 0.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + t * stride_ot + vdims,
              out.to(out_ptr.dtype.element_ty), mask=vdims < DV)
-    tl.store(lse_ptr + row, tl.where(l_sum > 0, m + tl.log(safe), float("-inf")))
+    tl.store(lse_ptr + row, tl.where(l_sum > 0, m + tl.log(safe), float("inf")))
 
 
 # ----------------------------------------------------------------------------- launchers

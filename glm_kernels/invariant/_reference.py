@@ -186,7 +186,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
               scale: Optional[float] = None):
     """Scaled dot-product attention, q [B, H, T, D], k [B, Hk, L, D], v [B, Hk, L, Dv]
-    (Hk divides H: grouped-query heads); returns (out [B, H, T, Dv], logsumexp [B, H, T] fp32).
+    (Hk divides H: grouped-query heads); returns (out [B, H, T, Dv], logsumexp [B, H, T] fp32;
+    +inf for a query that sees no key).
 
     Scores are trees over D; the softmax sum and P @ V are trees over each query's non-zero
     probabilities in key order. A masked key (bool False, -inf or the -3.4e38 of an additive
@@ -224,7 +225,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         torch.arange(kv_heads, device=q.device)[None, :, None, None, None],
                         order]                                          # [B, Hk, G, T, L, Dv]
     out = tree_sum((p_front.unsqueeze(-1) * v_front).transpose(-1, -2))  # [B, Hk, G, T, Dv]
-    lse = shift.squeeze(-1) + elementwise(torch.log, total)
+    # A query with no visible key: lse = +inf, so a backward's e^(score - lse) is 0, not NaN.
+    lse = torch.where(total > 0, shift.squeeze(-1) + elementwise(torch.log, total),
+                      torch.full_like(total, float("inf")))
     return (out.reshape(batch, heads, t, -1).to(q.dtype), lse.reshape(batch, heads, t))
 
 

@@ -42,6 +42,8 @@ aten = torch.ops.aten
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A handler's answer for a form of its op that is batch-level by definition: run torch's.
+_PASS_THROUGH = object()
 
 
 def _kernel_backend(op: str, *tensors) -> str:
@@ -79,6 +81,10 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 
 
 def _grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
+    if offs is not None and x.dim() == 2 and weight.dim() == 2:
+        # Per-group x^T @ grad: the experts' weight gradient, a sum over the batch's tokens
+        # (batch-dependent by definition, as every weight gradient): torch's kernel.
+        return _PASS_THROUGH
     if offs is None or x.dim() != 2 or weight.dim() != 3:
         return NotImplemented
     if _kernel_backend("grouped_mm", x, weight) == "torch":
@@ -136,6 +142,16 @@ COVERED: Dict[object, Callable] = {
     aten.native_layer_norm.default: ref.layer_norm,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
 }
+def _into_out(impl: Callable) -> Callable:
+    """The ``.out`` overload of a covered op: the same result, copied into ``out``."""
+    def run(*args, out, **kwargs):
+        return out.copy_(impl(*args, **kwargs))
+    return run
+
+
+# The library's own tiled products call torch.mm(..., out=) on exact tiles (same bits here).
+COVERED.update({aten.mm.out: _into_out(_mm), aten.bmm.out: _into_out(ref.bmm),
+                aten.addmm.out: _into_out(_addmm)})
 for _name in _ELEMENTWISE:
     _packet = getattr(aten, _name, None)
     if _packet is not None and "default" in _packet.overloads():
@@ -200,6 +216,8 @@ class BatchInvariantMode(TorchDispatchMode):
         impl = COVERED.get(func)
         if impl is not None and _has_float_tensor(args, kwargs):
             out = impl(*args, **kwargs)
+            if out is _PASS_THROUGH:
+                return func(*args, **kwargs)
             if out is not NotImplemented:
                 return out
         report_uncovered(func, args, kwargs)
