@@ -152,10 +152,19 @@ def _into_out(impl: Callable) -> Callable:
 # The library's own tiled products call torch.mm(..., out=) on exact tiles (same bits here).
 COVERED.update({aten.mm.out: _into_out(_mm), aten.bmm.out: _into_out(ref.bmm),
                 aten.addmm.out: _into_out(_addmm)})
+def _in_place(op) -> Callable:
+    def run(x, *args, **kwargs):
+        return x.copy_(ref.elementwise(op, x, *args, **kwargs))
+    return run
+
+
 for _name in _ELEMENTWISE:
     _packet = getattr(aten, _name, None)
     if _packet is not None and "default" in _packet.overloads():
         COVERED[_packet.default] = _elementwise(_packet.default)
+        _in_place_packet = getattr(aten, _name + "_", None)      # nn.SiLU(inplace=True)
+        if _in_place_packet is not None and "default" in _in_place_packet.overloads():
+            COVERED[_in_place_packet.default] = _in_place(_packet.default)
 
 # Ops that reduce or multiply along a dimension a batch can change and that the mode does not
 # cover: reported once by name when one runs on floating-point tensors inside the context.
