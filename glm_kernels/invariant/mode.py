@@ -132,7 +132,6 @@ COVERED: Dict[object, Callable] = {
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
     aten.bmm.default: ref.bmm,
-    aten._grouped_mm.default: _grouped_mm,
     aten._softmax.default: lambda x, dim, half: ref.softmax(x, dim, half),
     aten._log_softmax.default: lambda x, dim, half: ref.softmax(x, dim, half, log=True),
     aten.sum.dim_IntList: _sum,
@@ -140,8 +139,12 @@ COVERED: Dict[object, Callable] = {
     aten.mean.dim: _mean,
     aten.mean.default: lambda x, *, dtype=None: ref.mean_dims(x, None, False, dtype),
     aten.native_layer_norm.default: ref.layer_norm,
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
 }
+# Ops newer than the torch floor (2.4 has no _grouped_mm) are covered where they exist.
+for _name, _impl in (("_grouped_mm", _grouped_mm),
+                     ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu)):
+    if hasattr(aten, _name):
+        COVERED[getattr(aten, _name).default] = _impl
 def _into_out(impl: Callable) -> Callable:
     """The ``.out`` overload of a covered op: the same result, copied into ``out``."""
     def run(*args, out, **kwargs):
