@@ -7,6 +7,12 @@ CPU the torch backend (fixed-order tree reductions and the tiled GEMMs). Columns
 and on, their ratio, and the floor (bytes / copy bandwidth for log-probs, FLOPs / matmul rate
 for the fused-linear loss). ``bitwise`` says whether a row computed alone equals the same row
 inside the batch, off and on (the switch's promise, checked in the same run).
+
+Whole models (CPU): a forward (8 left-padded sequences of 16-32 tokens) and a decode (8
+prompts, 8 new tokens through ``generate`` and its KV cache) of each tiny random transformers
+model (``glm_kernels.testing.tiny_causal_lm``: Llama, Qwen3, Qwen3-MoE, GLM-5), with the
+switch off and on side by side; ``bitwise`` is ``assert_batch_invariant`` (rollout log-probs
+vs full forwards alone, batched, shuffled) in the same mode. GPU: not measured on GPU.
 """
 from __future__ import annotations
 
@@ -60,6 +66,76 @@ def _measure(label, case, device, quick):
     return row
 
 
+def _model_rows(quick: bool) -> list:
+    """Forward and decode of each tiny model, off and on, on the CPU (fp32, one thread)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("note: transformers is not installed: whole-model rows skipped")
+        return []
+    from glm_kernels.testing import TINY_MODEL_TYPES
+    g = torch.Generator().manual_seed(0)
+    lengths = [16 + (4 * i) % 17 for i in range(8)]
+    rows_in = [torch.randint(1, 96, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(8, width, dtype=torch.long)
+    mask = torch.zeros(8, width, dtype=torch.long)
+    for i, r in enumerate(rows_in):
+        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    prompts = [r[:4 + i % 5] for i, r in enumerate(rows_in)]
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for model_type in TINY_MODEL_TYPES:
+            rows += _time_model(model_type, ids, mask, positions, prompts, quick)
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _time_model(model_type, ids, mask, positions, prompts, quick) -> list:
+    """One model's forward and decode rows: off and on side by side, and the bitwise check."""
+    from glm_kernels.testing import assert_batch_invariant, tiny_causal_lm
+    rows = []
+    model = tiny_causal_lm(model_type)
+
+    def forward(m=model):
+        with torch.no_grad():
+            return m(input_ids=ids, attention_mask=mask, position_ids=positions,
+                     use_cache=False).logits
+
+    def decode(m=model):
+        torch.manual_seed(0)
+        p_ids = torch.zeros(8, 8, dtype=torch.long)
+        p_mask = torch.zeros(8, 8, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            p_ids[i, 8 - p.numel():], p_mask[i, 8 - p.numel():] = p, 1
+        with torch.no_grad():
+            return m.generate(p_ids, attention_mask=p_mask, do_sample=True,
+                              max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+
+    for label, fn in (("forward 8x<=32", forward), ("decode 8x8 new", decode)):
+        row = {"case": f"{model_type} {label} fp32 cpu"}
+        for mode in ("off", "on"):
+            with glm_kernels.batch_invariant(mode == "on"):
+                # Process CPU time on one thread: the machine is shared, and the wall
+                # clock would also count the time spent waiting for a core.
+                row[f"{mode}_ms"] = _common.time_fn(fn, device="cpu", warmup=1,
+                                                    repeats=3 if quick else 7,
+                                                    process_clock=True) * 1e3
+                if label.startswith("decode"):
+                    try:
+                        assert_batch_invariant(model, prompts[:3], max_new_tokens=3)
+                        row[f"bitwise_{mode}"] = True
+                    except AssertionError:
+                        row[f"bitwise_{mode}"] = False
+        row["on_vs_off"] = row["on_ms"] / row["off_ms"]
+        rows.append(row)
+    return rows
+
+
 def run(quick: bool = False, cpu: bool = False) -> dict:
     device = "cpu" if cpu else _common.default_device()
     on_gpu = device.startswith("cuda")
@@ -79,8 +155,14 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
     title = f"batch_invariant() off vs on, {device}" + ("" if on_gpu else " (torch backend)")
     _common.print_table(title, rows, ["case", "off_ms", "on_ms", "on_vs_off", "floor_ms",
                                       "on_vs_floor", "bitwise_off", "bitwise_on"])
-    result = {"device": device, "environment": _common.environment(), "rows": rows}
-    notes = {"gpu": "measured" if on_gpu else "not measured on GPU"}
+    model_rows = _model_rows(quick)
+    _common.print_table("whole tiny models, batch_invariant() off vs on (CPU, torch backend)",
+                        model_rows, ["case", "off_ms", "on_ms", "on_vs_off", "bitwise_off",
+                                     "bitwise_on"])
+    result = {"device": device, "environment": _common.environment(), "rows": rows,
+              "model_rows": model_rows}
+    notes = {"gpu": "measured" if on_gpu else "not measured on GPU",
+             "models": "CPU only; whole-model rows not measured on GPU"}
     return _common.finish(result, notes, {})
 
 

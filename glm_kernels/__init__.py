@@ -17,7 +17,7 @@ variable ``GLM_KERNELS_BACKEND``.
 """
 from . import _dispatch  # first: sets TRITON_INTERPRET before any kernel module is imported
 from . import delta, optim, sync
-from ._dispatch import batch_invariant, batch_invariant_enabled, force_backend, select_backend
+from ._dispatch import batch_invariant_enabled, force_backend, select_backend
 from .loss import (POLICY_VARIANTS, PolicyLossSpec, fused_linear_icepop_loss,
                    fused_linear_logprobs, group_advantages, icepop_loss, icepop_loss_from_logits,
                    kl_penalty_loss, kl_penalty_terms, mismatch_metrics, opd_advantages,
@@ -26,6 +26,7 @@ from .muon import HeadSplit, muon_split_orthogonalize, newton_schulz
 # After this line ``glm_kernels.topk`` is the function; the subpackage stays importable as
 # ``glm_kernels.topk.<module>`` (``from glm_kernels.topk import moe_route`` works too).
 from .topk import moe_route, topk
+from .invariant import batch_invariant  # GLM_KERNELS_BATCH_INVARIANT=1 enters its override
 
 __version__ = "0.1.0"
 __all__ = ["icepop_loss", "icepop_loss_from_logits", "fused_linear_icepop_loss",

@@ -193,15 +193,10 @@ def force_backend(name: str):
     return _thread_setting("backend", name)
 
 
-def batch_invariant(enabled: bool = True):
-    """Inside the block (this thread), the log-prob, loss and metric ops give every row of a
-    batch a result bitwise independent of the other rows, their order and the chunking.
-
-    Off by default: the default plans may tile by batch size for speed. ``enabled=False``
-    turns it off inside a block where ``GLM_KERNELS_BATCH_INVARIANT=1`` turned it on.
-    docs/batch_invariance.md lists the ops it covers and what it costs.
-    """
-    check_bool("enabled", enabled)
+def batch_invariant_switch(enabled: bool):
+    """The thread-local switch alone (the library's own ops read it through
+    :func:`batch_invariant_enabled`); ``glm_kernels.batch_invariant`` (in
+    ``glm_kernels.invariant``) enters it together with the whole-model aten override."""
     return _thread_setting("batch_invariant", enabled)
 
 

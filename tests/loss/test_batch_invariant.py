@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels.loss._common import invariant as _invariant
+from glm_kernels import _row_invariant as _invariant
 from glm_kernels.loss import fused_linear_icepop_loss, icepop_loss_from_logits, selective_logprobs
 from tests.conftest import DEVICE
 

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from ... import _checks, _dispatch
-from . import invariant as _invariant
+from ... import _row_invariant as _invariant
 
 DEFAULT_MEMORY_BUDGET = 512 << 20          # bytes for the [C, V] logits chunk
 _CHUNK_MULTIPLE = 128                      # keeps the GEMM tiles full

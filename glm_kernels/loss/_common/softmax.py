@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .invariant import row_logsumexp, row_shift, row_sum
+from ..._row_invariant import row_logsumexp, row_shift, row_sum
 
 NEG_INF = float("-inf")
 

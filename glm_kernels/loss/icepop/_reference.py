@@ -40,7 +40,7 @@ from typing import Dict
 
 import torch
 
-from .._common.invariant import row_logsumexp
+from ..._row_invariant import row_logsumexp
 from .._common.softmax import scaled_fp32, selective_logprobs_reference, softmax_grad_of_z
 from ..mismatch import mismatch_from_tokens
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ... import _checks, _dispatch
 from .._common import softmax as ref
-from .._common.invariant import row_shift
+from ..._row_invariant import row_shift
 
 NEG_INF = float("-inf")
 INDEX_DTYPES = (torch.int32, torch.int64)

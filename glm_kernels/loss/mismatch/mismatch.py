@@ -42,7 +42,8 @@ from typing import Dict, Optional
 import torch
 
 from ... import _checks, _dispatch
-from .._common import checks as loss_checks, invariant as _invariant
+from ... import _row_invariant as _invariant
+from .._common import checks as loss_checks
 
 LOG_RATIO_CLAMP = 20.0
 _EPS = 1e-8                           # verl's masked_mean denominator guard

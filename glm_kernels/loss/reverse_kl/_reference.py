@@ -8,7 +8,7 @@ statistics (m_s, s_s, u, m_t, s_t) are combined across a vocab-parallel group by
 """
 import torch
 
-from .._common.invariant import row_shift
+from ..._row_invariant import row_shift
 from .._common.softmax import NEG_INF, finalize_reverse_kl  # noqa: F401 (the op's finish)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._dispatch import batch_invariant_enabled
+from ._dispatch import batch_invariant_enabled
 
 NEG_INF = float("-inf")
 # Rows a product tile holds: a multiple of every CPU micro-kernel height, large enough that the
