@@ -1,0 +1,74 @@
+"""Tiny random transformers MoE models of every type glm_kernels patches (built in code, no
+download), fp32, eager attention.
+
+GLM-5 (``glm_moe_dsa``) is built with ``attn_implementation="eager"``: with transformers'
+default ``sdpa`` the model hands its DSA indexer no mask, so the unpatched model is not causal
+there and a comparison with it means nothing. The indexer gets 16 heads so that the ReLU
+index scores of two keys tie (every head clipped to 0) only with negligible probability.
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers missing: pip install "
+                                   "'transformers>=5.2'")
+
+VOCAB = 64
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16,
+              max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+              tie_word_embeddings=False)
+MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=8)
+NOAUX = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+             n_shared_experts=1, routed_scaling_factor=2.5)
+CONFIGS = {
+    "glm_moe_dsa": dict(**NOAUX, **MLA, index_n_heads=16, index_head_dim=8, index_topk=4,
+                        mlp_layer_types=["dense", "sparse"]),
+    "deepseek_v3": dict(**NOAUX, **MLA, first_k_dense_replace=1),
+    "glm4_moe": dict(**NOAUX, first_k_dense_replace=1, head_dim=8),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=8),
+}
+MODEL_TYPES = tuple(CONFIGS)
+
+
+def make_config(model_type, **overrides):
+    cfg = transformers.AutoConfig.for_model(model_type,
+                                            **{**COMMON, **CONFIGS[model_type], **overrides})
+    return cfg
+
+
+def make_model(model_type, seed=0, **overrides):
+    """A fp32 model with random weights and random correction biases (so they matter)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        make_config(model_type, **overrides), attn_implementation="eager").float()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.05)
+    return model.eval()
+
+
+def pair(model_type, seed=0, **kwargs):
+    """(unpatched, patched) copies of one model."""
+    from glm_kernels.integrations.transformers import apply_glm_kernels
+    model = make_model(model_type, seed)
+    return model, apply_glm_kernels(copy.deepcopy(model), **kwargs)
+
+
+class NoTopk:
+    """Inside: torch.topk and Tensor.topk raise (the patched forward must not call them)."""
+
+    def __enter__(self):
+        self.saved = torch.topk, torch.Tensor.topk
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("torch.topk called inside a patched forward")
+        torch.topk = refuse
+        torch.Tensor.topk = refuse
+        return self
+
+    def __exit__(self, *exc):
+        torch.topk, torch.Tensor.topk = self.saved
