@@ -15,8 +15,11 @@ from ._patch import (SUPPORTED_MODEL_TYPES, apply_glm_kernels, apply_glm_kernels
                      apply_glm_kernels_to_deepseek_v4, apply_glm_kernels_to_glm4_moe,
                      apply_glm_kernels_to_glm_moe_dsa, apply_glm_kernels_to_qwen3_moe,
                      routing_modules)
+from .logprobs import token_logprobs
+from .r3 import RoutingRecord, RoutingReplay, record_routing, replay_routing
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply_glm_kernels", "apply_glm_kernels_to_glm_moe_dsa",
            "apply_glm_kernels_to_glm4_moe", "apply_glm_kernels_to_deepseek_v3",
            "apply_glm_kernels_to_deepseek_v4", "apply_glm_kernels_to_qwen3_moe",
-           "routing_modules"]
+           "routing_modules", "token_logprobs", "record_routing", "replay_routing",
+           "RoutingRecord", "RoutingReplay"]
