@@ -29,6 +29,17 @@ CONFIGS = {
     "deepseek_v3": dict(**NOAUX, **MLA, first_k_dense_replace=1),
     "glm4_moe": dict(**NOAUX, first_k_dense_replace=1, head_dim=8),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=8),
+    # one hash-routed layer, then sqrtsoftplus top-k layers; CSA layers run the indexer
+    "deepseek_v4": dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, q_lora_rank=16, head_dim=16, num_key_value_heads=1,
+                        index_n_heads=16, index_head_dim=8, index_topk=2, sliding_window=8,
+                        o_groups=2, o_lora_rank=8, hc_mult=2,
+                        mlp_layer_types=["hash_moe", "moe", "moe"],
+                        layer_types=["compressed_sparse_attention",
+                                     "heavily_compressed_attention",
+                                     "compressed_sparse_attention"],
+                        compress_rates={"compressed_sparse_attention": 2,
+                                        "heavily_compressed_attention": 4}),
 }
 MODEL_TYPES = tuple(CONFIGS)
 
@@ -44,10 +55,14 @@ def make_model(model_type, seed=0, **overrides):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         make_config(model_type, **overrides), attn_implementation="eager").float()
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.05)
+                buf.normal_(0, 0.05, generator=gen)
+            if name.endswith("tid2eid"):     # DeepSeek-V4 hash table: k distinct experts each
+                buf.copy_(torch.stack([torch.randperm(8, generator=gen)[:buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
     return model.eval()
 
 

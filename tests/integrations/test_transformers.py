@@ -29,9 +29,16 @@ def test_patched_model_matches_transformers(model_type):
         (out.square().mean()).backward()
     ref.square().mean().backward()
     assert_close(out, ref, tol=TOL)
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        if q.grad is not None and q.grad.norm() > 0:
-            assert_close(p.grad, q.grad, tol=TOL, name=name)
+    pairs = [(name, p.grad, q.grad) for (name, p), q in
+             zip(model.named_parameters(), ref_model.parameters()) if q.grad is not None]
+    assert_close(torch.cat([g.reshape(-1) for _, g, _ in pairs]),
+                 torch.cat([g.reshape(-1) for _, _, g in pairs]), tol=TOL, name="all grads")
+    # DeepSeek-V4's Sinkhorn hyper-connection head amplifies ulp changes of the router scores:
+    # computing HF's own sqrt(softplus) by an equivalent formula moves its gradient by 3e-5.
+    per_param = 1e-4 if model_type == "deepseek_v4" else TOL
+    for name, grad, ref_grad in pairs:
+        if ref_grad.norm() > 0:
+            assert_close(grad, ref_grad, tol=per_param, name=name)
     assert model.state_dict().keys() == ref_model.state_dict().keys()
 
 
@@ -70,6 +77,25 @@ def test_qwen3_router_matches_transformers():
     (ids, w), (ref_ids, ref_w) = _by_expert(ids, w), _by_expert(ref_ids, ref_w)
     assert torch.equal(ids, ref_ids) and w.dtype == ref_w.dtype
     assert_close(w, ref_w, tol=TOL)
+
+
+def test_deepseek_v4_routers_match_transformers():
+    """sqrtsoftplus top-k layers: the same expert sets and weights; the hash layer: experts
+    from tid2eid[input_ids], weights from their scores."""
+    ref_model, model = pair("deepseek_v4")
+    hidden = torch.randn(60, 32, generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(2, 64, (60,), generator=torch.Generator().manual_seed(4))
+    for ref_router, router in zip(gt.routing_modules(ref_model), gt.routing_modules(model)):
+        args = (hidden, tokens) if type(router).__name__.endswith("HashRouter") else (hidden,)
+        ref_logits, ref_w, ref_ids = ref_router(*args)
+        with NoTopk():
+            logits, w, ids = router(*args)
+        assert torch.equal(logits, ref_logits)
+        (ids, w), (ref_ids, ref_w) = _by_expert(ids, w), _by_expert(ref_ids, ref_w)
+        assert torch.equal(ids, ref_ids)
+        assert_close(w, ref_w, tol=TOL)
+    assert [type(r).__name__ for r in gt.routing_modules(model)] == [
+        "DeepseekV4HashRouter", "DeepseekV4TopKRouter", "DeepseekV4TopKRouter"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "interpret"])
