@@ -66,11 +66,11 @@ def make_model(model_type, seed=0, **overrides):
     return model.eval()
 
 
-def pair(model_type, seed=0, **kwargs):
-    """(unpatched, patched) copies of one model."""
+def pair(model_type, seed=0, **overrides):
+    """(unpatched, patched) copies of one model (``overrides``: config fields)."""
     from glm_kernels.integrations.transformers import apply_glm_kernels
-    model = make_model(model_type, seed)
-    return model, apply_glm_kernels(copy.deepcopy(model), **kwargs)
+    model = make_model(model_type, seed, **overrides)
+    return model, apply_glm_kernels(copy.deepcopy(model))
 
 
 class NoTopk:

@@ -105,3 +105,28 @@ def test_token_logprobs_equal_the_models_logits(patched):
         gt.token_logprobs(model, ids, return_entropy=1)
     with pytest.raises(TypeError, match="ForCausalLM"):
         gt.token_logprobs(model.model, ids)
+
+
+def test_patched_glm5_trains_three_steps_with_fused_grpo_trainer(tmp_path, monkeypatch):
+    """TRL's own GRPO loop (generation by transformers, the loss by FusedGRPOTrainer) on a
+    patched tiny GLM-5, 3 optimizer steps on CPU: every routing goes through glm_kernels."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from glm_kernels.integrations import trl as gtrl
+    from glm_kernels.integrations.transformers import _routers
+    from tests.integrations import test_trl
+    tokenizer = test_trl.make_tokenizer()
+    _, model = pair("glm_moe_dsa", vocab_size=len(test_trl.WORDS))
+    calls = []
+    real_route = _routers.route
+    monkeypatch.setattr(_routers, "route", lambda *a, **k: calls.append(1) or real_route(*a, **k))
+    ds = datasets.Dataset.from_dict({"prompt": test_trl.PROMPTS})
+    args = test_trl.config(test_trl.trl.GRPOConfig, tmp_path, max_steps=3, learning_rate=1e-2)
+    trainer = gtrl.FusedGRPOTrainer(model=model, reward_funcs=test_trl.length_reward,
+                                    args=args, train_dataset=ds, processing_class=tokenizer)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer.fused_calls > 0
+    assert len(calls) > 0
+    moved = [not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())]
+    assert sum(moved) > len(moved) // 2
