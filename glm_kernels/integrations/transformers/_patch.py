@@ -117,7 +117,11 @@ def _apply_to_classes(model_type: str, routing, indexer) -> None:
     routing, indexer = _check_flags(routing, indexer)
     modeling = _modeling_module(model_type)
     for patch in _selected(model_type, routing, indexer):
-        setattr(getattr(modeling, patch.cls_name), patch.method, patch.function)
+        cls = getattr(modeling, patch.cls_name)
+        current = getattr(cls, patch.method)
+        if current is not patch.function:
+            _routers.ORIGINALS[(cls, patch.method)] = current
+        setattr(cls, patch.method, patch.function)
 
 
 def is_patched(module: torch.nn.Module, method: str) -> bool:

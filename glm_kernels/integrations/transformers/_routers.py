@@ -9,6 +9,8 @@ own router logits (bitwise the same whatever else is in the batch).
 Rollout routing replay (``r3.py``) plugs in through ``route``: a routing module that carries
 an active ``_glm_kernels_r3`` session records its expert ids, or replays recorded ones.
 """
+import functools
+import inspect
 from typing import Optional
 
 import torch
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 from ...topk import moe_route, topk
 
 R3_ATTR = "_glm_kernels_r3"
+# (class, method name) -> transformers' own function, recorded before a class is patched.
+ORIGINALS = {}
 
 # transformers' ACT2FN class of a router's ``score_fn`` -> moe_route's scoring name.
 _SCORING_OF_ACTIVATION = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid",
@@ -65,11 +69,15 @@ def noaux_route_tokens_to_experts(self, router_logits):
 # ----------------------------------------------------------------- Qwen3-MoE
 def qwen3_router_forward(self, hidden_states):
     """``Qwen3MoeTopKRouter.forward``: softmax over the experts (fp32), top_k, renormalized
-    when ``norm_topk_prob``; returns (router_logits, weights in the logits' dtype, ids)."""
+    when ``norm_topk_prob``; returns (router_logits, weights in the logits' dtype, ids), or
+    where the installed transformers (5.2) returns the fp32 probabilities in place of the
+    logits, (probabilities, fp32 weights, ids) as it does."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
     weights, ids = route(self, router_logits, self.top_k, scoring="softmax",
                          renormalize=bool(self.norm_topk_prob))
+    if _original_has(type(self), "forward", "router_logits = torch.nn.functional.softmax"):
+        return router_logits.softmax(-1, dtype=torch.float), weights, ids
     return router_logits, weights.to(router_logits.dtype), ids
 
 
@@ -117,6 +125,15 @@ def _modeling(obj):
     return sys.modules[type(obj).__module__]
 
 
+@functools.lru_cache(maxsize=None)
+def _original_has(cls, method: str, text: str) -> bool:
+    """Whether the installed transformers' own ``cls.method`` contains ``text``: where
+    transformers versions differ (>= 5.2), the patched method keeps the installed version's
+    math and outputs and changes only the top-k."""
+    original = ORIGINALS.get((cls, method), getattr(cls, method))
+    return text in inspect.getsource(original)
+
+
 @torch.no_grad()
 def glm_moe_dsa_indexer_forward(self, hidden_states, q_resid, position_embeddings,
                                 attention_mask, use_cache=False):
@@ -149,7 +166,9 @@ def glm_moe_dsa_indexer_forward(self, hidden_states, q_resid, position_embedding
         k_cached = k
     weights = self.weights_proj(hidden_states).float() * (self.n_heads ** -0.5)
     scores = torch.einsum("bshd,btd->bsht", q.float(), k_cached.float()) * self.softmax_scale
-    index_scores = torch.einsum("bsht,bsh->bst", F.relu(scores), weights)
+    if _original_has(type(self), "forward", "relu("):   # 5.2's indexer has no ReLU
+        scores = F.relu(scores)
+    index_scores = torch.einsum("bsht,bsh->bst", scores, weights)
     if attention_mask is not None:
         index_scores = index_scores + attention_mask
     total_len = index_scores.shape[-1]
