@@ -359,7 +359,8 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
       ``decay_vectors``;
     * embeddings (parameters of modules whose class name contains "Embedding", and weights
       tied to them), MoE router weights (modules whose class name contains "Router":
-      transformers' ``*TopkRouter`` / ``*TopKRouter`` / ``*HashRouter``) and the output head (modules named ``lm_head`` / ``output_layer`` /
+      transformers' ``*TopkRouter`` / ``*TopKRouter`` / ``*HashRouter``) and the output head
+      (modules named ``lm_head`` / ``output_layer`` /
       ``embed_out``; ``output_head="muon"`` sends it to Muon instead): AdamW;
     * MLA up-projections (and DSA indexer query projections) matched by ``head_splits``: Muon
       per head (one group per HeadSplit);

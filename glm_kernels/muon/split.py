@@ -116,8 +116,9 @@ def head_splits_from_config(config) -> Optional[Dict[str, HeadSplit]]:
                                if getattr(config, n, None) is not None), None)
     splits = _indexer_head_splits(config)
     heads = get("num_attention_heads")
-    if getattr(config, "model_type", None) == "deepseek_v4" and None not in (heads, get("head_dim")):
-        splits["self_attn.q_b_proj.weight"] = HeadSplit(int(heads), [int(get("head_dim"))])
+    head_dim = get("head_dim")
+    if getattr(config, "model_type", None) == "deepseek_v4" and None not in (heads, head_dim):
+        splits["self_attn.q_b_proj.weight"] = HeadSplit(int(heads), [int(head_dim)])
         return splits
     nope = get("qk_nope_head_dim", "qk_head_dim")
     rope = get("qk_rope_head_dim", "qk_pos_emb_head_dim")

@@ -134,7 +134,8 @@ def moe_route_reference(router_logits: torch.Tensor, k: int, *, scoring: str = "
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-5 ``noaux_tc`` routing, differentiable in ``router_logits``.
 
-    s = router_scores(l, scoring) (sigmoid, softmax or sqrtsoftplus; fp32); ids = ``noaux_tc_choice(s, k, bias, ...)`` (bias
+    s = router_scores(l, scoring) (sigmoid, softmax or sqrtsoftplus; fp32);
+    ids = ``noaux_tc_choice(s, k, bias, ...)`` (bias
     steers the choice only), or ``replay_ids`` as given (rollout routing replay: the choice
     is skipped); weights = s[ids], divided by (sum + eps) when renormalizing, times
     scaling_factor -- the same expression whichever way the ids were found.

@@ -70,3 +70,16 @@ def test_step_is_per_expert_and_per_head_newton_schulz():
     flat = params[experts + "gate_up_proj"].grad.reshape(8, -1)
     assert not torch.allclose(newton_schulz(flat).view(8, 32, 32),
                               newton_schulz(params[experts + "gate_up_proj"].grad), atol=1e-3)
+
+
+def test_docs_example_prints_what_the_page_shows(capsys):
+    """docs/transformers.md's example (patch, R3 around generate, token_logprobs, MuonSplit)
+    runs as written and prints the line the page shows."""
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "transformers.md")) as f:
+        page = f.read()
+    code, shown = re.search(r"```python\n(.*?)```\s*```text\n(.*?)```", page, re.S).groups()
+    exec(compile(code, "docs/transformers.md", "exec"), {})
+    assert capsys.readouterr().out.splitlines()[-1:] == shown.splitlines()
