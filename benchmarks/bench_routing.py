@@ -10,6 +10,11 @@ Tables:
             mismatch flag (``return_mismatch=True``), 256 experts, top-8, 8 groups / top-4,
             sigmoid + bias; every replayed result checked (ids bitwise, weights bitwise when
             the ids are the normal path's own).
+  transformers  the MoE router of transformers' own GLM-5 model (``GlmMoeDsaMoE
+            .route_tokens_to_experts``: torch.topk, ties however the backend breaks them) against
+            the same module patched by ``glm_kernels.integrations.transformers``
+            (``moe_route``), on the same router logits (256 experts, top-8, 8 groups / top-4,
+            scaling 2.5): time per call, and how often the two pick the same expert set.
 On GPU the kernels run compiled (do_bench medians); with --cpu the torch reference path is
 timed (labelled) and the Triton interpreter is checked and timed on 64 tokens (labelled:
 the interpreter runs each program in Python, so its numbers say nothing about GPU speed).
@@ -111,6 +116,50 @@ def bench_replay(tokens, device, notes, timed=True):
     return row
 
 
+def bench_transformers(tokens, device, notes):
+    """transformers' GLM-5 router vs the patched one, side by side on the same logits."""
+    try:
+        import copy
+
+        from transformers import GlmMoeDsaConfig
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaMoE
+
+        from glm_kernels.integrations.transformers import apply_glm_kernels  # noqa: F401
+        from glm_kernels.integrations.transformers._routers import \
+            noaux_route_tokens_to_experts
+    except ImportError as exc:
+        notes["transformers"] = f"skipped: {exc}"
+        return None
+    import types
+    config = GlmMoeDsaConfig(hidden_size=64, moe_intermediate_size=16, n_routed_experts=256,
+                             num_experts_per_tok=8, n_group=8, topk_group=4,
+                             routed_scaling_factor=2.5, n_shared_experts=1)
+    theirs = GlmMoeDsaMoE(config).to(device)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        theirs.gate.e_score_correction_bias.copy_(torch.randn(256, generator=gen) * 0.1)
+    ours = copy.deepcopy(theirs)
+    ours.route_tokens_to_experts = types.MethodType(noaux_route_tokens_to_experts, ours)
+    logits = torch.randn(tokens, 256, generator=gen).to(device)
+    their_ids, their_w = theirs.route_tokens_to_experts(logits)
+    our_ids, our_w = ours.route_tokens_to_experts(logits)
+    same = (their_ids.sort(-1).values == our_ids.sort(-1).values).all(-1)
+    their_w = their_w.gather(1, their_ids.argsort(-1))
+    our_w = our_w.gather(1, our_ids.argsort(-1))
+    row = {"tokens": tokens, "same_expert_set": float(same.float().mean()),
+           "weights_rel_err": float((our_w[same] - their_w[same]).norm()
+                                    / their_w[same].norm())}
+    for name, module in (("transformers", theirs), ("glm_kernels", ours)):
+        try:
+            row[f"{name}_us"] = _common.time_fn(
+                lambda: module.route_tokens_to_experts(logits), device=device) * 1e6
+        except Exception as exc:
+            notes[f"transformers:{name}@{tokens}"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    if row.get("transformers_us") and row.get("glm_kernels_us"):
+        row["glm_kernels/transformers"] = row["glm_kernels_us"] / row["transformers_us"]
+    return row
+
+
 def run(quick: bool = False, cpu: bool = False) -> dict:
     device = "cpu" if cpu or not torch.cuda.is_available() else "cuda"
     on_gpu = device == "cuda"
@@ -134,8 +183,16 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
                         ["tokens", "route_us", "replay_us", "replay_mismatch_us",
                          "replay/route", "replay_mismatch/route", "own_ids_bitwise",
                          "replay_ids_bitwise", "replay_weights_rel_err", "mismatch_rate"])
+    hf_rows = [r for r in (bench_transformers(t, device, notes) for t in replay_tokens) if r]
+    if hf_rows:
+        _common.print_table(f"transformers' GLM-5 router vs patched by glm_kernels (256 "
+                            f"experts, k = 8, 8 groups / top-4; {where})", hf_rows,
+                            ["tokens", "transformers_us", "glm_kernels_us",
+                             "glm_kernels/transformers", "same_expert_set",
+                             "weights_rel_err"])
     result = {"benchmark": "routing", "device": device, "glm_kernels_backend": backend,
-              "encoding": enc_rows, "replay": replay_rows, "notes": notes,
+              "encoding": enc_rows, "replay": replay_rows, "transformers": hf_rows,
+              "notes": notes,
               "fallbacks": _dispatch.fallbacks_logged(), "env": _common.environment()}
     if not on_gpu and _dispatch.interpreter_active() and _dispatch.triton_available():
         with glm_kernels.force_backend("interpret"):

@@ -18,6 +18,9 @@
   registry, built by ``get_megatron_optimizer``.
 * ``glm_kernels.integrations.trl`` -- ``IcePopGRPOTrainer`` / ``IcePopGRPOConfig``, a TRL
   ``GRPOTrainer`` whose loss is ``fused_linear_icepop_loss`` (coupled / TITO or decoupled).
+* ``glm_kernels.integrations.transformers`` -- ``apply_glm_kernels(model)`` for GLM-5,
+  GLM-4.5, DeepSeek-V3/V4 and Qwen3-MoE (routers through ``moe_route``, the DSA indexer
+  through ``topk``), R3 (``record_routing`` / ``replay_routing``) and ``token_logprobs``.
 
-Importing this package imports none of slime, Megatron, SGLang, verl or TRL.
+Importing this package imports none of slime, Megatron, SGLang, verl, TRL or transformers.
 """

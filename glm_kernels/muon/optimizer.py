@@ -10,8 +10,11 @@ Muon update of a matrix parameter p with gradient g (per block when the group ha
 
 NS is :func:`glm_kernels.muon.newton_schulz` (``ns_steps`` steps; a group may set
 ``ns_coefficients`` and ``ns_method``). Every block of every parameter of a group goes into
-ONE batched Newton-Schulz call (one launch per matrix product on GPU). Parameters with more
-than 2 dims are treated as [shape[0], prod(rest)].
+ONE batched Newton-Schulz call (one launch per matrix product on GPU). A 3-D parameter is a
+stack of matrices [E, rows, cols] (transformers' MoE experts: ``gate_up_proj`` [E, 2I, H],
+``down_proj`` [E, H, I]): each of its E matrices is orthogonalized and scaled on its own, in
+the same batched call, never the flattened [E, rows * cols] matrix. Parameters with 4 or more
+dims (convolution kernels) are treated as [shape[0], prod(rest)].
 
 AdamW (decoupled weight decay, bias-corrected, as torch.optim.AdamW) for groups with
 ``use_muon=False``; their learning rate is the group's ``lr``, which defaults to
@@ -157,6 +160,10 @@ class MuonSplit(torch.optim.Optimizer):
                 if p.dim() < 2:
                     raise ValueError(f"{where} has use_muon=True but parameter {i} has shape "
                                      f"{tuple(p.shape)}: Muon needs matrices")
+                if split is not None and p.dim() == 3:
+                    raise ValueError(f"{where} has a head_split and a 3-D parameter {i} "
+                                     f"{tuple(p.shape)}: a 3-D parameter is a stack of "
+                                     "matrices orthogonalized one by one, with no head split")
                 if split is not None:
                     split.for_rows(p.shape[0])          # raises unless whole heads
             resolve_coefficients(param_group.get("ns_coefficients", "jordan"), 1)
@@ -207,6 +214,11 @@ class MuonSplit(torch.optim.Optimizer):
         if not params:
             return
         if any(is_dtensor(p) for p in params):
+            stacked = [tuple(p.shape) for p in params if p.dim() == 3]
+            if stacked:
+                raise NotImplementedError(
+                    f"MuonSplit: sharded 3-D (stacked expert) parameters {stacked} are not "
+                    "supported yet; keep them unsharded or in an AdamW group")
             sharded_muon_step(group, params, self.state, self.comm_stats)
             return
         momentum = group["momentum"]
@@ -220,7 +232,7 @@ class MuonSplit(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             update = momentum_update(state["momentum_buffer"], p.grad, momentum,
                                      group["nesterov"])
-            by_device[p.device].append((p, update.reshape(p.shape[0], -1)))
+            by_device[p.device].append((p, _matrices(update)))
         for entries in by_device.values():
             results = self._orthogonalize(entries, group, schedule)
             self._apply(entries, results, group)
@@ -231,6 +243,9 @@ class MuonSplit(torch.optim.Optimizer):
         (integrations/megatron.py)."""
         sources = []
         for p, update in entries:
+            if update.dim() == 3:               # a stack of matrices: one block each
+                sources.append(update)
+                continue
             split = self._head_split(group, p)
             local = None if split is None else split.for_rows(update.shape[0])
             sources += ([update[None]] if local is None else
@@ -252,13 +267,16 @@ class MuonSplit(torch.optim.Optimizer):
         lr, decay = group["lr"], 1.0 - group["lr"] * group["weight_decay"]
         position = 0
         for p, update in entries:
-            split = self._head_split(group, p)
+            split = None if update.dim() == 3 else self._head_split(group, p)
             local = None if split is None else split.for_rows(update.shape[0])
-            matrix = p.view(p.shape[0], -1) if p.is_contiguous() else None
-            work = matrix if matrix is not None else p.reshape(p.shape[0], -1).clone()
+            matrix = _matrices(p) if p.is_contiguous() else None
+            work = matrix if matrix is not None else _matrices(p).clone()
             work.mul_(decay)
-            targets = ([work[None]] if local is None else
-                       head_block_views(work, local.num_heads, local.block_rows))
+            if work.dim() == 3:
+                targets = [work]
+            else:
+                targets = ([work[None]] if local is None else
+                           head_block_views(work, local.num_heads, local.block_rows))
             for target in targets:
                 scale = self._update_scale(group, p, tuple(target.shape[-2:]))
                 target.add_(results[position], alpha=-lr * scale)
@@ -290,6 +308,12 @@ class MuonSplit(torch.optim.Optimizer):
             p.mul_(decay)
             denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
             p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+def _matrices(t: torch.Tensor) -> torch.Tensor:
+    """The matrices Muon orthogonalizes: a 3-D tensor as is (a stack [E, rows, cols]), any
+    other as [shape[0], prod(rest)] (a view where the layout allows)."""
+    return t if t.dim() == 3 else t.reshape(t.shape[0], -1)
 
 
 # ---------------------------------------------------------------------- routing
@@ -334,9 +358,13 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
     * vectors and scalars (biases, RMSNorm / LayerNorm scales): AdamW, weight decay 0 unless
       ``decay_vectors``;
     * embeddings (parameters of modules whose class name contains "Embedding", and weights
-      tied to them) and the output head (modules named ``lm_head`` / ``output_layer`` /
+      tied to them), MoE router weights (modules whose class name contains "Router":
+      transformers' ``*TopkRouter`` / ``*TopKRouter`` / ``*HashRouter``) and the output head
+      (modules named ``lm_head`` / ``output_layer`` /
       ``embed_out``; ``output_head="muon"`` sends it to Muon instead): AdamW;
-    * MLA up-projections matched by ``head_splits``: Muon per head (one group per HeadSplit);
+    * MLA up-projections (and DSA indexer query projections) matched by ``head_splits``: Muon
+      per head (one group per HeadSplit);
+    * 3-D stacks of expert matrices ([E, rows, cols]): Muon per expert;
     * every other matrix: Muon.
 
     ``head_splits``: "auto" (from ``model.config``'s MLA fields, Hugging Face or Megatron
@@ -357,6 +385,8 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
     embedding_ids = {id(p) for module in model.modules()
                      if "Embedding" in type(module).__name__
                      for p in module.parameters(recurse=False)}
+    router_ids = {id(p) for module in model.modules() if "Router" in type(module).__name__
+                  for p in module.parameters(recurse=False)}
     muon, adamw_params, vectors = [], [], []
     by_split: Dict[HeadSplit, list] = {}
     for name, p in model.named_parameters():
@@ -365,7 +395,7 @@ def muon_param_groups(model: torch.nn.Module, head_splits: Union[str, dict, None
         module_path = name.split(".")[:-1]
         if p.dim() < 2:
             vectors.append((name, p))
-        elif id(p) in embedding_ids:
+        elif id(p) in embedding_ids or id(p) in router_ids:
             adamw_params.append((name, p))
         elif any(part in output_head_names for part in module_path) and output_head == "adamw":
             adamw_params.append((name, p))

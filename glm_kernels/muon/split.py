@@ -92,22 +92,41 @@ DEEPSEEK_V3_HEAD_SPLITS = mla_head_splits(128, 128, 64, 128)  # DeepSeek-V3: 128
 PRESETS = {"glm5": GLM5_HEAD_SPLITS, "deepseek_v3": DEEPSEEK_V3_HEAD_SPLITS}
 
 
-def head_splits_from_config(config) -> Optional[Dict[str, HeadSplit]]:
-    """MLA head splits from a Hugging Face or Megatron model config, or None if not MLA.
+def _indexer_head_splits(config) -> Dict[str, HeadSplit]:
+    """DSA indexer query projections (GLM-5 ``indexer.wq_b``, DeepSeek-V4
+    ``indexer.q_b_proj``): index_n_heads x index_head_dim rows."""
+    heads, dim = getattr(config, "index_n_heads", None), getattr(config, "index_head_dim", None)
+    if not isinstance(heads, int) or not isinstance(dim, int):
+        return {}
+    split = HeadSplit(heads, [dim])
+    return {"indexer.wq_b.weight": split, "indexer.q_b_proj.weight": split}
 
-    Hugging Face (DeepseekV3 / GLM-5 configs): num_attention_heads, qk_nope_head_dim,
-    qk_rope_head_dim, v_head_dim. Megatron MLATransformerConfig: num_attention_heads,
-    qk_head_dim, qk_pos_emb_head_dim, v_head_dim.
+
+def head_splits_from_config(config) -> Optional[Dict[str, HeadSplit]]:
+    """Per-head splits from a Hugging Face or Megatron model config, or None if it has none.
+
+    Hugging Face MLA (DeepseekV3 / GLM-5 / GLM-MoE-DSA configs): num_attention_heads,
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim (q_b_proj [nope, rope] and kv_b_proj
+    [nope, v] per head); DeepSeek-V4 (``model_type`` "deepseek_v4"): q_b_proj as
+    num_attention_heads x head_dim; a DSA indexer (index_n_heads, index_head_dim): its query
+    projection per index head (these more specific keys come first). Megatron
+    MLATransformerConfig: num_attention_heads, qk_head_dim, qk_pos_emb_head_dim, v_head_dim.
     """
     get = lambda *names: next((getattr(config, n) for n in names  # noqa: E731
                                if getattr(config, n, None) is not None), None)
+    splits = _indexer_head_splits(config)
     heads = get("num_attention_heads")
+    head_dim = get("head_dim")
+    if getattr(config, "model_type", None) == "deepseek_v4" and None not in (heads, head_dim):
+        splits["self_attn.q_b_proj.weight"] = HeadSplit(int(heads), [int(head_dim)])
+        return splits
     nope = get("qk_nope_head_dim", "qk_head_dim")
     rope = get("qk_rope_head_dim", "qk_pos_emb_head_dim")
     v = get("v_head_dim")
     if None in (heads, nope, rope, v):
-        return None
-    return mla_head_splits(int(heads), int(nope), int(rope), int(v))
+        return splits or None
+    splits.update(mla_head_splits(int(heads), int(nope), int(rope), int(v)))
+    return splits
 
 
 def muon_split_orthogonalize(G: torch.Tensor, split: HeadSplit, *, steps: int = 5,

@@ -262,14 +262,15 @@ def _moe_route_kernel(
     # shapes and runtime scalars
     n_tokens, n_experts, logits_row_stride, k, topk_group, group_size, scaling_factor, eps,
     # code paths and tile sizes
-    HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCORING: tl.constexpr, RENORMALIZE: tl.constexpr,
     REPLAY: tl.constexpr, MISMATCH: tl.constexpr,
     N_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
     K_POW2: tl.constexpr, EXACT_BLOCK: tl.constexpr,
 ):
     """noaux_tc routing of ROWS tokens: scores, biased choice, group limit, top-k, weights.
 
-    s = sigmoid(l) (or softmax(l)); ids = the noaux_tc choice (``_noaux_tc_topk``), or with
+    s = sigmoid(l), softmax(l) or sqrt(softplus(l)) (SCORING 0, 1, 2); ids = the noaux_tc
+    choice (``_noaux_tc_topk``), or with
     REPLAY the recorded ids read from ``replay_ptr`` (the choice is skipped unless MISMATCH
     asks whether it would differ: mismatch[t] = 1 where the two expert sets differ);
     weights = s[ids] (/ (sum + eps) when renormalizing) * scaling_factor, the same
@@ -282,13 +283,19 @@ def _moe_route_kernel(
     valid = row_ok[:, None] & (experts < n_experts)
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * logits_row_stride + experts,
                      mask=valid, other=0.0).to(tl.float32)
-    if SOFTMAX:
+    if SCORING == 1:
         shifted = tl.where(valid, logits, -float("inf"))
         row_max = tl.max(shifted, axis=1)
         row_max = tl.where(row_ok, row_max, 0.0)
         expo = tl.where(valid, tl.exp(shifted - row_max[:, None]), 0.0)
         total = tl.where(row_ok, tl.sum(expo, axis=1), 1.0)      # padding rows: no 0/0
         scores = expo / total[:, None]
+    elif SCORING == 2:
+        # sqrt(max(l, 0) + log1p(exp(-|l|))), log1p(e) = log(u) * e / (u - 1), u = 1 + e
+        e = tl.exp(-tl.abs(logits))
+        u = 1.0 + e
+        log1p = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
+        scores = tl.sqrt(tl.maximum(logits, 0.0) + log1p)
     else:
         scores = 1.0 / (1.0 + tl.exp(-logits))
 
@@ -346,7 +353,7 @@ def moe_route_maxnreg(mismatch: bool):
     return _TRITON_3_4_MISMATCH_MAXNREG if mismatch and triton_version() < (3, 6) else None
 
 
-def moe_route(logits2d, bias, replay_ids, weights, ids, mismatch, *, k, softmax, n_group,
+def moe_route(logits2d, bias, replay_ids, weights, ids, mismatch, *, k, scoring, n_group,
               topk_group, renormalize, scaling_factor, eps, rows_per_program, num_warps):
     """replay_ids: [tokens, k] contiguous, or None; mismatch: uint8 [tokens] (written only
     when replaying), or None."""
@@ -358,7 +365,7 @@ def moe_route(logits2d, bias, replay_ids, weights, ids, mismatch, *, k, softmax,
         ids if mismatch is None else mismatch,
         n_tokens, n_experts, logits2d.stride(0), k, topk_group, n_experts // n_group,
         scaling_factor, eps,
-        HAS_BIAS=bias is not None, SOFTMAX=softmax, RENORMALIZE=renormalize,
+        HAS_BIAS=bias is not None, SCORING=scoring, RENORMALIZE=renormalize,
         REPLAY=replay_ids is not None, MISMATCH=mismatch is not None,
         N_GROUP=n_group, ROWS=rows_per_program, BLOCK_E=triton.next_power_of_2(n_experts),
         BLOCK_G=triton.next_power_of_2(n_group), K_POW2=triton.next_power_of_2(k),
@@ -394,18 +401,19 @@ def _topk_aot_specs():
                  "n_tokens": "i32", "n_experts": "i32",
                  "logits_row_stride": "i64", "k": "i32", "topk_group": "i32",
                  "group_size": "i32", "scaling_factor": "fp32", "eps": "fp32"}
-    # (softmax, n_group, replay, mismatch): routing, and rollout routing replay with and
+    # (scoring, n_group, replay, mismatch): routing, and rollout routing replay with and
     # without the mismatch check (GLM-5 shape).
-    for softmax, n_group, replay, mismatch in ((False, 8, False, False),
-                                               (True, 1, False, False),
-                                               (False, 8, True, True),
-                                               (False, 8, True, False)):
-        constexprs = dict(HAS_BIAS=True, SOFTMAX=softmax, RENORMALIZE=True, REPLAY=replay,
+    for scoring, n_group, replay, mismatch in ((0, 8, False, False),
+                                               (1, 1, False, False),
+                                               (2, 1, False, False),
+                                               (0, 8, True, True),
+                                               (0, 8, True, False)):
+        constexprs = dict(HAS_BIAS=True, SCORING=scoring, RENORMALIZE=True, REPLAY=replay,
                           MISMATCH=mismatch, N_GROUP=n_group, ROWS=8, BLOCK_E=256,
                           BLOCK_G=n_group, K_POW2=8, EXACT_BLOCK=True)
         mode = (",replay+mismatch" if mismatch else ",replay") if replay else ""
         specs.append(AotSpec(f"moe_route[256 experts,{n_group} groups,"
-                             f"{'softmax' if softmax else 'sigmoid'},8 tokens{mode}]",
+                             f"{('sigmoid', 'softmax', 'sqrtsoftplus')[scoring]},8 tokens{mode}]",
                              _moe_route_kernel, _with_constexprs(signature, constexprs),
                              constexprs, num_warps=4, maxnreg=moe_route_maxnreg(mismatch)))
     return specs

@@ -96,6 +96,28 @@ def noaux_tc_choice(scores: torch.Tensor, k: int, bias: Optional[torch.Tensor] =
     return stable_order(choice, True, excluded)[:, :k]
 
 
+def _log1p(e: torch.Tensor) -> torch.Tensor:
+    """log(1 + e) for e >= 0, accurate for small e: log(u) * e / (u - 1), u = 1 + e (Goldberg),
+    in ops whose bits do not depend on where an element sits in the tensor (torch's own
+    ``log1p`` / ``softplus`` / ``sigmoid`` on CPU take other code paths in a vector's tail)."""
+    u = 1 + e
+    return torch.where(u == 1, e, torch.log(u) * e / (u - 1))
+
+
+def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Router scores of fp32 logits [T, E]; each element's (row's) bits are independent of the
+    rest of the batch (batch-invariant routing on CPU too).
+
+    sigmoid: 1 / (1 + exp(-l));  softmax: over the experts;
+    sqrtsoftplus (DeepSeek-V4): sqrt(softplus(l)) = sqrt(max(l, 0) + log1p(exp(-|l|))).
+    """
+    if scoring == "softmax":
+        return logits.softmax(-1)
+    if scoring == "sqrtsoftplus":
+        return (logits.clamp(min=0) + _log1p(torch.exp(-logits.abs()))).sqrt()
+    return 1 / (1 + torch.exp(-logits))
+
+
 def routing_mismatch_reference(ids: torch.Tensor, other_ids: torch.Tensor) -> torch.Tensor:
     """bool [...]: True where a token's expert *set* differs between two routings [..., k].
 
@@ -112,7 +134,8 @@ def moe_route_reference(router_logits: torch.Tensor, k: int, *, scoring: str = "
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-5 ``noaux_tc`` routing, differentiable in ``router_logits``.
 
-    s = sigmoid(l) or softmax(l) (fp32); ids = ``noaux_tc_choice(s, k, bias, ...)`` (bias
+    s = router_scores(l, scoring) (sigmoid, softmax or sqrtsoftplus; fp32);
+    ids = ``noaux_tc_choice(s, k, bias, ...)`` (bias
     steers the choice only), or ``replay_ids`` as given (rollout routing replay: the choice
     is skipped); weights = s[ids], divided by (sum + eps) when renormalizing, times
     scaling_factor -- the same expression whichever way the ids were found.
@@ -120,7 +143,7 @@ def moe_route_reference(router_logits: torch.Tensor, k: int, *, scoring: str = "
     logits = router_logits.float()
     n_experts = logits.shape[-1]
     logits = logits.reshape(-1, n_experts)
-    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    scores = router_scores(logits, scoring)
     if replay_ids is None:
         ids = noaux_tc_choice(scores, k, bias, n_group, topk_group)
     else:

@@ -2,7 +2,8 @@
 
 Math (readable version: ``topk/_reference.py:moe_route_reference``)::
 
-    s = sigmoid(l)            (or softmax(l) over the experts), fp32
+    s = sigmoid(l)            (or softmax(l) over the experts, or DeepSeek-V4's
+                               sqrt(softplus(l))), fp32
     c = s + bias              (the load-balancing bias steers the choice only)
     group score_g = sum of the two largest c in group g (n_group contiguous groups)
     eligible = experts of the topk_group best groups
@@ -31,7 +32,8 @@ import torch
 from .. import _checks, _dispatch
 from . import _reference
 
-SCORINGS = ("sigmoid", "softmax")
+SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
+SCORING_CODES = {name: code for code, name in enumerate(SCORINGS)}   # the kernel's SCORING
 RENORM_EPS = 1e-20
 MAX_KERNEL_EXPERTS = 4096     # one token's experts are held in registers
 MAX_KERNEL_GROUPS = 64
@@ -67,8 +69,7 @@ def make_moe_route_config(n_tokens: int, n_experts: int) -> MoeRouteConfig:
 
 
 def _scores(logits2d: torch.Tensor, scoring: str) -> torch.Tensor:
-    logits = logits2d.float()
-    return logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    return _reference.router_scores(logits2d.float(), scoring)
 
 
 def _check_replay_values(replay2d: torch.Tensor, n_experts: int) -> None:
@@ -126,7 +127,7 @@ def _route_rows(logits2d, k, scoring, bias, n_group, topk_group, renormalize, sc
     flags = torch.empty((n_tokens,), dtype=torch.uint8, device=logits2d.device) \
         if return_mismatch else None
     _kernels.moe_route(logits2d, None if bias is None else bias.float().contiguous(),
-                       replay2d, weights, ids, flags, k=k, softmax=scoring == "softmax",
+                       replay2d, weights, ids, flags, k=k, scoring=SCORING_CODES[scoring],
                        n_group=n_group, topk_group=topk_group, renormalize=renormalize,
                        scaling_factor=scaling_factor, eps=RENORM_EPS,
                        rows_per_program=rows_per_program, num_warps=num_warps)
@@ -169,6 +170,11 @@ def _moe_route_backward(ctx, grad_weights, _grad_ids, _grad_mismatch):
     # ids are distinct within a row: the scatters have no conflicting writes.
     if ctx.scoring == "sigmoid":
         grad_logits = torch.zeros_like(scores).scatter(1, ids, grad * chosen * (1 - chosen))
+    elif ctx.scoring == "sqrtsoftplus":
+        # d sqrt(softplus(l)) / dl = sigmoid(l) / (2 sqrt(softplus(l)))
+        slope = _reference.router_scores(logits2d.float().gather(1, ids), "sigmoid")
+        slope = torch.where(chosen > 0, slope / (2 * chosen), torch.zeros_like(chosen))
+        grad_logits = torch.zeros_like(scores).scatter(1, ids, grad * slope)
     else:
         grad_scores = torch.zeros_like(scores).scatter(1, ids, grad)
         grad_logits = scores * (grad_scores - (grad_scores * scores).sum(-1, keepdim=True))
@@ -236,7 +242,9 @@ def moe_route(router_logits: torch.Tensor, k: int, *, scoring: str = "sigmoid",
         Gate logits (computed in fp32 inside). Leading dims are tokens.
     k : int
         Experts per token (GLM-5: 8 of 256). At most topk_group * n_experts / n_group.
-    scoring : {"sigmoid", "softmax"}, default "sigmoid"
+    scoring : {"sigmoid", "softmax", "sqrtsoftplus"}, default "sigmoid"
+        sigmoid 1 / (1 + exp(-l)); softmax over the experts; sqrtsoftplus (DeepSeek-V4)
+        sqrt(log(1 + exp(l))). Each computed so a token's bits never depend on the batch.
     bias : Tensor [n_experts], float, optional
         ``e_score_correction_bias``: added to the scores for the choice only.
     n_group, topk_group : int, default 1, 1

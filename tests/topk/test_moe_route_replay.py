@@ -170,7 +170,7 @@ def test_poisoned_outputs_are_all_written(kernel_backend):
         weights = torch.full((21, 8), float("nan"))
         ids = torch.full((21, 8), -7, dtype=torch.int64)
         flags = torch.full((21,), 0xAB, dtype=torch.uint8) if with_mismatch else None
-        _kernels.moe_route(logits, bias, recorded, weights, ids, flags, k=8, softmax=False,
+        _kernels.moe_route(logits, bias, recorded, weights, ids, flags, k=8, scoring=0,
                            n_group=8, topk_group=4, renormalize=True, scaling_factor=1.0,
                            eps=1e-20, rows_per_program=4, num_warps=4)
         assert torch.equal(ids, recorded)

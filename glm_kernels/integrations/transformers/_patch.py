@@ -1,0 +1,155 @@
+"""``apply_glm_kernels(model)`` (one loaded model) and ``apply_glm_kernels_to_<model_type>()``
+(the transformers classes, before ``from_pretrained``), following Liger-Kernel's convention.
+
+What is replaced, per ``model_type`` (class -> method):
+
+    glm_moe_dsa  GlmMoeDsaMoE.route_tokens_to_experts   (routing)
+                 GlmMoeDsaIndexer.forward                (indexer)
+    glm4_moe     Glm4MoeMoE.route_tokens_to_experts      (routing)
+    deepseek_v3  DeepseekV3MoE.route_tokens_to_experts   (routing)
+    deepseek_v4  DeepseekV4TopKRouter.forward, DeepseekV4HashRouter.forward  (routing)
+                 DeepseekV4Indexer.forward               (indexer)
+    qwen3_moe    Qwen3MoeTopKRouter.forward              (routing)
+
+Methods are replaced, modules are not: parameters, buffers, state-dict names, forward
+signatures, hooks and ``isinstance`` checks stay as they were.
+"""
+import importlib
+import types
+from typing import Dict, List, NamedTuple, Tuple
+
+import torch
+
+from ... import _dispatch
+from . import _routers
+
+
+class Patch(NamedTuple):
+    """One replaced method: ``cls_name.method`` in the model type's modeling module."""
+    kind: str            # "routing" or "indexer"
+    cls_name: str
+    method: str
+    function: object
+
+
+_NOAUX = _routers.noaux_route_tokens_to_experts
+PATCHES: Dict[str, Tuple[Patch, ...]] = {
+    "glm_moe_dsa": (Patch("routing", "GlmMoeDsaMoE", "route_tokens_to_experts", _NOAUX),
+                    Patch("indexer", "GlmMoeDsaIndexer", "forward",
+                          _routers.glm_moe_dsa_indexer_forward)),
+    "glm4_moe": (Patch("routing", "Glm4MoeMoE", "route_tokens_to_experts", _NOAUX),),
+    "deepseek_v3": (Patch("routing", "DeepseekV3MoE", "route_tokens_to_experts", _NOAUX),),
+    "deepseek_v4": (Patch("routing", "DeepseekV4TopKRouter", "forward",
+                          _routers.deepseek_v4_router_forward),
+                    Patch("routing", "DeepseekV4HashRouter", "forward",
+                          _routers.deepseek_v4_hash_router_forward),
+                    Patch("indexer", "DeepseekV4Indexer", "forward",
+                          _routers.deepseek_v4_indexer_forward)),
+    "qwen3_moe": (Patch("routing", "Qwen3MoeTopKRouter", "forward",
+                        _routers.qwen3_router_forward),),
+}
+SUPPORTED_MODEL_TYPES = tuple(PATCHES)
+_ALL_FUNCTIONS = {p.function for patches in PATCHES.values() for p in patches}
+
+
+def _modeling_module(model_type: str):
+    try:
+        return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError as exc:
+        raise ImportError(f"glm_kernels: transformers has no model type {model_type!r} here "
+                          f"({exc}); glm_kernels' transformers integration needs "
+                          "transformers >= 5.2 (pip install 'transformers>=5.2')") from exc
+
+
+def _check_flags(routing, indexer) -> Tuple[bool, bool]:
+    return _dispatch.check_bool("routing", routing), _dispatch.check_bool("indexer", indexer)
+
+
+def _selected(model_type: str, routing: bool, indexer: bool) -> List[Patch]:
+    return [p for p in PATCHES[model_type] if (routing if p.kind == "routing" else indexer)]
+
+
+def model_type_of(model: torch.nn.Module) -> str:
+    """The ``config.model_type`` of a supported model; ValueError naming the supported ones."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got "
+                        f"{type(model).__name__}")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in PATCHES:
+        raise ValueError(f"glm_kernels supports the transformers model types "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}; got a {type(model).__name__} "
+                         f"with model_type {model_type!r}")
+    return model_type
+
+
+def apply_glm_kernels(model: torch.nn.Module, *, routing: bool = True,
+                      indexer: bool = True) -> torch.nn.Module:
+    """Patch one loaded model in place: its MoE routers run ``glm_kernels.moe_route``, its DSA
+    indexer's top-k runs ``glm_kernels.topk``. Other models in the process are unaffected.
+
+    Parameters
+    ----------
+    model : a transformers model (``*ForCausalLM`` or its base model) whose
+        ``config.model_type`` is one of ``SUPPORTED_MODEL_TYPES``; anything else raises
+        ValueError naming them.
+    routing : bool, default True
+        Replace the MoE routers (noaux_tc sigmoid + groups + correction bias for GLM-5,
+        GLM-4.5 and DeepSeek-V3; softmax top-k for Qwen3-MoE; DeepSeek-V4's scoring and its
+        hash-routed layers).
+    indexer : bool, default True
+        Replace the top-k of the DSA indexer (GLM-5, DeepSeek-V4; no-op for other models).
+
+    Returns
+    -------
+    The same ``model`` (patched), for chaining. Patching twice is harmless.
+    """
+    routing, indexer = _check_flags(routing, indexer)
+    model_type = model_type_of(model)
+    by_class = {p.cls_name: p for p in _selected(model_type, routing, indexer)}
+    for module in model.modules():
+        patch = by_class.get(type(module).__name__)
+        if patch is not None:
+            setattr(module, patch.method, types.MethodType(patch.function, module))
+    return model
+
+
+def _apply_to_classes(model_type: str, routing, indexer) -> None:
+    routing, indexer = _check_flags(routing, indexer)
+    modeling = _modeling_module(model_type)
+    for patch in _selected(model_type, routing, indexer):
+        cls = getattr(modeling, patch.cls_name)
+        current = getattr(cls, patch.method)
+        if current is not patch.function:
+            _routers.ORIGINALS[(cls, patch.method)] = current
+        setattr(cls, patch.method, patch.function)
+
+
+def is_patched(module: torch.nn.Module, method: str) -> bool:
+    """Whether ``module.<method>`` is one of glm_kernels' replacements (instance or class)."""
+    bound = getattr(module, method, None)
+    return getattr(bound, "__func__", None) in _ALL_FUNCTIONS
+
+
+def routing_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules that route each MoE layer (model order), whether patched or not."""
+    model_type = model_type_of(model)
+    names = {p.cls_name: p.method for p in PATCHES[model_type] if p.kind == "routing"}
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _class_patcher(model_type: str):
+    def apply(*, routing: bool = True, indexer: bool = True) -> None:
+        _apply_to_classes(model_type, routing, indexer)
+    replaced = ", ".join(f"{p.cls_name}.{p.method}" for p in PATCHES[model_type])
+    apply.__name__ = apply.__qualname__ = f"apply_glm_kernels_to_{model_type}"
+    apply.__doc__ = (f"Patch transformers' ``{model_type}`` classes (every model built after "
+                     f"this call, e.g. by ``from_pretrained``): {replaced}. ``routing`` and "
+                     "``indexer`` (bool) select what is replaced, as in apply_glm_kernels.")
+    return apply
+
+
+apply_glm_kernels_to_glm_moe_dsa = _class_patcher("glm_moe_dsa")
+apply_glm_kernels_to_glm4_moe = _class_patcher("glm4_moe")
+apply_glm_kernels_to_deepseek_v3 = _class_patcher("deepseek_v3")
+apply_glm_kernels_to_deepseek_v4 = _class_patcher("deepseek_v4")
+apply_glm_kernels_to_qwen3_moe = _class_patcher("qwen3_moe")
