@@ -8,13 +8,15 @@ Transports: ``IpcTransport`` (colocated processes; CUDA IPC handles or CPU share
 (safetensors files, atomic publish), ``LocalTransport`` (in-process). See docs/sync.md.
 """
 from .disk import DiskTransport
-from .dist import BroadcastTransport
+from .dist import BroadcastTransport, P2PTransport
 from .ipc import IpcTransport
 from .local import LocalTransport
 from .protocol import Entry, SyncError, Transport, TransportError, Update, VersionError
-from .receiver import Receiver
+from .fp8 import FP8Blocks, quantize_fp8_blocks
+from .receiver import ReceiveStats, Receiver
 from .sender import PublishStats, Sender
 
 __all__ = ["Sender", "Receiver", "PublishStats", "SyncError", "VersionError", "TransportError",
            "Transport",
-           "Update", "Entry", "LocalTransport", "IpcTransport", "BroadcastTransport", "DiskTransport"]
+           "Update", "Entry", "LocalTransport", "IpcTransport", "BroadcastTransport", "DiskTransport",
+           "P2PTransport", "FP8Blocks", "quantize_fp8_blocks", "ReceiveStats"]

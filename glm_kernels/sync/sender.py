@@ -141,6 +141,10 @@ class Sender:
         if group is not None and not hasattr(group, "size"):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got "
                             f"{type(group).__name__}")
+        if group is not None and group.size() > 1 and not transport.multi_part:
+            raise TypeError(f"a Sender group of {group.size()} ranks needs a transport that "
+                            f"takes several publishing ranks (DiskTransport, P2PTransport), "
+                            f"got {type(transport).__name__}")
         self.group, self.fp8, self.slices, self.base_where = group, fp8, slices, base
         #: sharded mode: a group, slices or FP8 weights (pieces cut by the receivers' boxes)
         self.sharded = group is not None or slices is not None or fp8 is not None
