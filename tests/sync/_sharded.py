@@ -252,7 +252,48 @@ def world_body(trainers, rank, world, out_dir):
         dist.barrier()
         if kind == "disk":
             transport.close()
+    if trainers == 2:
+        verdict["dtensor"] = dtensor_steps(trainers, rank, out_dir, tgroup, egroup)
     return verdict
+
+
+def dtensor_steps(trainers, rank, out_dir, tgroup, egroup):
+    """Trainers publish DTensors (Shard(0) on a 1-D mesh of the trainer group, torch's own
+    uneven chunking; Replicate for the norm) over disk; engines as above (no FP8)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from glm_kernels import sync
+    names = ["emb.weight", "layer.0.wo", "layer.0.norm"]
+    role, part = _roles(rank, trainers)
+    transport = sync.DiskTransport(os.path.join(out_dir, "dtensor"), poll_interval=0.01)
+    log = []
+    if role == "trainer":
+        mesh = DeviceMesh.from_group(tgroup, "cpu")
+        sender = sync.Sender(transport, group=tgroup, encoding="gap16", bucket_bytes=4096)
+    else:
+        held = {n: torch.zeros_like(master_at(0)[n]) for n in names}
+        slices = engine_slices(held, part)
+        params = {n: take(t, slices.get(n)).contiguous() for n, t in held.items()}
+        receiver = sync.Receiver(transport, params, slices=slices,
+                                 group=egroup if part is not None else None)
+    dist.barrier()
+    for step in range(2):
+        if role == "trainer":
+            state = master_at(step)
+            named = {n: distribute_tensor(state[n], mesh, [Replicate() if n == "layer.0.norm"
+                                                           else Shard(0)]) for n in names}
+            log.append(sender.publish(named))
+            dist.barrier()
+            dist.barrier()
+        else:
+            dist.barrier()
+            receiver.poll()
+            dist.barrier()
+            log.append((receiver.version, bitwise_equal(receiver.params, master_at(step),
+                                                        slices)))
+    transport.close()
+    return log
 
 
 def run_world_body(trainers, rank, world, out_dir):
