@@ -3,6 +3,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .._aot import AotSpec
+
+# 128 x 128 fp32 values per program: 8 warps keep them at 64 registers' worth a thread
+NUM_WARPS = 8
+
 
 @triton.jit
 def _to_e4m3fn_bits(x):
@@ -48,5 +53,13 @@ def quantize_fp8_blocks(w: torch.Tensor, block=(128, 128)):
     s = torch.empty(nr, nc, dtype=torch.float32, device=w.device)
     if rows and cols:
         _fp8_block_quant_kernel[(nr, nc)](w, q, s, rows, cols, w.stride(0), q.stride(0), nc,
-                                          BR=br, BC=bc)
+                                          BR=br, BC=bc, num_warps=NUM_WARPS)
     return q.view(torch.float8_e4m3fn), s
+
+
+AOT_SPECS = [AotSpec(f"fp8_block_quant[{dtype},128x128]", _fp8_block_quant_kernel,
+                     {"w_ptr": f"*{dtype}", "q_ptr": "*u8", "s_ptr": "*fp32", "rows": "i32",
+                      "cols": "i32", "stride_w": "i32", "stride_q": "i32",
+                      "n_col_blocks": "i32"},
+                     dict(BR=128, BC=128), NUM_WARPS, num_stages=1)
+             for dtype in ("bf16", "fp16", "fp32")]
