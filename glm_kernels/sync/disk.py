@@ -583,7 +583,7 @@ class DiskTransport(Transport):
 
     def _load(self, record: dict) -> Update:
         version, base, epoch = record["v"], record["base"], record.get("e")
-        entries = []
+        entries, skipped = [], False
         for name in record["files"]:
             path = self._file(check_file_name(name))
             fd, size = _open_regular(path)       # FileNotFoundError passes (retention race)
@@ -601,6 +601,7 @@ class DiskTransport(Transport):
                 for tname, d in described.items():
                     t, st_dtype, st_shape = tensors[tname]
                     if t is None:
+                        skipped = True
                         continue                 # a piece cut for another receiver
                     if d["k"] not in KINDS or d["dt"] not in DTYPES:
                         raise SyncError(f"tensor {tname!r}: kind {d['k']!r}, dtype {d['dt']!r}")
@@ -618,7 +619,7 @@ class DiskTransport(Transport):
                                 f"{type(exc).__name__}: {exc}") from None
             finally:
                 os.close(fd)
-        return Update(version, base, entries, epoch)
+        return Update(version, base, entries, epoch, skipped_pieces=skipped)
 
     def _wants(self, name: str) -> bool:
         if self._want is None or "@" not in name:

@@ -150,6 +150,9 @@ class Update:
     base: Optional[int]
     entries: List[Entry]
     epoch: Optional[str] = None       # the sender's epoch (None: unknown, an old sender)
+    #: the transport left out pieces cut for other receivers' boxes (disk reads only this
+    #: receiver's): the update came from a sharded sender
+    skipped_pieces: bool = False
 
     @property
     def is_full(self) -> bool:

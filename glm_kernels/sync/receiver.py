@@ -222,6 +222,7 @@ class Receiver:
         seen = set()
         checked: List[Tuple[str, torch.Tensor, object]] = []
         pieces, boxes = [], collections.defaultdict(list)
+        skipped = bool(getattr(update, "skipped_pieces", False))
         changed = taken = 0
         for entry in update.entries:
             if entry.name in seen:
@@ -234,12 +235,23 @@ class Receiver:
             else:
                 got = self._check_piece(update.version, entry, parsed)
                 if got is None:
+                    skipped = True
                     continue            # cut for another receiver's box
                 pieces.append(got)
                 boxes[parsed[0]].append(parsed[3])
                 data = got[2]
             taken += entry.payload.numel()
             changed += data.count if isinstance(data, DeltaPacket) else 0
+        if boxes or skipped:
+            # A sharded sender's version carries every tensor: each box this receiver holds
+            # must be tiled by pieces cut for it (a box no sender cut for, e.g. a layout the
+            # senders never saw, or a trainer part lost, is refused, not left stale).
+            plain = {c[0] for c in checked}
+            for name, (_, box) in self.targets.items():
+                if name not in boxes and name not in plain and layout.volume(box):
+                    raise SyncError(f"update v{update.version}: no piece of tensor {name!r} "
+                                    f"was cut for this receiver's box {box} (its slices not "
+                                    f"declared to the senders, or a sender part missing)")
         for name, got in boxes.items():
             if not layout.tiles(self.targets[name][1], got):
                 raise SyncError(f"update v{update.version}, tensor {name!r}: its pieces "

@@ -239,3 +239,28 @@ def test_publish_peak_host_memory_is_one_bucket_beyond_the_base():
     assert got["0.3"][1] > 8 * bucket                         # a large update ...
     for density in ("0.01", "0.3"):
         assert got[density][0] <= bucket + slack, got          # ... within a bucket
+
+
+def test_receiver_whose_box_no_sender_cut_for_refuses(tmp_path):
+    """A sliced receiver whose layout the sender never saw (its LAYOUT file removed) gets
+    no piece of its tensors: refused with every tensor unchanged, never "applied" empty.
+    In-process (LocalTransport) the layout reaches the sender and the slice applies."""
+    full = torch.randn(12, 5)
+    spec = {"w": (0, 6, 12, (12, 5))}
+    receiver = sync.Receiver(sync.DiskTransport(str(tmp_path)), {"w": torch.zeros(6, 5)},
+                             slices=spec)
+    for f in tmp_path.glob("LAYOUT-*.json"):
+        f.unlink()
+    sync.Sender(sync.DiskTransport(str(tmp_path)), slices={"w": (0, 0, 12, (12, 5))}) \
+        .publish({"w": full})
+    with pytest.raises(sync.SyncError, match="no piece of tensor 'w'"):
+        receiver.poll()
+    assert receiver.version == 0 and not receiver.params["w"].any()
+    link = sync.LocalTransport()
+    local = sync.Receiver(link, {"w": torch.zeros(6, 5)}, slices=spec)
+    sender = sync.Sender(link, slices={"w": (0, 0, 12, (12, 5))}, encoding="gap16")
+    for step in range(2):
+        full.view(-1).view(torch.int32)[::7] += step
+        sender.publish({"w": full})
+        assert local.poll() == step + 1 and torch.equal(local.params["w"], full[6:])
+    assert local.last_stats.changed == 4          # flat 35, 42, 49, 56 of its rows 6..11
