@@ -159,6 +159,17 @@ class Update:
         return self.base is None
 
 
+@dataclass(frozen=True)
+class PublishStats:
+    """What the last :meth:`Sender.publish` sent."""
+    version: int
+    full: bool            # a full snapshot (base None) rather than a delta
+    tensors: int          # entries in the update
+    delta_tensors: int    # of which sent as delta packets
+    changed: int          # changed elements over the delta entries
+    payload_bytes: int    # bytes of tensor data and packets (frame metadata not counted)
+
+
 class Frame(NamedTuple):
     meta: bytes
     data: torch.Tensor

@@ -1,7 +1,6 @@
 """Training side of weight sync: publish named tensors as numbered versions (DESIGN 3.7)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Iterator, Mapping, Optional
 
 import torch
@@ -12,19 +11,9 @@ from ..delta.packet import check_zstd_level, require_zstd
 from . import sharded
 from .fp8 import FP8Blocks
 from .sharded import ShardState
+from .protocol import PublishStats  # noqa: F401  (re-exported: sync.PublishStats)
 from .protocol import (DEFAULT_BUCKET_BYTES, MAX_VERSION, Entry, Transport, delta_entry,
                        dtype_name, full_entry, new_epoch)
-
-
-@dataclass(frozen=True)
-class PublishStats:
-    """What the last :meth:`Sender.publish` sent."""
-    version: int
-    full: bool            # a full snapshot (base None) rather than a delta
-    tensors: int          # entries in the update
-    delta_tensors: int    # of which sent as delta packets
-    changed: int          # changed elements over the delta entries
-    payload_bytes: int    # bytes of tensor data and packets (frame metadata not counted)
 
 
 def _default_encoding() -> str:

@@ -1,4 +1,4 @@
-"""Sharded publishing: every trainer rank diffs and sends only its own shard (DESIGN 3.13).
+"""Sharded publishing: every trainer rank diffs and sends only its own shard.
 
 One version, collectively over the trainer group:
 
@@ -22,7 +22,7 @@ import torch
 
 from ..delta import encode
 from . import layout
-from .protocol import Entry, SyncError, delta_entry, dtype_name, full_entry
+from .protocol import Entry, PublishStats, SyncError, delta_entry, dtype_name, full_entry
 
 
 def gather(obj, group) -> list:
@@ -214,7 +214,6 @@ def publish(sender, named_tensors, full: bool) -> int:
                       group)
     sender.version, sender.epoch = version, epoch
     published = ok and all(v[0] for v in verdicts)
-    from .sender import PublishStats
     sender.last_stats = PublishStats(version, full, counts["pieces"], counts["delta"],
                                      counts["changed"], counts["bytes"])
     if published:

@@ -6,7 +6,6 @@ some tensors and dim 1 for others, so that its pieces cross the trainers' Shard(
 Every rank computes the full master state of every step from the seed, so each can check
 what it holds bitwise.
 """
-import datetime
 import os
 
 import torch
@@ -224,7 +223,8 @@ def world_body(trainers, rank, world, out_dir):
                     return real(*a, **k)
                 sharded.encode = dies
             log.append(step_trainer(4))
-            sharded.encode = real if rank == 1 else sharded.encode
+            if rank == 1:
+                sharded.encode = real
             if rank == 1:            # restarted without a base: its shards go full
                 sender = sync.Sender(transport, group=tgroup, fp8=fp8, encoding="gap16",
                                      bucket_bytes=16384)
@@ -241,9 +241,8 @@ def world_body(trainers, rank, world, out_dir):
             log.append(step_trainer(6))
             log.append(step_trainer(7))
         else:
-            if part == 1:
-                first = next(iter(n for n in receiver.params if n == "emb.weight"))
-                receiver.params[first].view(-1).view(torch.uint8)[0] ^= 1
+            if part == 1:                # a flipped bit in its slice of emb.weight
+                receiver.params["emb.weight"].view(-1).view(torch.uint8)[0] ^= 1
             rec = step_engine(6)
             rec["bad_vs_previous"] = bitwise_equal(receiver.params,
                                                    published(master_at(5)), slices)
@@ -295,9 +294,3 @@ def dtensor_steps(trainers, rank, out_dir, tgroup, egroup):
     transport.close()
     return log
 
-
-def run_world_body(trainers, rank, world, out_dir):
-    return world_body(trainers, rank, world, out_dir)
-
-
-__all__ = ["world_body", "datetime"]
