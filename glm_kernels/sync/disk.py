@@ -182,6 +182,14 @@ class DiskTransport(Transport):
     instead; every file name carries its publisher's epoch, so two publishers never
     overwrite each other's files).
 
+    Sharded publishing (a Sender with a ``group``): every trainer rank opens its own
+    DiskTransport on the directory and writes its part's files
+    (``v<version>-<epoch>-r<rank>-<kind>-<n>.safetensors``); group rank 0 takes the lock
+    and writes the manifest record naming every rank's files once all are out. Receivers
+    given ``slices`` (or a ``group``) declare their boxes in ``LAYOUT-<hash>.json`` and read
+    only the pieces cut for them (plus every file's header). Files of a rank that was killed
+    mid-version are named by no manifest and are not removed.
+
     Example::
 
         link = sync.DiskTransport("/shared/weights")
