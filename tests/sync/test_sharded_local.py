@@ -264,3 +264,12 @@ def test_receiver_whose_box_no_sender_cut_for_refuses(tmp_path):
         sender.publish({"w": full})
         assert local.poll() == step + 1 and torch.equal(local.params["w"], full[6:])
     assert local.last_stats.changed == 4          # flat 35, 42, 49, 56 of its rows 6..11
+
+
+def test_fp8_quantize_under_torch_compile_fullgraph():
+    w = torch.randn(130, 70).bfloat16()
+    compiled = torch.compile(lambda x: sync.quantize_fp8_blocks(x, (64, 32)), fullgraph=True)
+    q, s = compiled(w)
+    want_q, want_s = ref.quantize_fp8_blocks(w, (64, 32))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
