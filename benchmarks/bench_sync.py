@@ -10,7 +10,11 @@ safetensors save_file/load_file (disk), one ``dist.broadcast`` per tensor (gloo)
 Floors, from the copy bandwidth measured in the same run: full = read + write the model once;
 delta = read the new and the previous model once (finding the changes cannot do less).
 
-    python benchmarks/bench_sync.py [--quick]
+Sharded publishing (``bench_sharded``): four trainer ranks each publishing their Shard(0)
+shard to a TP-2 engine over P2PTransport, next to one sender holding the whole model
+(BroadcastTransport delta) and a full ``dist.broadcast`` of every tensor, in one gloo world.
+
+    python benchmarks/bench_sync.py [--quick] [--sharded-only]
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ def sparse_step(state, seed: int):
     """One-ulp moves of DENSITY of the elements (bf16 bit patterns +-1)."""
     g = torch.Generator().manual_seed(seed)
     for t in state.values():
-        bits = t.view(torch.int16)
+        bits = t.view(-1).view(torch.int16)
         mask = (torch.rand(t.numel(), generator=g) < DENSITY).to(t.device)
         bits += mask.to(torch.int16)
 
@@ -229,6 +233,151 @@ def bench_gloo(total_bytes, reps):
     return res
 
 
+# --------------------------------------------------------------------------- sharded
+SHARD_TRAINERS, SHARD_ENGINES, SHARD_COLS = 4, 2, 512
+
+
+def _shard_state(total_bytes, step):
+    """Full bf16 model (N_TENSORS [rows, 512] weights) after ``step`` one-ulp steps."""
+    g = torch.Generator().manual_seed(0)
+    rows = max(SHARD_TRAINERS * 2, total_bytes // 2 // N_TENSORS // SHARD_COLS)
+    state = {f"layer.{i}.w": (torch.randn(rows + 3 * i, SHARD_COLS, generator=g) * 0.02)
+             .bfloat16() for i in range(N_TENSORS)}
+    for s in range(1, step + 1):
+        sparse_step(state, 5000 + s)
+    return state
+
+
+def _cut(n, parts, i):
+    return n * i // parts, n * (i + 1) // parts
+
+
+def _sharded_rank(rank, world, total_bytes, reps, out_dir):
+    """Three ways to the same engines in one gloo world (trainers 0..T-1, engines T..):
+    sharded (every trainer its shard, P2P, each engine rank its TP slice), one sender (rank 0
+    holds the whole model, BroadcastTransport delta), full broadcast (dist.broadcast of every
+    tensor from rank 0). Returns rank 0's timings and every engine's bytes."""
+    import datetime
+    import json
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    trainers = list(range(SHARD_TRAINERS))
+    engines = list(range(SHARD_TRAINERS, world))
+    tgroup, egroup = dist.new_group(trainers), dist.new_group(engines)
+    one = dist.new_group([0] + engines)
+    is_trainer, ei = rank in trainers, rank - SHARD_TRAINERS
+    out = {"sharded": [], "one_sender": [], "full_broadcast": [], "bytes": {}}
+    moved = torch.zeros(3, dtype=torch.int64)            # bytes into engines, per way
+
+    def timed(fn):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    # sharded
+    link = sync.P2PTransport(trainers, engines)
+    full0 = _shard_state(total_bytes, 0)
+    if is_trainer:
+        cuts = {n: _cut(t.shape[0], SHARD_TRAINERS, rank) for n, t in full0.items()}
+        slices = {n: (0, a, b, tuple(full0[n].shape)) for n, (a, b) in cuts.items()}
+        sender = sync.Sender(link, group=tgroup, slices=slices, bucket_bytes=4 << 20)
+    else:
+        cuts = {n: _cut(t.shape[0], len(engines), ei) for n, t in full0.items()}
+        slices = {n: (0, a, b, tuple(full0[n].shape)) for n, (a, b) in cuts.items()}
+        receiver = sync.Receiver(link, {n: full0[n][a:b].clone() for n, (a, b) in cuts.items()},
+                                 slices=slices, group=egroup)
+    for step in range(reps + 1):
+        state = _shard_state(total_bytes, step)
+        if is_trainer:
+            local = {n: state[n][a:b] for n, (a, b) in cuts.items()}
+            t = timed(lambda: sender.publish(local, full=step == 0))
+        else:
+            before = link.bytes_received + link.meta_bytes_received
+            t = timed(receiver.receive)
+            if step:
+                moved[0] += link.bytes_received + link.meta_bytes_received - before
+            bad = [n for n, (a, b) in cuts.items() if not torch.equal(receiver.params[n],
+                                                                      state[n][a:b])]
+            if bad:
+                raise AssertionError(f"sharded: engine rank {ei} differs at step {step} "
+                                     f"(v{receiver.version}): {bad[:4]}")
+        out["sharded"].append(t)
+    # one sender: rank 0 holds the whole model (gathering it there is not timed)
+    if rank == 0 or not is_trainer:
+        blink = sync.BroadcastTransport(one, src=0)
+        if rank == 0:
+            bsender = sync.Sender(blink, delta=True)
+        elif not is_trainer:
+            whole = {n: torch.empty_like(t) for n, t in full0.items()}
+            breceiver = sync.Receiver(blink, whole)
+    for step in range(reps + 1):
+        state = _shard_state(total_bytes, step)
+        if rank == 0:
+            t = timed(lambda: bsender.publish(state, full=step == 0))
+            if step:
+                moved[1] += bsender.last_stats.payload_bytes * len(engines)
+        elif not is_trainer:
+            t = timed(breceiver.receive)
+        else:
+            t = timed(lambda: None)
+        out["one_sender"].append(t)
+    # full broadcast of every tensor from rank 0
+    for step in range(reps + 1):
+        state = _shard_state(total_bytes, step)
+        if rank == 0 or not is_trainer:
+            def bcast():
+                for t in (state if rank == 0 else whole).values():
+                    dist.broadcast(t, 0, group=one)
+            t = timed(bcast)
+            if rank == 0 and step:
+                moved[2] += sum(v.numel() * 2 for v in state.values()) * len(engines)
+        else:
+            t = timed(lambda: None)
+        out["full_broadcast"].append(t)
+    dist.all_reduce(moved)
+    out["bytes"] = {"sharded": int(moved[0]) // reps, "one_sender": int(moved[1]) // reps,
+                    "full_broadcast": int(moved[2]) // reps}
+    out["model_bytes"] = sum(v.numel() * 2 for v in full0.values())
+    if rank == 0:
+        with open(f"{out_dir}/result.json", "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_sharded(total_bytes, reps):
+    """Rows: publish->applied seconds (median of the delta steps; first = full snapshot) and
+    bytes into the engines per delta step, sharded vs one sender vs full broadcast."""
+    import json
+    world = SHARD_TRAINERS + SHARD_ENGINES
+    with tempfile.TemporaryDirectory() as root:
+        ctx = mp.start_processes(_sharded_rank, args=(world, total_bytes, reps, root),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + 900
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError("sharded sync benchmark: no result in 900 s")
+        with open(os.path.join(root, "result.json")) as f:
+            res = json.load(f)
+    rows = []
+    for way in ("sharded", "one_sender", "full_broadcast"):
+        times = res[way]
+        rows.append({"way": way, "model_MiB": res["model_bytes"] / 2 ** 20,
+                     "first_s": times[0], "step_s": statistics.median(times[1:]),
+                     "engine_bytes_per_step": res["bytes"][way]})
+    base = rows[2]
+    for r in rows:
+        r["bytes/full_broadcast"] = r["engine_bytes_per_step"] / base["engine_bytes_per_step"]
+        r["time/full_broadcast"] = r["step_s"] / base["step_s"]
+    return rows
+
+
 # --------------------------------------------------------------------------- receiver apply
 def _apply_via_scratch_clones(params, update):
     """The v1 receiver's method, kept here as the baseline: every delta applied to a scratch
@@ -301,6 +450,19 @@ def run(quick: bool = False) -> dict:
     except Exception as exc:
         notes["gloo"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     try:
+        sharded_rows = bench_sharded(min(total, 32 << 20), reps)
+        _common.print_table(
+            f"sharded publish, gloo on cpu: {SHARD_TRAINERS} trainer ranks (Shard(0)) -> one TP-"
+            f"{SHARD_ENGINES} engine, bf16, {DENSITY:.0%} one-ulp steps, zstd deltas; "
+            "one_sender = rank 0 holds the whole model (gathering it there not timed), "
+            "BroadcastTransport delta; full_broadcast = dist.broadcast of every tensor; "
+            "engine bytes = data + framing into the engine ranks", sharded_rows,
+            ["way", "model_MiB", "first_s", "step_s", "time/full_broadcast",
+             "engine_bytes_per_step", "bytes/full_broadcast"])
+    except Exception as exc:   # reported, not hidden
+        sharded_rows = None
+        notes["sharded"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    try:
         receiver_apply = bench_receiver_apply(state, reps)
         receiver_apply["clone/inplace"] = (receiver_apply["scratch_clone_s"]
                                            / receiver_apply["inplace_s"])
@@ -334,9 +496,17 @@ def run(quick: bool = False) -> dict:
     print("fallbacks logged:", _dispatch.fallbacks_logged())
     return {"benchmark": "sync", "device": device, "density": DENSITY,
             "copy_bandwidth_Bps": bandwidth, "rows": rows, "receiver_apply": receiver_apply,
+            "sharded": sharded_rows,
             "notes": notes,
             "fallbacks": _dispatch.fallbacks_logged(), "environment": _common.environment()}
 
 
 if __name__ == "__main__":
-    run(quick="--quick" in sys.argv)
+    if "--sharded-only" in sys.argv:
+        print(os.popen("uptime").read().strip())
+        _common.print_table("sharded publish (see run())", bench_sharded(
+            (8 << 20) if "--quick" in sys.argv else (32 << 20), 3 if "--quick" in sys.argv
+            else 5), ["way", "model_MiB", "first_s", "step_s", "time/full_broadcast",
+                      "engine_bytes_per_step", "bytes/full_broadcast"])
+    else:
+        run(quick="--quick" in sys.argv)

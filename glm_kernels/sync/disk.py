@@ -38,6 +38,7 @@ overlapping) before any tensor is read (``glm_kernels._safetensors``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -63,7 +64,11 @@ LOCK = "PUBLISHER.lock"
 FORMAT = 2                      # manifest layout written; 1 (before epochs) is still read
 assert set(st.NAMES) == set(DTYPES.values())
 # 19 digits: every version up to MAX_VERSION (2**63 - 1), nothing longer.
-_NAME = re.compile(r"v[0-9]{8,19}-(?:[0-9a-f]{16}-)?(?:full|delta)-[0-9]{4,6}\.safetensors")
+_NAME = re.compile(r"v[0-9]{8,19}-(?:[0-9a-f]{16}-)?(?:r[0-9]{4,6}-)?(?:full|delta)-[0-9]{4,6}"
+                   r"\.safetensors")
+_LAYOUT = re.compile(r"LAYOUT-[0-9a-f]{16}\.json")
+_MAX_LAYOUT_BYTES = 16 << 20
+_MAX_LAYOUTS = 1024
 _MAX_MANIFEST_BYTES = 64 << 20
 _MAX_META_BYTES = 64 << 20
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -99,18 +104,24 @@ def _open_regular(path: str):
     return st.open_regular(path, error=SyncError)
 
 
-def _read_entries(fd: int, size: int):
-    """(glm_sync metadata, {tensor name: (uint8 tensor of its bytes, safetensors dtype, shape)})
-    of a safetensors file. The whole header is checked (offsets inside the data section, no
-    overlaps: see ``glm_kernels._safetensors``) before the first tensor byte is read."""
+def _read_entries(fd: int, size: int, want=None):
+    """(glm_sync metadata, {tensor name: (uint8 tensor of its bytes or None when ``want``
+    (name) is false, safetensors dtype, shape)}, bytes read) of a safetensors file. The whole
+    header is checked (offsets inside the data section, no overlaps: see
+    ``glm_kernels._safetensors``) before the first tensor byte is read."""
     metadata, infos = st.read_header(fd, size, error=SyncError)
     if "glm_sync" not in metadata:
         raise SyncError("no glm_sync metadata: not a file of this transport")
     meta = _json.json_loads_bounded(metadata["glm_sync"], "glm_sync metadata",
                                         max_bytes=_MAX_META_BYTES, error=SyncError)
-    tensors = {name: (st.read_exact(fd, i.nbytes, i.begin, error=SyncError), i.st_dtype,
-                      list(i.shape)) for name, i in infos.items()}
-    return meta, tensors
+    read = size - sum(i.nbytes for i in infos.values())        # the header
+    tensors = {}
+    for name, i in infos.items():
+        take = want is None or want(name)
+        tensors[name] = (st.read_exact(fd, i.nbytes, i.begin, error=SyncError) if take else None,
+                         i.st_dtype, list(i.shape))
+        read += i.nbytes if take else 0
+    return meta, tensors, read
 
 
 def _check_manifest(manifest, where: str) -> dict:
@@ -171,6 +182,14 @@ class DiskTransport(Transport):
     instead; every file name carries its publisher's epoch, so two publishers never
     overwrite each other's files).
 
+    Sharded publishing (a Sender with a ``group``): every trainer rank opens its own
+    DiskTransport on the directory and writes its part's files
+    (``v<version>-<epoch>-r<rank>-<kind>-<n>.safetensors``); group rank 0 takes the lock
+    and writes the manifest record naming every rank's files once all are out. Receivers
+    given ``slices`` (or a ``group``) declare their boxes in ``LAYOUT-<hash>.json`` and read
+    only the pieces cut for them (plus every file's header). Files of a rank that was killed
+    mid-version are named by no manifest and are not removed.
+
     Example::
 
         link = sync.DiskTransport("/shared/weights")
@@ -190,6 +209,9 @@ class DiskTransport(Transport):
         self._epoch: Optional[str] = None       # epoch of the version the receiver holds
         self._refused: set = set()
         self._lock_fd: Optional[int] = None
+        self._want: Optional[set] = None        # target prefixes of the receiver's pieces
+        #: receiver side: bytes read from weight files (headers included), all updates
+        self.bytes_read = 0
 
     def close(self) -> None:
         """Release the publisher lock (also released when the process exits)."""
@@ -355,8 +377,21 @@ class DiskTransport(Transport):
                            "to v%d): the older versions are dropped", epoch, self.path,
                            version, manifest["latest"])
         started_from = manifest["latest"]
+        files = self._write_files(version, base, entries, bucket_bytes, epoch, None)
+        # A second publisher (where flock does not reach, e.g. NFS) moved the manifest on
+        # while we wrote: refuse rather than interleave two histories.
+        now = self._manifest_or_none()
+        if now is not None and now["latest"] != started_from:
+            raise SyncError(f"another publisher wrote v{now['latest']} to {self.path} while "
+                            f"v{version} was being written: one publisher per directory")
+        self._publish_manifest(manifest, {"v": version, "base": base, "e": epoch,
+                                          "files": files}, restart)
+
+    def _write_files(self, version, base, entries, bucket_bytes, epoch, part) -> List[str]:
         kind = "full" if base is None else "delta"
         tag = f"{epoch}-" if epoch else ""
+        if part is not None:
+            tag += f"r{part:04d}-"
         files: List[str] = []
         shard: Dict[str, torch.Tensor] = {}
         described: Dict[str, dict] = {}
@@ -381,14 +416,120 @@ class DiskTransport(Transport):
             size += n
         if shard or not files:
             flush()
-        # A second publisher (where flock does not reach, e.g. NFS) moved the manifest on
-        # while we wrote: refuse rather than interleave two histories.
-        now = self._manifest_or_none()
-        if now is not None and now["latest"] != started_from:
-            raise SyncError(f"another publisher wrote v{now['latest']} to {self.path} while "
-                            f"v{version} was being written: one publisher per directory")
+        return files
+
+    # ------------------------------------------------------------------ sharded publishing
+    multi_part = True
+
+    def send_part(self, version, base, entries, bucket_bytes, epoch, part, parts):
+        """Rank ``part`` writes its files (names tagged ``r<part>``); nothing is visible to
+        receivers until :meth:`commit` on part 0 names every part's files in the manifest."""
+        epoch = check_epoch(epoch)
+        try:
+            return self._write_files(version, base, entries, bucket_bytes, epoch, part)
+        except BaseException:
+            self._remove_files(self._own_files(version, epoch, part))
+            raise
+
+    def _own_files(self, version, epoch, part) -> List[str]:
+        prefix = f"v{version:08d}-{epoch}-r{part:04d}-" if epoch else None
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return []
+        return [n for n in names if prefix and n.startswith(prefix) and _NAME.fullmatch(n)]
+
+    def _remove_files(self, names) -> None:
+        for name in names:
+            if _NAME.fullmatch(name):
+                try:
+                    os.remove(self._file(name))
+                except FileNotFoundError:
+                    pass
+
+    def commit(self, version, base, epoch, parts, ok, part) -> bool:
+        """Part 0 writes the manifest record naming every part's files once every part is
+        out; when some part failed, every part deletes its own files (none is named)."""
+        if not ok:
+            self._remove_files(self._own_files(version, epoch, part))
+            return False
+        if part != 0:
+            return True
+        self._take_lock()
+        self._clear_planted(REQUEST, MANIFEST)
+        files = [name for p in parts for name in (p or [])]
+        for name in files:
+            check_file_name(name)
+        manifest = self._manifest_or_none()
+        if manifest is None:
+            if base is not None:
+                raise TransportError(f"{self._file(MANIFEST)} is malformed: only a full "
+                                     f"snapshot can start a new manifest")
+            manifest = {"format": FORMAT, "latest": 0, "versions": []}
+        restart = (version <= manifest["latest"] and base is None and epoch is not None
+                   and all(r.get("e") != epoch for r in manifest["versions"]))
+        if version <= manifest["latest"] and not restart:
+            raise ValueError(f"version {version} is not newer than v{manifest['latest']} "
+                             f"already in {self.path}")
         self._publish_manifest(manifest, {"v": version, "base": base, "e": epoch,
                                           "files": files}, restart)
+        return True
+
+    # ------------------------------------------------------------------ layouts
+    def declare(self, targets: dict, explicit: bool) -> None:
+        """Receiver side: read only the pieces cut for these boxes; with ``explicit`` (slices
+        or a group given), also write them to ``LAYOUT-<hash>.json`` for the senders."""
+        from . import layout
+        self._want = {layout.target_prefix(n, full, box) for n, (full, box) in targets.items()}
+        if not explicit:
+            return
+        body = json.dumps({"format": 1, "targets": {
+            n: [list(full), [list(ab) for ab in box]] for n, (full, box) in sorted(
+                targets.items())}}, separators=(",", ":")).encode()
+        name = f"LAYOUT-{hashlib.blake2b(body, digest_size=8).hexdigest()}.json"
+        if os.path.exists(self._file(name)):
+            return
+        try:
+            self._atomic_write(name, lambda f: f.write(body))
+        except OSError as exc:
+            _dispatch.warn_once(f"sync.disk.layout:{self.path}",
+                                f"glm_kernels.sync: cannot declare this receiver's slices in "
+                                f"{self.path} ({exc}); sharded senders will not cut pieces "
+                                f"for them")
+
+    def targets(self) -> dict:
+        """Sender side: the boxes every receiver declared (``LAYOUT-*.json``), validated."""
+        from . import layout
+        out: Dict[str, set] = {}
+        try:
+            names = sorted(n for n in os.listdir(self.path) if _LAYOUT.fullmatch(n))
+        except OSError:
+            return out
+        for name in names[:_MAX_LAYOUTS]:
+            try:
+                fd, size = _open_regular(self._file(name))
+            except (FileNotFoundError, SyncError):
+                continue
+            try:
+                if size > _MAX_LAYOUT_BYTES:
+                    raise SyncError(f"{size} bytes")
+                doc = _dispatch.json_loads_bounded(
+                    st.read_exact(fd, size, 0, error=SyncError).numpy().tobytes(), name,
+                    max_bytes=_MAX_LAYOUT_BYTES, error=SyncError)
+                for tname, (full, box) in doc["targets"].items():
+                    box = tuple(tuple(ab) for ab in box)
+                    if (not isinstance(tname, str) or len(full) > layout.MAX_DIMS
+                            or not all(_is_int(n) and n >= 0 for n in full)
+                            or len(box) != len(full) or not all(
+                                len(ab) == 2 and _is_int(ab[0]) and _is_int(ab[1])
+                                and 0 <= ab[0] <= ab[1] <= n for ab, n in zip(box, full))):
+                        raise SyncError(f"{tname!r:.80}: box {box!r:.80} outside {full!r:.80}")
+                    out.setdefault(tname, set()).add((tuple(full), box))
+            except Exception as exc:   # a damaged layout file: logged, not used
+                logger.warning("glm_kernels.sync: layout file %s refused: %s", name, exc)
+            finally:
+                os.close(fd)
+        return out
 
     def _publish_manifest(self, manifest: dict, record: dict, restart: bool = False) -> None:
         versions = ([] if restart else manifest["versions"]) + [record]
@@ -450,12 +591,13 @@ class DiskTransport(Transport):
 
     def _load(self, record: dict) -> Update:
         version, base, epoch = record["v"], record["base"], record.get("e")
-        entries = []
+        entries, skipped = [], False
         for name in record["files"]:
             path = self._file(check_file_name(name))
             fd, size = _open_regular(path)       # FileNotFoundError passes (retention race)
             try:
-                meta, tensors = _read_entries(fd, size)
+                meta, tensors, read = _read_entries(fd, size, self._wants)
+                self.bytes_read += read
                 if not isinstance(meta, dict) or (meta.get("v"), meta.get("base"),
                                                   meta.get("e")) != (version, base, epoch):
                     raise SyncError(f"{name} holds v{meta.get('v')} (base {meta.get('base')}, "
@@ -466,6 +608,9 @@ class DiskTransport(Transport):
                     raise SyncError(f"{name}: described tensors do not match the stored ones")
                 for tname, d in described.items():
                     t, st_dtype, st_shape = tensors[tname]
+                    if t is None:
+                        skipped = True
+                        continue                 # a piece cut for another receiver
                     if d["k"] not in KINDS or d["dt"] not in DTYPES:
                         raise SyncError(f"tensor {tname!r}: kind {d['k']!r}, dtype {d['dt']!r}")
                     if d["k"] == "full" and (st_dtype != st.NAMES[DTYPES[d["dt"]]]
@@ -482,7 +627,13 @@ class DiskTransport(Transport):
                                 f"{type(exc).__name__}: {exc}") from None
             finally:
                 os.close(fd)
-        return Update(version, base, entries, epoch)
+        return Update(version, base, entries, epoch, skipped_pieces=skipped)
+
+    def _wants(self, name: str) -> bool:
+        if self._want is None or "@" not in name:
+            return True
+        head, _, _ = name.rpartition("/")
+        return head + "/" in self._want
 
     def report(self, version: int, ok: bool) -> None:
         if ok:

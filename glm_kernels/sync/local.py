@@ -25,6 +25,13 @@ class LocalTransport(Transport):
         # leaves nothing behind.
         self.updates.append(list(pack(version, base, entries, bucket_bytes, self.device, epoch)))
 
+    def declare(self, targets: dict, explicit: bool) -> None:
+        """The (one) receiver's boxes, handed to the sender in this process."""
+        self._targets = dict(targets)
+
+    def targets(self) -> dict:
+        return {n: {t} for n, t in getattr(self, "_targets", {}).items()}
+
     def full_requested(self) -> bool:
         asked, self._full_asked = self._full_asked, False
         return asked

@@ -151,10 +151,24 @@ class Update:
     base: Optional[int]
     entries: List[Entry]
     epoch: Optional[str] = None       # the sender's epoch (None: unknown, an old sender)
+    #: the transport left out pieces cut for other receivers' boxes (disk reads only this
+    #: receiver's): the update came from a sharded sender
+    skipped_pieces: bool = False
 
     @property
     def is_full(self) -> bool:
         return self.base is None
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    """What the last :meth:`Sender.publish` sent."""
+    version: int
+    full: bool            # a full snapshot (base None) rather than a delta
+    tensors: int          # entries in the update
+    delta_tensors: int    # of which sent as delta packets
+    changed: int          # changed elements over the delta entries
+    payload_bytes: int    # bytes of tensor data and packets (frame metadata not counted)
 
 
 class Frame(NamedTuple):
@@ -213,6 +227,22 @@ def frame_key(meta: bytes):
     return key if isinstance(key[2], int) and not isinstance(key[2], bool) else None
 
 
+def part_of(e: Entry, at: int, take: int) -> dict:
+    """The meta of bytes [at, at + take) of entry ``e`` inside a frame."""
+    return {"n": e.name, "k": e.kind, "dt": dtype_name(e.dtype), "sh": list(e.shape),
+            "ck": e.checksum.hex(), "size": e.payload.numel(), "at": at, "len": take}
+
+
+def make_frame(version: int, base: Optional[int], epoch: Optional[str], index: int, last: bool,
+               parts: list, chunks: list, device=None) -> Frame:
+    """One frame: ``parts`` (from :func:`part_of`) and their bytes ``chunks``, back to back."""
+    dev = device if device is not None else (chunks[0].device if chunks else "cpu")
+    data = (torch.cat([c.to(dev) for c in chunks]) if chunks
+            else torch.empty(0, dtype=torch.uint8, device=dev))
+    meta = {"v": version, "base": base, "e": epoch, "i": index, "last": last, "parts": parts}
+    return Frame(seal_meta(meta), data, last)
+
+
 def pack(version: int, base: Optional[int], entries: Iterable[Entry], bucket_bytes: int,
          device=None, epoch: Optional[str] = None) -> Iterator[Frame]:
     """Frames of at most ``bucket_bytes`` payload each, produced lazily (a large model streams:
@@ -222,13 +252,7 @@ def pack(version: int, base: Optional[int], entries: Iterable[Entry], bucket_byt
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
 
     def frame(bucket, index, last):
-        parts, chunks = bucket
-        dev = device if device is not None else (chunks[0].device if chunks else "cpu")
-        data = (torch.cat([c.to(dev) for c in chunks]) if chunks
-                else torch.empty(0, dtype=torch.uint8, device=dev))
-        meta = {"v": version, "base": base, "e": epoch, "i": index, "last": last,
-                "parts": parts}
-        return Frame(seal_meta(meta), data, last)
+        return make_frame(version, base, epoch, index, last, bucket[0], bucket[1], device)
 
     current, used, index = ([], []), 0, 0
     full = None   # a filled bucket, held back until we know whether it is the last one
@@ -236,9 +260,7 @@ def pack(version: int, base: Optional[int], entries: Iterable[Entry], bucket_byt
         size, at = e.payload.numel(), 0
         while True:
             take = min(size - at, bucket_bytes - used)
-            current[0].append({"n": e.name, "k": e.kind, "dt": dtype_name(e.dtype),
-                               "sh": list(e.shape), "ck": e.checksum.hex(), "size": size,
-                               "at": at, "len": take})
+            current[0].append(part_of(e, at, take))
             if take:
                 current[1].append(e.payload[at:at + take])
             at, used = at + take, used + take
@@ -372,3 +394,33 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def report(self, version: int, ok: bool) -> None:
         """Tell the sender side how the last update went (receiver side)."""
+
+    # ---- sharded publishing (a Sender with a group, or with slices); see sync/sharded.py
+    #: True when several publishing ranks may send parts of one version (send_part/commit)
+    multi_part = False
+
+    def targets(self) -> dict:
+        """Sender side: {name: {(full shape, target box), ...}} the receivers declared
+        (``layout`` module); {} when none did (every piece is then cut for the whole tensor)."""
+        return {}
+
+    def declare(self, targets: dict, explicit: bool) -> None:
+        """Receiver side: the boxes this receiver holds, {name: (full shape, box)}.
+        ``explicit``: the receiver was given slices or a group (else: whole tensors)."""
+
+    def send_part(self, version: int, base: Optional[int], entries: Iterable[Entry],
+                  bucket_bytes: int, epoch: Optional[str], part: int, parts: int):
+        """Sender side: deliver rank ``part``'s entries of a version made of ``parts`` parts;
+        returns what :meth:`commit` needs from this part (JSON-able)."""
+        if parts != 1:
+            raise TypeError(f"{type(self).__name__} takes one publisher per version; a sender "
+                            f"group of {parts} ranks needs DiskTransport or P2PTransport")
+        self.send(version, base, entries, bucket_bytes, epoch=epoch)
+        return None
+
+    def commit(self, version: int, base: Optional[int], epoch: Optional[str], parts: list,
+               ok: bool, part: int) -> bool:
+        """Sender side, every part, after every part's send_part: ``ok`` says whether every
+        part is out (``parts``: what each part's send_part returned). Returns whether the
+        version was published (and, where the transport can tell, applied)."""
+        return ok

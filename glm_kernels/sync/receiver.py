@@ -2,14 +2,25 @@
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from .. import _checks
 from ..delta import DeltaPacket, apply_, verify
+from . import layout
 from .protocol import (MAX_VERSION, SyncError, Transport, TransportError, Update, VersionError,
                        byte_view, check_epoch, check_versions, digest, dtype_name)
+
+@dataclass(frozen=True)
+class ReceiveStats:
+    """What the last applied update brought to this receiver."""
+    version: int
+    tensors: int          # entries taken (whole tensors and pieces of this receiver's boxes)
+    changed: int          # changed elements over the delta entries taken
+    payload_bytes: int    # bytes of tensor data and packets taken (framing not counted)
+
 
 _KEPT_REFUSALS = 8        # poll() names at most this many refusals (and counts the rest)
 _RETIRED_EPOCHS = 16      # sender epochs this receiver has moved away from
@@ -61,7 +72,7 @@ class Receiver:
     """
 
     def __init__(self, transport: Transport, params: Mapping[str, torch.Tensor], *,
-                 version: int = 0):
+                 version: int = 0, slices: Optional[Mapping] = None, group=None):
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a glm_kernels.sync transport, got "
                             f"{type(transport).__name__}")
@@ -81,11 +92,29 @@ class Receiver:
                 or not 0 <= version <= MAX_VERSION):
             raise ValueError(f"version must be an int in [0, {MAX_VERSION}], got "
                              f"{version!r:.40}")
+        if slices is not None:
+            if not isinstance(slices, Mapping):
+                raise TypeError(f"slices must be a mapping name -> (dim, start, stop, "
+                                f"full_shape), got {type(slices).__name__}")
+            unknown = set(slices) - set(params)
+            if unknown:
+                raise ValueError(f"slices names tensors that are not in params: "
+                                 f"{sorted(unknown)[:8]}")
+            slices = {n: layout.check_slice(f"slices[{n!r}]", spec, params[n].shape)
+                      for n, spec in slices.items()}
+        if group is not None and not hasattr(group, "size"):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup, got "
+                            f"{type(group).__name__}")
+        self.slices, self.group = slices, group
+        #: {name: (full shape, box this receiver holds)}; pieces cut for these boxes apply
+        self.targets = layout.targets_of(params, slices)
+        self.last_stats: Optional[ReceiveStats] = None
         self.transport = transport
         self.params: Dict[str, torch.Tensor] = dict(params)
         self.version = version
         self.epoch: Optional[str] = None            # the held version's sender epoch
         self._retired = collections.deque(maxlen=_RETIRED_EPOCHS)
+        transport.declare(self.targets, explicit=slices is not None or group is not None)
 
     def receive(self, timeout: Optional[float] = None) -> Optional[int]:
         """Wait up to ``timeout`` s (None: forever) for one update and apply it.
@@ -96,12 +125,23 @@ class Receiver:
         if timeout is not None:
             timeout = _checks.check_finite_number("timeout", timeout, nonnegative=True)
         try:
-            update = self.transport.recv(self.version, timeout)
+            update, plan, error = None, None, None
+            try:
+                update = self.transport.recv(self.version, timeout)
+                if update is not None:
+                    if not isinstance(update, Update):
+                        raise SyncError(f"transport returned {type(update).__name__}, not an "
+                                        f"Update")
+                    plan = self._check(update)
+            except SyncError as exc:
+                error = exc
+            if self.group is not None and not self._vote(update, error):
+                return None           # not every rank of the engine has this version yet
+            if error is not None:
+                raise error
             if update is None:
                 return None
-            if not isinstance(update, Update):
-                raise SyncError(f"transport returned {type(update).__name__}, not an Update")
-            self.apply_update(update)
+            self._write(update, plan)
         except SyncError:
             self.transport.report(self.version, False)
             raise
@@ -145,27 +185,125 @@ class Receiver:
                        + "; ".join(map(str, refusals)) + more) from refusals[0]
         return self.version
 
-    def apply_update(self, update: Update) -> int:
-        """Check ``update`` completely, then write it in place; returns the new version.
+    def _vote(self, update: Optional[Update], error: Optional[SyncError]) -> bool:
+        """All-or-nothing across the engine group: True when every rank verified the same
+        version (write it), False when some rank has nothing yet (nobody writes, no
+        refusal); SyncError on every rank when any rank refused."""
+        import torch.distributed as dist
+        version = update.version if update is not None else -1
+        device = "cpu"
+        if str(dist.get_backend(self.group)).lower() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        # MIN of [refused?, has an update?, version, -version] over the group (as ints)
+        flags = torch.tensor([0 if error is not None else 1, int(update is not None),
+                              version, -version], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        ok, have, low, high = (int(x) for x in flags.tolist())
+        if not ok:
+            if error is not None:
+                return True       # raised by the caller with this rank's own reason
+            raise SyncError(f"update v{version} refused: another rank of the engine group "
+                            f"refused it; every rank keeps v{self.version}")
+        if not have:
+            return False
+        if low != -high:
+            return False          # ranks see different versions (a disk race): retry
+        return True
 
-        Phase 1 only reads the held tensors: every entry's name, dtype, shape and payload
-        checksum, and every delta packet verified against the tensor it applies to
-        (``glm_kernels.delta.verify``: base and result checksums, O(changes) scratch). Any
-        failure raises SyncError with every tensor unchanged. Phase 2 writes: full entries
-        are copied in, delta packets applied in place -- no tensor-sized scratch copy.
-        """
+    def apply_update(self, update: Update) -> int:
+        """Check ``update`` completely, then write it in place; returns the new version
+        (this rank only: ``receive``/``poll`` vote across a ``group`` in between)."""
+        return self._write(update, self._check(update))
+
+    def _check(self, update: Update):
+        """Phase 1 (reads only): the version, every entry, and that the pieces of every
+        sliced name tile this receiver's box. Returns the writes of phase 2."""
         self._check_version(update)
         seen = set()
         checked: List[Tuple[str, torch.Tensor, object]] = []
+        pieces, boxes = [], collections.defaultdict(list)
+        skipped = bool(getattr(update, "skipped_pieces", False))
+        changed = taken = 0
         for entry in update.entries:
-            # The protocol carries one entry per name (assemble refuses a name that comes
-            # back); checked here for every transport, because a second delta for the same
-            # tensor would have been verified against bytes the first one changes.
             if entry.name in seen:
                 raise SyncError(f"update v{update.version} names tensor {entry.name!r} twice")
             seen.add(entry.name)
-            checked.append(self._check_entry(update.version, entry))
-        writes = _without_shared_duplicates(update.version, checked)
+            parsed = layout.parse_piece(entry.name)
+            if parsed is None:
+                checked.append(self._check_entry(update.version, entry))
+                data = checked[-1][2]
+            else:
+                got = self._check_piece(update.version, entry, parsed)
+                if got is None:
+                    skipped = True
+                    continue            # cut for another receiver's box
+                pieces.append(got)
+                boxes[parsed[0]].append(parsed[3])
+                data = got[2]
+            taken += entry.payload.numel()
+            changed += data.count if isinstance(data, DeltaPacket) else 0
+        if boxes or skipped:
+            # A sharded sender's version carries every tensor: each box this receiver holds
+            # must be tiled by pieces cut for it (a box no sender cut for, e.g. a layout the
+            # senders never saw, or a trainer part lost, is refused, not left stale).
+            plain = {c[0] for c in checked}
+            for name, (_, box) in self.targets.items():
+                if name not in boxes and name not in plain and layout.volume(box):
+                    raise SyncError(f"update v{update.version}: no piece of tensor {name!r} "
+                                    f"was cut for this receiver's box {box} (its slices not "
+                                    f"declared to the senders, or a sender part missing)")
+        for name, got in boxes.items():
+            if not layout.tiles(self.targets[name][1], got):
+                raise SyncError(f"update v{update.version}, tensor {name!r}: its pieces "
+                                f"{sorted(got)[:4]} do not tile this receiver's box "
+                                f"{self.targets[name][1]} (a trainer rank's part is missing)")
+        stats = ReceiveStats(update.version, len(checked) + len(pieces), changed, taken)
+        return _without_shared_duplicates(update.version, checked), pieces, stats
+
+    def _check_piece(self, version: int, entry, parsed):
+        """(region view, box shape, full payload or verified DeltaPacket), or None for a
+        piece cut for another box of a tensor this receiver holds."""
+        name, full, target, box = parsed
+        where = f"update v{version}, tensor {name!r} piece {box}"
+        if name not in self.params:
+            known = sorted(self.params)
+            raise SyncError(f"{where}: unknown name; this receiver holds "
+                            f"{known[:8]}{' ...' if len(known) > 8 else ''}")
+        mine_full, mine = self.targets[name]
+        if (tuple(full), target) != (tuple(mine_full), mine):
+            return None
+        param = self.params[name]
+        if entry.dtype != param.dtype:
+            raise SyncError(f"{where}: dtype {entry.dtype}, the receiver's tensor is "
+                            f"{param.dtype}")
+        shape = layout.box_shape(box)
+        if tuple(entry.shape) != shape:
+            raise SyncError(f"{where}: shape {tuple(entry.shape)}, the piece is {shape}")
+        if digest(entry.payload) != entry.checksum:
+            raise SyncError(f"{where}: {entry.kind} payload checksum mismatch (corrupt)")
+        region = param[layout.local_index(mine, box)]
+        if entry.kind == "full":
+            want = layout.volume(box) * param.element_size()
+            if entry.payload.numel() != want:
+                raise SyncError(f"{where}: {entry.payload.numel()} bytes, expected {want}")
+            return region, shape, entry.payload
+        try:
+            packet = DeltaPacket.from_bytes(entry.payload.cpu().numpy().tobytes())
+            verify(region.detach() if region.is_contiguous() else region.contiguous(), packet)
+        except (ValueError, TypeError) as exc:
+            raise SyncError(f"{where}: delta refused: {exc}") from exc
+        except ImportError as exc:
+            raise SyncError(f"{where}: delta refused: {exc}") from exc
+        return region, shape, packet
+
+    def _write(self, update: Update, plan) -> int:
+        """Phase 2 of an update whose every entry passed phase 1 (:meth:`_check`: every
+        entry's name, dtype, shape and payload checksum, every delta packet verified against
+        the tensor or piece it applies to -- ``glm_kernels.delta.verify``: base and result
+        checksums, O(changes) scratch). Full entries are copied in, delta packets applied in
+        place -- no tensor-sized scratch copy (a piece that is not contiguous in the local
+        tensor goes through a piece-sized one)."""
+        writes, pieces, stats = plan
         # Phase 2. Every write below was verified against the bytes it writes onto, so none
         # can fail on the data (apply_ re-checks before its first write all the same: one
         # extra read of each delta tensor, against a tensor changed behind our back).
@@ -181,6 +319,18 @@ class Receiver:
                         apply_(param, data)
                     else:
                         byte_view(param).copy_(data.to(param.device, non_blocking=False))
+                for region, shape, data in pieces:
+                    if isinstance(data, DeltaPacket):
+                        if region.is_contiguous():
+                            apply_(region, data)
+                        else:
+                            scratch = region.contiguous()
+                            apply_(scratch, data)
+                            region.copy_(scratch)
+                    else:
+                        values = torch.empty(shape, dtype=region.dtype, device=data.device)
+                        byte_view(values).copy_(data)
+                        region.copy_(values.to(region.device))
         except BaseException as exc:
             held, self.version = self.version, 0
             if not isinstance(exc, Exception):      # KeyboardInterrupt & co: let it through
@@ -195,6 +345,7 @@ class Receiver:
                 self._retired.append(self.epoch)
             self.epoch = epoch
         self.version = update.version
+        self.last_stats = stats
         return self.version
 
     def _check_version(self, update: Update) -> None:

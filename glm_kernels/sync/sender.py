@@ -2,7 +2,6 @@
 (docs/design.md 3.7)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Iterator, Mapping, Optional
 
 import torch
@@ -10,19 +9,12 @@ import torch
 from .. import _checks, _dispatch
 from ..delta import ENCODINGS, encode
 from ..delta.packet import check_zstd_level, require_zstd
+from . import sharded
+from .fp8 import FP8Blocks
+from .sharded import ShardState
+from .protocol import PublishStats  # noqa: F401  (re-exported: sync.PublishStats)
 from .protocol import (DEFAULT_BUCKET_BYTES, MAX_VERSION, Entry, Transport, delta_entry,
                        dtype_name, full_entry, new_epoch)
-
-
-@dataclass(frozen=True)
-class PublishStats:
-    """What the last :meth:`Sender.publish` sent."""
-    version: int
-    full: bool            # a full snapshot (base None) rather than a delta
-    tensors: int          # entries in the update
-    delta_tensors: int    # of which sent as delta packets
-    changed: int          # changed elements over the delta entries
-    payload_bytes: int    # bytes of tensor data and packets (frame metadata not counted)
 
 
 def _default_encoding() -> str:
@@ -59,6 +51,28 @@ class Sender:
     version : int, default 0
         The last version already published (e.g. ``DiskTransport.latest_version()`` when a
         trainer restarts on an existing directory); the first publish is ``version + 1``.
+    group : torch.distributed ProcessGroup, default None
+        The trainer ranks publishing together: ``publish`` is then collective over the group,
+        each rank passing its local shards (DTensors, or tensors with ``slices``); a version
+        is published when every rank's part is out. Every rank opens its own transport on the
+        same endpoint (``DiskTransport(dir)`` on one directory, or a ``P2PTransport``).
+    base : {"host", "device"}, default "host"
+        Sharded mode: where the base of the next delta (this rank's shards as last
+        published) is kept: host memory (pinned for CUDA shards) or the shards' device.
+    fp8 : sync.FP8Blocks, optional
+        Publish the named 2-D weights as float8_e4m3fn with 128 x 128 block scales
+        (``<name>_scale_inv``, fp32, ``amax / 448``), quantized here.
+    slices : {name: (dim, start, stop, full_shape)}, optional
+        The part of each full parameter a plain local tensor holds (absent: the whole tensor,
+        published by group rank 0 only).
+
+    Sharded mode (``group``, ``slices`` or ``fp8`` given) cuts every shard by the boxes the
+    receivers declared (``Receiver(slices=...)``) into pieces of at most ``bucket_bytes // 4``
+    bytes, encodes one piece at a time against the base and sends it: the extra device memory
+    of a publish is one piece, its new values and base, and the codec's scratch (at most one
+    bucket); nothing holds a copy of the full model. The base moves only once the version
+    is published: a version that fails on any rank leaves every engine and every base on the
+    previous version, and the next publish is a delta on it.
 
     Every update carries the sender's ``epoch`` (random per Sender): a receiver accepts a full
     snapshot from a new epoch (a restarted trainer) whatever its version number, and refuses
@@ -84,7 +98,8 @@ class Sender:
     def __init__(self, transport: Transport, *, delta: bool = True,
                  encoding: Optional[str] = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, zstd_level: int = 3,
-                 version: int = 0):
+                 version: int = 0, group=None, base: str = "host", fp8=None,
+                 slices: Optional[Mapping] = None):
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a glm_kernels.sync transport, got "
                             f"{type(transport).__name__}")
@@ -107,6 +122,30 @@ class Sender:
             raise ValueError(f"version must be an int in [0, {MAX_VERSION}), got {version!r:.40}")
         self.version = version
         self.epoch = new_epoch()
+        _checks.check_choice("base", base, ("host", "device"))
+        if fp8 is not None and not isinstance(fp8, FP8Blocks):
+            raise TypeError(f"fp8 must be a sync.FP8Blocks or None, got {type(fp8).__name__}")
+        if slices is not None and not isinstance(slices, Mapping):
+            raise TypeError(f"slices must be a mapping name -> (dim, start, stop, full_shape), "
+                            f"got {type(slices).__name__}")
+        if group is not None and not hasattr(group, "size"):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup, got "
+                            f"{type(group).__name__}")
+        if group is not None and group.size() > 1 and not transport.multi_part:
+            raise TypeError(f"a Sender group of {group.size()} ranks needs a transport that "
+                            f"takes several publishing ranks (DiskTransport, P2PTransport), "
+                            f"got {type(transport).__name__}")
+        self.group, self.fp8, self.slices, self.base_where = group, fp8, slices, base
+        #: sharded mode: a group, slices or FP8 weights (pieces cut by the receivers' boxes)
+        self.sharded = group is not None or slices is not None or fp8 is not None
+        if self.sharded and not delta:
+            raise ValueError("a sharded Sender (group, slices or fp8) always sends deltas: "
+                             "delta must be True")
+        # Work per piece: the new values, the base moved next to them and the codec's scratch
+        # (2 bytes per element on the GPU) stay within one bucket.
+        self.chunk_bytes = max(1, bucket_bytes // 4)
+        self.committed: Optional[int] = None     # the last version every receiver can hold
+        self._state = ShardState(base)
         self.last_stats: Optional[PublishStats] = None
         self._base: Dict[str, torch.Tensor] = {}   # what the receivers hold (delta mode)
         self._force_full = False
@@ -120,6 +159,8 @@ class Sender:
         version number is spent and the next publish is a full snapshot.
         """
         _checks.check_bool("full", full)
+        if self.sharded:
+            return sharded.publish(self, named_tensors, full)
         tensors = self._validate(named_tensors)
         full = (full or not self.delta or self._force_full or not self._base
                 or self.transport.full_requested())

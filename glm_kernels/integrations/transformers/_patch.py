@@ -20,7 +20,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 
-from ... import _dispatch
+from ... import _checks
 from . import _routers
 
 
@@ -62,7 +62,7 @@ def _modeling_module(model_type: str):
 
 
 def _check_flags(routing, indexer) -> Tuple[bool, bool]:
-    return _dispatch.check_bool("routing", routing), _dispatch.check_bool("indexer", indexer)
+    return _checks.check_bool("routing", routing), _checks.check_bool("indexer", indexer)
 
 
 def _selected(model_type: str, routing: bool, indexer: bool) -> List[Patch]:

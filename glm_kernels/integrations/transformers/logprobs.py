@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from ... import _dispatch
-from ...loss.linear_logprobs import fused_linear_logprobs
+from ... import _checks
+from ...loss import fused_linear_logprobs
 
 
 def _body_and_head(model: torch.nn.Module):
@@ -43,9 +43,9 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     fp32 of the same distributions. Differentiable: gradients reach every parameter.
     """
     body, head = _body_and_head(model)
-    _dispatch.check_tensor("input_ids", input_ids, dtypes=(torch.int64, torch.int32), ndim=(2,))
-    return_entropy = _dispatch.check_bool("return_entropy", return_entropy)
-    temperature = _dispatch.check_finite_number("temperature", temperature, positive=True)
+    _checks.check_tensor("input_ids", input_ids, dtypes=(torch.int64, torch.int32), ndim=(2,))
+    return_entropy = _checks.check_bool("return_entropy", return_entropy)
+    temperature = _checks.check_finite_number("temperature", temperature, positive=True)
     if input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must hold at least 2 tokens per row (log-probs are of "
                          f"tokens 1..S-1), got shape {tuple(input_ids.shape)}")

@@ -1,0 +1,275 @@
+"""Sharded sync in one process: layouts and pieces, FP8 block quantization (reference,
+hand-derived cases, the Triton kernel under the interpreter, bitwise), argument checks, a
+missing trainer part refused whole, and the publish path's peak host memory."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import glm_kernels
+from glm_kernels import sync
+from glm_kernels.sync import _reference as ref
+from glm_kernels.sync import layout
+
+
+# ---------------------------------------------------------------------------- layouts
+@pytest.mark.parametrize("box,size,limit", [(((0, 7), (3, 50)), 2, 60), (((2, 9),), 4, 8),
+                                            (((0, 3), (0, 5), (0, 200)), 1, 64),
+                                            (((0, 1), (0, 1)), 8, 1)])
+def test_chunks_tile_the_box_within_the_limit(box, size, limit):
+    got = list(layout.chunks(box, size, limit))
+    assert layout.tiles(box, got)
+    assert all(layout.volume(c) * size <= max(limit, size) for c in got)
+
+
+def test_piece_names_round_trip_and_malformed_names_are_plain():
+    full, target, box = (300, 16), ((150, 300), (0, 16)), ((150, 200), (0, 16))
+    name = layout.piece_name("emb.weight", full, target, box)
+    assert name == "emb.weight@300x16[150:300,0:16]/[150:200,0:16]"
+    assert layout.parse_piece(name) == ("emb.weight", full, target, box)
+    assert layout.parse_piece("s@[]/[]") == ("s", (), (), ())
+    for bad in ["emb.weight", "w@300x16[0:400,0:16]/[0:10,0:16]",      # target outside
+                "w@300x16[0:100,0:16]/[90:110,0:16]",                   # piece outside target
+                "w@300x16[0:100]/[0:10]", "w@300x16[0:-1,0:16]/[0:1,0:16]", "w@3" + "x1" * 9
+                + "[]/[]"]:
+        assert layout.parse_piece(bad) is None, bad
+
+
+def test_tiles_refuses_gaps_and_overlaps():
+    target = ((0, 10), (0, 4))
+    assert layout.tiles(target, [((0, 5), (0, 4)), ((5, 10), (0, 4))])
+    assert not layout.tiles(target, [((0, 5), (0, 4))])
+    assert not layout.tiles(target, [((0, 6), (0, 4)), ((5, 10), (0, 4)), ((0, 0), (0, 4))])
+    assert not layout.tiles(target, [((0, 6), (0, 4)), ((4, 8), (0, 4))])
+
+
+# ---------------------------------------------------------------------------- FP8
+def test_fp8_reference_hand_derived():
+    # one 2x2 block with amax 448: scale 1, every value representable -> q == w
+    w = torch.tensor([[1.0, -2.0], [0.5, 448.0]])
+    q, s = ref.quantize_fp8_blocks(w, (2, 2))
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert q.float().tolist() == [[1.0, -2.0], [0.5, 448.0]] and s.tolist() == [[1.0]]
+    # amax 224 -> values doubled; an all-zero block keeps the 1e-4 floor; partial blocks
+    w = torch.zeros(3, 3)
+    w[0, 0], w[1, 1] = 224.0, -1.0
+    q, s = ref.quantize_fp8_blocks(w, (2, 2))
+    assert s.shape == (2, 2) and s[0, 0].item() == 0.5
+    assert s[1, 1].item() == pytest.approx(1e-4 / 448.0, rel=1e-6)
+    assert q.float()[0, 0].item() == 448.0 and q.float()[1, 1].item() == -2.0
+    assert q.float()[2, 2].item() == 0.0 and q.shape == (3, 3)
+    # round to nearest even: 448/amax * x lands halfway between 80 and 88 -> 80
+    w = torch.tensor([[84.0, 448.0]])
+    assert ref.quantize_fp8_blocks(w, (1, 2))[0].float().tolist() == [[80.0, 448.0]]
+
+
+@pytest.mark.parametrize("shape,block", [((5, 7), (4, 8)), ((130, 70), (64, 32)),
+                                         ((64, 64), (32, 32)), ((1, 1), (128, 128)),
+                                         ((0, 9), (4, 4))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_kernel_matches_reference_bitwise_interpreted(shape, block, dtype):
+    g = torch.Generator().manual_seed(shape[0] * 31 + shape[1])
+    w = (torch.randn(shape, generator=g) * torch.rand(shape, generator=g) * 3).to(dtype)
+    if w.numel():
+        w.view(-1)[0] = 0.0
+        w.view(-1)[-1] = -0.0
+    want_q, want_s = ref.quantize_fp8_blocks(w, block)
+    with glm_kernels.force_backend("interpret"):
+        q, s = sync.quantize_fp8_blocks(w, block)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), want_s.view(torch.int32))
+
+
+def test_fp8_kernel_writes_every_element():
+    from glm_kernels.sync import _kernels
+    w = torch.randn(37, 45).bfloat16()
+    real_empty = torch.empty
+
+    def poisoned(*a, **k):
+        t = real_empty(*a, **k)
+        t.view(torch.uint8).fill_(0xFF) if t.numel() else None
+        return t
+    _kernels.torch.empty = poisoned
+    try:
+        with glm_kernels.force_backend("interpret"):
+            q, s = _kernels.quantize_fp8_blocks(w, (16, 16))
+    finally:
+        _kernels.torch.empty = real_empty
+    want_q, want_s = ref.quantize_fp8_blocks(w, (16, 16))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
+
+
+def test_fp8_bad_arguments():
+    with pytest.raises(ValueError, match="block"):
+        sync.FP8Blocks(block=(100, 128))
+    with pytest.raises(TypeError, match="names"):
+        sync.FP8Blocks(names=3)
+    with pytest.raises(ValueError, match="2-D"):
+        sync.quantize_fp8_blocks(torch.zeros(4))
+    with pytest.raises(TypeError, match="fp8"):
+        sync.Sender(sync.LocalTransport(), fp8="yes")
+    fp8 = sync.FP8Blocks(names=["w"])
+    sender = sync.Sender(sync.LocalTransport(), fp8=fp8, slices={"w": (0, 100, 300, (300, 8))})
+    with pytest.raises(ValueError, match="block boundaries"):
+        sender.publish({"w": torch.zeros(200, 8)})
+
+
+def test_fp8_weights_sent_as_deltas_of_fp8_bytes_and_scales(tmp_path):
+    names = ["l.weight"]
+    master = {"l.weight": (torch.randn(300, 260) * 0.02).bfloat16(), "b": torch.randn(7)}
+    link = sync.DiskTransport(str(tmp_path))
+    sender = sync.Sender(link, fp8=sync.FP8Blocks(names=names), encoding="gap16")
+    held = {"l.weight": torch.zeros(300, 260, dtype=torch.float8_e4m3fn),
+            "l.weight_scale_inv": torch.zeros(3, 3), "b": torch.zeros(7)}
+    receiver = sync.Receiver(sync.DiskTransport(str(tmp_path)), held)
+    for step in range(3):
+        if step:
+            master["l.weight"].view(torch.int16)[::50] += 1
+        assert sender.publish(master) == step + 1 and receiver.poll() == step + 1
+        q, s = sync.quantize_fp8_blocks(master["l.weight"])
+        assert torch.equal(held["l.weight"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(held["l.weight_scale_inv"], s) and torch.equal(held["b"], master["b"])
+    # the last step changed only some fp8 bytes and scales: a delta, not the weight again
+    assert sender.last_stats.delta_tensors == sender.last_stats.tensors
+    assert 0 < receiver.last_stats.changed < 300 * 260 // 10
+
+
+# ---------------------------------------------------------------------------- checks
+def test_sharded_argument_checks():
+    link = sync.LocalTransport()
+    with pytest.raises(ValueError, match=r"slices\['w'\]"):
+        sync.Sender(link, slices={"w": (0, 0, 5, (10, 3))}).publish({"w": torch.zeros(4, 3)})
+    with pytest.raises(ValueError, match="base"):
+        sync.Sender(link, base="gpu")
+    with pytest.raises(ValueError, match="delta"):
+        sync.Sender(link, delta=False, slices={})
+
+    class TwoRanks:
+        def size(self):
+            return 2
+    with pytest.raises(TypeError, match="several publishing ranks"):
+        sync.Sender(link, group=TwoRanks())
+    with pytest.raises(ValueError, match=r"slices\['w'\].*shape"):
+        sync.Receiver(link, {"w": torch.zeros(4, 3)}, slices={"w": (1, 0, 2, (4, 3))})
+    with pytest.raises(ValueError, match="not in params"):
+        sync.Receiver(link, {"w": torch.zeros(4, 3)}, slices={"v": (0, 0, 4, (4, 3))})
+    with pytest.raises(TypeError, match="group"):
+        sync.Receiver(link, {"w": torch.zeros(4, 3)}, group="engines")
+
+
+def test_missing_trainer_part_is_refused_whole_and_a_full_snapshot_repairs(tmp_path):
+    """A version that carries only rank 0's half of a tensor (its other part missing) does
+    not tile the receiver's box: refused, nothing written; the full snapshot it asks for
+    (from a sender holding the whole tensor) applies."""
+    full = torch.randn(10, 6)
+    link = sync.LocalTransport()
+    receiver = sync.Receiver(link, {"w": torch.zeros(10, 6), "b": torch.zeros(2)},
+                             slices={"w": (0, 0, 10, (10, 6))})
+    half = sync.Sender(link, slices={"w": (0, 0, 5, (10, 6))})
+    half.publish({"w": full[:5], "b": torch.ones(2)})
+    with pytest.raises(sync.SyncError, match="do not tile"):
+        receiver.poll()
+    assert receiver.version == 0 and not receiver.params["w"].any()
+    assert not receiver.params["b"].any()
+    whole = sync.Sender(link, slices={"w": (0, 0, 10, (10, 6))})
+    whole.publish({"w": full, "b": torch.ones(2)})
+    assert receiver.poll() == 1 and torch.equal(receiver.params["w"], full)
+
+
+# ---------------------------------------------------------------------------- memory
+_MEMORY = textwrap.dedent("""
+    import json, sys, tempfile, torch
+    from glm_kernels import sync
+    def rss():
+        with open("/proc/self/status") as f:
+            d = dict(l.split(":", 1) for l in f)
+        return int(d["VmRSS"].split()[0]) * 1024, int(d["VmHWM"].split()[0]) * 1024
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    torch.set_num_threads(1)
+    rows, cols, bucket = 2048, 4096, 1 << 20                 # a 16 MiB bf16 shard
+    shard = (torch.randn(rows, cols) * 0.02).bfloat16()
+    spec = {"w": (0, 0, rows, (rows, cols))}
+    root = tempfile.mkdtemp()
+    small = {"w": shard[:8].clone()}
+    warm = sync.Sender(sync.DiskTransport(root + "/warm"), slices={"w": (0, 0, 8, (8, cols))},
+                       encoding="gap16", bucket_bytes=bucket)
+    warm.publish(small); small["w"].view(torch.int16)[::3] += 1; warm.publish(small)
+    out = {}
+    sender = sync.Sender(sync.DiskTransport(root + "/d"), slices=spec, encoding="gap16",
+                         bucket_bytes=bucket)
+    reset_peak(); before, _ = rss()
+    sender.publish({"w": shard})
+    after, peak = rss()
+    out["first"] = (peak - before, after - before)
+    for density in (0.01, 0.3):
+        mask = torch.rand(rows, cols) < density
+        shard.view(torch.int16)[mask] += 1
+        del mask
+        reset_peak(); before, _ = rss()
+        sender.publish({"w": shard})
+        after, peak = rss()
+        out[str(density)] = (peak - before, sender.last_stats.payload_bytes)
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux VmHWM")
+def test_publish_peak_host_memory_is_one_bucket_beyond_the_base():
+    """Peak resident memory of a publish (VmHWM, reset before it), in a fresh process: the
+    first publish adds the base (the shard's size) and at most about a bucket; a delta
+    publish at most about a bucket, whatever the update's size (30 % density: 20 MB of
+    packets go out bucket by bucket). Freed memory the allocator kept can hide an
+    allocation from RSS, so this bounds what was newly touched, not every malloc."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH",
+                                                                                ""))
+    done = subprocess.run([sys.executable, "-c", _MEMORY], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    base, bucket, slack = 16 << 20, 1 << 20, 2 << 20
+    assert got["first"][1] >= base * 0.95                     # the base is kept
+    assert got["first"][0] <= base + bucket + slack, got
+    assert got["0.3"][1] > 8 * bucket                         # a large update ...
+    for density in ("0.01", "0.3"):
+        assert got[density][0] <= bucket + slack, got          # ... within a bucket
+
+
+def test_receiver_whose_box_no_sender_cut_for_refuses(tmp_path):
+    """A sliced receiver whose layout the sender never saw (its LAYOUT file removed) gets
+    no piece of its tensors: refused with every tensor unchanged, never "applied" empty.
+    In-process (LocalTransport) the layout reaches the sender and the slice applies."""
+    full = torch.randn(12, 5)
+    spec = {"w": (0, 6, 12, (12, 5))}
+    receiver = sync.Receiver(sync.DiskTransport(str(tmp_path)), {"w": torch.zeros(6, 5)},
+                             slices=spec)
+    for f in tmp_path.glob("LAYOUT-*.json"):
+        f.unlink()
+    sync.Sender(sync.DiskTransport(str(tmp_path)), slices={"w": (0, 0, 12, (12, 5))}) \
+        .publish({"w": full})
+    with pytest.raises(sync.SyncError, match="no piece of tensor 'w'"):
+        receiver.poll()
+    assert receiver.version == 0 and not receiver.params["w"].any()
+    link = sync.LocalTransport()
+    local = sync.Receiver(link, {"w": torch.zeros(6, 5)}, slices=spec)
+    sender = sync.Sender(link, slices={"w": (0, 0, 12, (12, 5))}, encoding="gap16")
+    for step in range(2):
+        full.view(-1).view(torch.int32)[::7] += step
+        sender.publish({"w": full})
+        assert local.poll() == step + 1 and torch.equal(local.params["w"], full[6:])
+    assert local.last_stats.changed == 4          # flat 35, 42, 49, 56 of its rows 6..11
+
+
+def test_fp8_quantize_under_torch_compile_fullgraph():
+    w = torch.randn(130, 70).bfloat16()
+    compiled = torch.compile(lambda x: sync.quantize_fp8_blocks(x, (64, 32)), fullgraph=True)
+    q, s = compiled(w)
+    want_q, want_s = ref.quantize_fp8_blocks(w, (64, 32))
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s)
