@@ -42,15 +42,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_SANDBOX_FILES = ("test_sandbox", "test_tora_task", "test_trainer_tora")
+
+
 def _group_shared_fixtures(items):
     """pytest-xdist (``make test``: ``--dist loadgroup``) hands tests out one at a time, so two
     workers would each build a fixture the tests of one module share (a wheel build, a gloo
     world, compiled graphs). A test that uses a module-, class- or package-scoped fixture of
     this test tree runs in its module's group: one worker, the fixture built once. A test
     already in a group keeps it (the Ray tests' ``xdist_group("ray")``: one local Ray instance
-    at a time, beside the engines' health pings and timings as in a serial run)."""
+    at a time, beside the engines' health pings and timings as in a serial run). The tests
+    that run sandboxed snippets share one worker too: a fork bomb held at its process limit
+    beside another worker's snippet made that snippet fail to start (exit 126)."""
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if os.path.basename(str(item.fspath)).startswith(_SANDBOX_FILES):
+            item.add_marker(pytest.mark.xdist_group("sandbox"))
             continue
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         if any(d.baseid and d.scope in ("class", "module", "package")
