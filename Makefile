@@ -61,6 +61,7 @@ pytest = $(1) -m pytest -q $(XDIST) $(2); rc=$$?; if [ $$rc -ne 0 ] && [ $$rc -n
   exit $$rc; fi
 
 .PHONY: demo test test-min test-newest test-megatron check-extras check-verl-install aot bench \
+  test-transformers-floor \
   venv clean
 
 # pip may resolve other packages against the torch already installed, never replace it.
@@ -151,6 +152,7 @@ test-min: .venv-min/.installed .venv-floor/.installed .venv-compat/.installed
 	  sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 	$(call pytest,.venv-min/bin/python,$(MIN_TESTS))
 	$(MAKE) --no-print-directory check-extras
+	$(MAKE) --no-print-directory test-transformers-floor
 	@.venv-floor/bin/python -c "import sys, torch, triton, numpy; print('== kernels floor:', \
 	  'Python', sys.version.split()[0], 'torch', torch.__version__, 'triton', \
 	  triton.__version__, 'numpy', numpy.__version__)"
@@ -166,6 +168,22 @@ test-min: .venv-min/.installed .venv-floor/.installed .venv-compat/.installed
 	.venv-compat/bin/python benchmarks/aot_report.py --check
 	PYTHONPATH=$(COMPAT_PATH) .venv-compat/bin/python benchmarks/gpu_check.py --dry-run \
 	  --out .venv-compat/gpu-check
+
+# The transformers integration on the oldest transformers it supports (5.2, the first with
+# GLM-5), beside the rest of .venv (the integrations' pins): only the transformers package
+# differs, put first on the path.
+TF_FLOOR      ?= transformers==5.2.0
+TF_FLOOR_TESTS := tests/integrations/test_transformers.py \
+  tests/integrations/test_transformers_r3.py tests/integrations/test_transformers_muon.py
+build/tf-floor/.installed: $(STAMP)
+	rm -rf build/tf-floor
+	$(PIP) install -q --no-deps --target build/tf-floor "$(TF_FLOOR)"
+	touch $@
+
+test-transformers-floor: build/tf-floor/.installed
+	@PYTHONPATH=build/tf-floor:$(CURDIR) $(PY) -c "import transformers; \
+	  print('== transformers floor:', transformers.__version__)"
+	$(call pytest,PYTHONPATH=build/tf-floor:$(CURDIR) $(PY),$(TF_FLOOR_TESTS))
 
 # pip's resolution of every extra beside the torch floor and the kernels' floor: nothing in
 # them may replace the torch (or its pinned triton) already installed.

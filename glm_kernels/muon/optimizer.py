@@ -214,11 +214,6 @@ class MuonSplit(torch.optim.Optimizer):
         if not params:
             return
         if any(is_dtensor(p) for p in params):
-            stacked = [tuple(p.shape) for p in params if p.dim() == 3]
-            if stacked:
-                raise NotImplementedError(
-                    f"MuonSplit: sharded 3-D (stacked expert) parameters {stacked} are not "
-                    "supported yet; keep them unsharded or in an AdamW group")
             sharded_muon_step(group, params, self.state, self.comm_stats)
             return
         momentum = group["momentum"]

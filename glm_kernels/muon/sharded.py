@@ -11,6 +11,9 @@ Every rank builds the same plan from shapes alone (no communication), once per g
 * **local heads** -- a head of a head-split matrix whose rows all lie in one rank's shard is
   orthogonalized by that rank, in its batched call: zero bytes (64 heads over 8 ranks: all of
   them). Replicated parameters (``Replicate()``, plain tensors) are computed locally too.
+* **local experts** -- a 3-D parameter is a stack of expert matrices [E, rows, cols]
+  (transformers' ``gate_up_proj`` / ``down_proj``); ``Shard(0)`` hands every rank whole
+  experts, which it orthogonalizes itself: zero bytes.
 * **owner-compute** -- a head straddling a shard boundary, or a whole plain Muon matrix, gets
   ONE owner rank: greedy longest-first on Newton-Schulz FLOPs (4 m^2 n + 2 m^3 per step and
   block, m <= n) after the local work; a straddling head's owner is one of the ranks holding
@@ -324,25 +327,26 @@ def sharded_muon_step(group: dict, params: List[torch.Tensor], state, stats: dic
                          f"group {dist.get_rank(pg)}")
     layouts = [l if l.ranges else RowLayout(l.rows, l.cols, ((0, l.rows),) * world, l.mesh)
                for l in layouts]
+    # A 3-D parameter is a stack of expert matrices and Shard(0) hands out whole experts: each
+    # rank orthogonalizes its own, nothing moves. The plan covers the 2-D matrices.
+    experts = [(p, l) for p, l in zip(params, layouts) if p.dim() == 3]
+    layouts = [l for p, l in zip(params, layouts) if p.dim() != 3]
+    params = [p for p in params if p.dim() != 3]
     plan = plan_group(tuple((l.rows, l.cols, l.ranges) for l in layouts), split,
                       group["ns_steps"], rank, world)
     schedule = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-    lr, momentum, method = group["lr"], group["momentum"], group["ns_method"]
+    lr, method = group["lr"], group["ns_method"]
     first_rows = [l.ranges[rank][0] for l in layouts]
 
     # 1. momentum and the update, on local rows (elementwise: as on the whole tensor)
     updates = []
     for p, l in zip(params, layouts):
-        if p.grad.is_sparse:
-            raise RuntimeError("MuonSplit does not support sparse gradients")
-        st = state[p]
-        if "momentum_buffer" not in st:
-            st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        update = momentum_update(local(st["momentum_buffer"]), local(p.grad), momentum,
-                                 group["nesterov"])
+        update = _momentum(p, state, group)
         updates.append(update.reshape(update.shape[0], l.cols))
-    device = updates[0].device
-    backend = _dispatch.select_backend("muon_split", updates[0])
+    stack_updates = [_momentum(p, state, group) for p, _ in experts]
+    first = (updates + stack_updates)[0]
+    device = first.device
+    backend = _dispatch.select_backend("muon_split", first)
 
     # 2. rows of U to their owners
     owned: Dict[int, torch.Tensor] = {}
@@ -402,8 +406,14 @@ def sharded_muon_step(group: dict, params: List[torch.Tensor], state, stats: dic
         lone = blocks.shape[0] == 1 and plan.heads[members[0][0].index] > 1
         uses.append(("owned", key, members, len(sources)))
         sources.append(torch.cat([blocks, blocks]) if lone else blocks)
+    for j, ((p, _), update) in enumerate(zip(experts, stack_updates)):
+        if update.shape[0]:     # a lone local expert is paired with itself, as a lone head
+            uses.append(("stack", j, len(sources)))
+            sources.append(torch.cat([update, update]) if update.shape[0] < min(2, p.shape[0])
+                           else update)
     for l in layouts:           # the blocks one process would batch (Triton tile choice)
         reference_ms += [min(r, l.cols) for r in _units(l.rows, split)[1]]
+    reference_ms += [min(p.shape[-2:]) for p, _ in experts]
     results = _run_ns(sources, reference_ms, schedule, method, backend) if sources else []
     out_dtype = _result_dtype(backend, method)
     for result in results:
@@ -424,7 +434,15 @@ def sharded_muon_step(group: dict, params: List[torch.Tensor], state, stats: dic
 
     item_results: Dict[int, List[torch.Tensor]] = {}
     for use in uses:
-        if use[0] == "local":
+        if use[0] == "stack":
+            p, position = experts[use[1]][0], use[2]
+            shard = local(p)
+            work = shard if shard.is_contiguous() else shard.clone()
+            work.mul_(decay).add_(results[position][:shard.shape[0]],
+                                  alpha=alpha(*p.shape[-2:]))
+            if work is not shard:
+                shard.copy_(work)
+        elif use[0] == "local":
             _, i, part, position, u0, u1 = use
             unit_rows = layouts[i].rows // plan.heads[i]
             lo = u0 * unit_rows - first_rows[i]
@@ -478,6 +496,17 @@ def sharded_muon_step(group: dict, params: List[torch.Tensor], state, stats: dic
         shard = local(p)
         if not shard.is_contiguous():
             shard.copy_(work.view_as(shard))
+
+
+def _momentum(p: torch.Tensor, state, group: dict) -> torch.Tensor:
+    """The momentum update of ``p``'s local shard (its buffer created on first use)."""
+    if p.grad.is_sparse:
+        raise RuntimeError("MuonSplit does not support sparse gradients")
+    st = state[p]
+    if "momentum_buffer" not in st:
+        st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return momentum_update(local(st["momentum_buffer"]), local(p.grad), group["momentum"],
+                           group["nesterov"])
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:

@@ -513,9 +513,11 @@ class DiskTransport(Transport):
             try:
                 if size > _MAX_LAYOUT_BYTES:
                     raise SyncError(f"{size} bytes")
-                doc = _dispatch.json_loads_bounded(
+                doc = _json.json_loads_bounded(
                     st.read_exact(fd, size, 0, error=SyncError).numpy().tobytes(), name,
                     max_bytes=_MAX_LAYOUT_BYTES, error=SyncError)
+                if not isinstance(doc, dict) or not isinstance(doc.get("targets"), dict):
+                    raise SyncError("not an object with a 'targets' object")
                 for tname, (full, box) in doc["targets"].items():
                     box = tuple(tuple(ab) for ab in box)
                     if (not isinstance(tname, str) or len(full) > layout.MAX_DIMS
@@ -525,7 +527,7 @@ class DiskTransport(Transport):
                                 and 0 <= ab[0] <= ab[1] <= n for ab, n in zip(box, full))):
                         raise SyncError(f"{tname!r:.80}: box {box!r:.80} outside {full!r:.80}")
                     out.setdefault(tname, set()).add((tuple(full), box))
-            except Exception as exc:   # a damaged layout file: logged, not used
+            except (SyncError, TypeError, ValueError) as exc:  # damaged: logged, not used
                 logger.warning("glm_kernels.sync: layout file %s refused: %s", name, exc)
             finally:
                 os.close(fd)

@@ -155,6 +155,29 @@ def test_refusals():
         gt.apply_glm_kernels("model")
 
 
+def test_a_method_with_other_arguments_is_refused_before_any_change(monkeypatch):
+    """A transformers release whose indexer takes other arguments (5.25's takes a ``cache``
+    object) is refused, naming the flag that leaves it alone; nothing is patched, not even the
+    router, and the model still runs; indexer=False patches the router only."""
+    model = make_model("glm_moe_dsa")
+    modeling = _patch._modeling_module("glm_moe_dsa")
+
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask=None,
+                position_ids=None, cache=None):
+        raise AssertionError("not called")
+    monkeypatch.setattr(modeling.GlmMoeDsaIndexer, "forward", forward)
+    router = gt.routing_modules(model)[0]
+    for apply in (lambda: gt.apply_glm_kernels(model),
+                  gt.apply_glm_kernels_to_glm_moe_dsa):
+        with pytest.raises(ValueError, match=r"GlmMoeDsaIndexer\.forward.*indexer=False"):
+            apply()
+        assert not _patch.is_patched(router, "route_tokens_to_experts")
+        assert modeling.GlmMoeDsaIndexer.forward is forward
+    monkeypatch.undo()
+    gt.apply_glm_kernels(model, indexer=False)
+    assert _patch.is_patched(router, "route_tokens_to_experts")
+
+
 def test_instance_patch_leaves_other_models_alone_and_class_patch_patches_new_ones(
         monkeypatch):
     ref_model, model = pair("deepseek_v3")

@@ -47,7 +47,8 @@ class Attention(nn.Module):
 class Model(nn.Module):
     """layer 0: q_b 2W heads (aligned, 2 per rank), kv_b W+1 heads (straddling, uneven);
     layer 1: q_b W heads (aligned, one lone head per rank), kv_b 3 heads; plain matrices
-    [13, 4(W+1)], [24, 13], [2, 5] (empty ranks for W > 2), a 3-D [2W+1, 3, 4]; AdamW:
+    [13, 4(W+1)], [24, 13], [2, 5] (empty ranks for W > 2), a 3-D stack of 2W+1 experts
+    [3, 4] (a lone local expert on the last rank for W = 3, none for W = 4); AdamW:
     embedding, norm, biases."""
 
     def __init__(self, world):
@@ -163,11 +164,12 @@ class _ByteCounter:
 
 def _movable_bounds(model, world):
     """[lower, upper] bytes the in-direction must move in total: each plain matrix or
-    straddling head moves all but its owner's rows; the owner is unknown here."""
+    straddling head moves all but its owner's rows; the owner is unknown here. A 3-D stack
+    of experts moves nothing (Shard(0) hands out whole experts)."""
     splits = Model.head_splits(world)
     lower = upper = 0
     for name, p in model.named_parameters():
-        if p.dim() < 2 or name == "embed.weight":
+        if p.dim() != 2 or name == "embed.weight":
             continue
         cols = math.prod(p.shape[1:]) * 4
         ranges = sharded.chunk_ranges(p.shape[0], world)

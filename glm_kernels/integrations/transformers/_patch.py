@@ -15,6 +15,7 @@ Methods are replaced, modules are not: parameters, buffers, state-dict names, fo
 signatures, hooks and ``isinstance`` checks stay as they were.
 """
 import importlib
+import inspect
 import types
 from typing import Dict, List, NamedTuple, Tuple
 
@@ -106,17 +107,42 @@ def apply_glm_kernels(model: torch.nn.Module, *, routing: bool = True,
     routing, indexer = _check_flags(routing, indexer)
     model_type = model_type_of(model)
     by_class = {p.cls_name: p for p in _selected(model_type, routing, indexer)}
-    for module in model.modules():
-        patch = by_class.get(type(module).__name__)
-        if patch is not None:
-            setattr(module, patch.method, types.MethodType(patch.function, module))
+    targets = [(m, by_class[type(m).__name__]) for m in model.modules()
+               if type(m).__name__ in by_class]
+    for module, patch in targets:          # every check before the first change
+        _check_signature(type(module), patch)
+    for module, patch in targets:
+        setattr(module, patch.method, types.MethodType(patch.function, module))
     return model
+
+
+def _parameters(function) -> List[str]:
+    return list(inspect.signature(function).parameters)
+
+
+def _check_signature(cls, patch: Patch) -> None:
+    """Refuse a transformers release whose method takes other arguments than the replacement
+    (e.g. 5.25's GLM-5 indexer takes a ``cache`` object): patching it would break the model's
+    forward, so nothing is patched and the error names what to turn off."""
+    original = _routers.ORIGINALS.get((cls, patch.method), getattr(cls, patch.method))
+    if original is patch.function:
+        return
+    if _parameters(original) != _parameters(patch.function):
+        import transformers
+        raise ValueError(
+            f"apply_glm_kernels: {cls.__name__}.{patch.method}{inspect.signature(original)} in "
+            f"transformers {transformers.__version__} differs from the replacement's "
+            f"{inspect.signature(patch.function)} (written for transformers 5.2-5.10); pass "
+            f"{patch.kind}=False to leave it as transformers ships it")
 
 
 def _apply_to_classes(model_type: str, routing, indexer) -> None:
     routing, indexer = _check_flags(routing, indexer)
     modeling = _modeling_module(model_type)
-    for patch in _selected(model_type, routing, indexer):
+    selected = _selected(model_type, routing, indexer)
+    for patch in selected:                 # every check before the first change
+        _check_signature(getattr(modeling, patch.cls_name), patch)
+    for patch in selected:
         cls = getattr(modeling, patch.cls_name)
         current = getattr(cls, patch.method)
         if current is not patch.function:
