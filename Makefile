@@ -61,7 +61,7 @@ pytest = $(1) -m pytest -q $(XDIST) $(2); rc=$$?; if [ $$rc -ne 0 ] && [ $$rc -n
   exit $$rc; fi
 
 .PHONY: demo test test-min test-newest test-megatron check-extras check-verl-install aot bench \
-  test-transformers-floor \
+  test-transformers-floor test-transformers-newest \
   venv clean
 
 # pip may resolve other packages against the torch already installed, never replace it.
@@ -170,20 +170,33 @@ test-min: .venv-min/.installed .venv-floor/.installed .venv-compat/.installed
 	  --out .venv-compat/gpu-check
 
 # The transformers integration on the oldest transformers it supports (5.2, the first with
-# GLM-5), beside the rest of .venv (the integrations' pins): only the transformers package
-# differs, put first on the path.
-TF_FLOOR      ?= transformers==5.2.0
-TF_FLOOR_TESTS := tests/integrations/test_transformers.py \
+# GLM-5) and on the newest (whose MoE routers and DSA indexers have another layout), beside the
+# rest of .venv (the integrations' pins): only transformers (and, for the newest, the hub and
+# tokenizers releases it requires) differ, put first on the path.
+TF_FLOOR       ?= transformers==5.2.0
+TF_NEWEST      ?= transformers==5.25.0
+TF_TESTS       := tests/integrations/test_transformers.py \
   tests/integrations/test_transformers_r3.py tests/integrations/test_transformers_muon.py
 build/tf-floor/.installed: $(STAMP)
 	rm -rf build/tf-floor
 	$(PIP) install -q --no-deps --target build/tf-floor "$(TF_FLOOR)"
 	touch $@
 
+build/tf-newest/.installed: $(STAMP)
+	rm -rf build/tf-newest
+	$(PIP) install -q --target build/tf-newest "$(TF_NEWEST)"
+	touch $@
+
+# $(call tf_tests,<target dir>): the transformers tests with that transformers first on the path
+tf_tests = PYTHONPATH=$(1):$(CURDIR) $(PY) -c "import transformers; \
+  print('== transformers', transformers.__version__, 'from $(1)')"; \
+  $(call pytest,PYTHONPATH=$(1):$(CURDIR) $(PY),$(TF_TESTS))
+
 test-transformers-floor: build/tf-floor/.installed
-	@PYTHONPATH=build/tf-floor:$(CURDIR) $(PY) -c "import transformers; \
-	  print('== transformers floor:', transformers.__version__)"
-	$(call pytest,PYTHONPATH=build/tf-floor:$(CURDIR) $(PY),$(TF_FLOOR_TESTS))
+	@$(call tf_tests,build/tf-floor)
+
+test-transformers-newest: build/tf-newest/.installed
+	@$(call tf_tests,build/tf-newest)
 
 # pip's resolution of every extra beside the torch floor and the kernels' floor: nothing in
 # them may replace the torch (or its pinned triton) already installed.
@@ -203,6 +216,7 @@ test-newest: .venv-newest/.installed
 	  'Python', sys.version.split()[0], 'torch', torch.__version__, 'triton', \
 	  triton.__version__, 'numpy', numpy.__version__)"
 	$(call pytest,.venv-newest/bin/python,-m "not slow" $(NEWEST_TESTS))
+	$(MAKE) --no-print-directory test-transformers-newest
 
 aot: $(STAMP)
 	$(PY) benchmarks/aot_report.py

@@ -125,8 +125,8 @@ def bench_transformers(tokens, device, notes):
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaMoE
 
         from glm_kernels.integrations.transformers import apply_glm_kernels  # noqa: F401
-        from glm_kernels.integrations.transformers._routers import \
-            noaux_route_tokens_to_experts
+        from glm_kernels.integrations.transformers._routers import (
+            noaux_route_tokens_to_experts, noaux_router_forward)
     except ImportError as exc:
         notes["transformers"] = f"skipped: {exc}"
         return None
@@ -139,20 +139,34 @@ def bench_transformers(tokens, device, notes):
     with torch.no_grad():
         theirs.gate.e_score_correction_bias.copy_(torch.randn(256, generator=gen) * 0.1)
     ours = copy.deepcopy(theirs)
-    ours.route_tokens_to_experts = types.MethodType(noaux_route_tokens_to_experts, ours)
-    logits = torch.randn(tokens, 256, generator=gen).to(device)
-    their_ids, their_w = theirs.route_tokens_to_experts(logits)
-    our_ids, our_w = ours.route_tokens_to_experts(logits)
+    # transformers <= 5.10 routes in the MoE block from the router's logits; newer releases
+    # route in the router's forward from the hidden states (its gemm timed on both sides)
+    if hasattr(theirs, "route_tokens_to_experts"):
+        ours.route_tokens_to_experts = types.MethodType(noaux_route_tokens_to_experts, ours)
+        inputs, kind = torch.randn(tokens, 256, generator=gen).to(device), "router logits"
+
+        def call(module):
+            return module.route_tokens_to_experts(inputs)
+    else:
+        ours.gate.forward = types.MethodType(noaux_router_forward, ours.gate)
+        inputs, kind = torch.randn(tokens, 64, generator=gen).to(device), "hidden states"
+
+        def call(module):
+            _, weights, ids = module.gate(inputs)
+            return ids, weights
+    (their_ids, their_w), (our_ids, our_w) = [
+        (ids, weights.detach()) for ids, weights in (call(theirs), call(ours))]
     same = (their_ids.sort(-1).values == our_ids.sort(-1).values).all(-1)
     their_w = their_w.gather(1, their_ids.argsort(-1))
     our_w = our_w.gather(1, our_ids.argsort(-1))
-    row = {"tokens": tokens, "same_expert_set": float(same.float().mean()),
+    row = {"tokens": tokens, "input": kind,
+           "same_expert_set": float(same.float().mean()),
            "weights_rel_err": float((our_w[same] - their_w[same]).norm()
                                     / their_w[same].norm())}
     for name, module in (("transformers", theirs), ("glm_kernels", ours)):
         try:
             row[f"{name}_us"] = _common.time_fn(
-                lambda: module.route_tokens_to_experts(logits), device=device) * 1e6
+                lambda: call(module), device=device) * 1e6
         except Exception as exc:
             notes[f"transformers:{name}@{tokens}"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     if row.get("transformers_us") and row.get("glm_kernels_us"):

@@ -42,11 +42,36 @@ def test_patched_model_matches_transformers(model_type):
     assert model.state_dict().keys() == ref_model.state_dict().keys()
 
 
-def _route(module, logits):
-    """(ids, weights) of one routing module for router logits [T, E] (any patched state)."""
+def _router(module):
+    """The module holding the router weight and correction bias: the MoE block's gate where
+    the block routes (transformers <= 5.10), else the routing module itself (newer)."""
+    return module.gate if hasattr(module, "route_tokens_to_experts") else module
+
+
+def _route(module, hidden):
+    """(ids, weights) of one noaux routing module for hidden states [T, H], in either layout:
+    gate + route_tokens_to_experts, or the router's forward."""
     if hasattr(module, "route_tokens_to_experts"):
-        return module.route_tokens_to_experts(logits)
-    raise AssertionError(type(module).__name__)
+        return module.route_tokens_to_experts(module.gate(hidden))
+    _, weights, ids = module(hidden)
+    return ids, weights
+
+
+def _method(module):
+    """The name of the replaced routing method of a routing module (either layout)."""
+    return "route_tokens_to_experts" if hasattr(module, "route_tokens_to_experts") else "forward"
+
+
+def _logits_as_hidden(module, logits):
+    """Hidden states whose router logits are exactly ``logits`` [T, E]: the router weight
+    becomes [I_E | 0] (every product exact, one nonzero term per sum), so a test of the
+    routing sees the logits it chose, whatever order the matmul sums in."""
+    router = _router(module)
+    experts, hidden_size = router.weight.shape
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, :experts] = torch.eye(experts)
+    return torch.nn.functional.pad(logits, (0, hidden_size - experts))
 
 
 def _by_expert(ids, weights):
@@ -58,10 +83,10 @@ def _by_expert(ids, weights):
 def test_noaux_routing_sets_and_weights_match(model_type):
     ref_model, model = pair(model_type)
     ref_block, block = gt.routing_modules(ref_model)[0], gt.routing_modules(model)[0]
-    logits = torch.randn(200, 8, generator=torch.Generator().manual_seed(2))
-    ref_ids, ref_w = _by_expert(*ref_block.route_tokens_to_experts(logits))
+    hidden = torch.randn(200, 32, generator=torch.Generator().manual_seed(2))
+    ref_ids, ref_w = _by_expert(*_route(ref_block, hidden))
     with NoTopk():
-        ids, w = _by_expert(*block.route_tokens_to_experts(logits))
+        ids, w = _by_expert(*_route(block, hidden))
     assert torch.equal(ids, ref_ids)
     assert_close(w, ref_w, tol=TOL)
 
@@ -107,13 +132,13 @@ def test_routing_is_bitwise_batch_invariant(backend):
         skip_without_kernels()
     block = gt.routing_modules(pair("glm_moe_dsa")[1])[0]
     gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(8, 8, generator=gen)
+    hidden = _logits_as_hidden(block, torch.randn(8, 8, generator=gen))
     perm = torch.randperm(8, generator=gen)
     with force_backend(backend):
-        batch_ids, batch_w = block.route_tokens_to_experts(logits)
-        shuffled_ids, shuffled_w = block.route_tokens_to_experts(logits[perm])
+        batch_ids, batch_w = _route(block, hidden)
+        shuffled_ids, shuffled_w = _route(block, hidden[perm])
         for i in range(8):
-            ids, w = block.route_tokens_to_experts(logits[i:i + 1])
+            ids, w = _route(block, hidden[i:i + 1])
             assert torch.equal(ids[0], batch_ids[i]) and torch.equal(w[0], batch_w[i])
     assert torch.equal(shuffled_ids, batch_ids[perm]) and torch.equal(shuffled_w, batch_w[perm])
 
@@ -122,8 +147,8 @@ def test_ties_go_to_the_lower_expert_id():
     """Equal logits and biases: groups 0..topk_group-1 are kept, experts 0 and 1 chosen."""
     _, model = pair("glm_moe_dsa")
     block = gt.routing_modules(model)[0]
-    block.gate.e_score_correction_bias.zero_()
-    ids, w = block.route_tokens_to_experts(torch.zeros(3, 8))
+    _router(block).e_score_correction_bias.zero_()
+    ids, w = _route(block, torch.zeros(3, 32))
     assert ids.tolist() == [[0, 1]] * 3
     assert_close(w, torch.full((3, 2), 0.5 * 2.5), tol=TOL)
 
@@ -156,14 +181,14 @@ def test_refusals():
 
 
 def test_a_method_with_other_arguments_is_refused_before_any_change(monkeypatch):
-    """A transformers release whose indexer takes other arguments (5.25's takes a ``cache``
-    object) is refused, naming the flag that leaves it alone; nothing is patched, not even the
-    router, and the model still runs; indexer=False patches the router only."""
+    """A transformers release whose indexer takes arguments no replacement was written for is
+    refused, naming the flag that leaves it alone; nothing is patched, not even the
+    router; indexer=False patches the router only."""
     model = make_model("glm_moe_dsa")
     modeling = _patch._modeling_module("glm_moe_dsa")
 
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask=None,
-                position_ids=None, cache=None):
+                position_ids=None, cache=None, index_topk=None):       # a future release
         raise AssertionError("not called")
     monkeypatch.setattr(modeling.GlmMoeDsaIndexer, "forward", forward)
     router = gt.routing_modules(model)[0]
@@ -171,24 +196,26 @@ def test_a_method_with_other_arguments_is_refused_before_any_change(monkeypatch)
                   gt.apply_glm_kernels_to_glm_moe_dsa):
         with pytest.raises(ValueError, match=r"GlmMoeDsaIndexer\.forward.*indexer=False"):
             apply()
-        assert not _patch.is_patched(router, "route_tokens_to_experts")
+        assert not _patch.is_patched(router, _method(router))
         assert modeling.GlmMoeDsaIndexer.forward is forward
     monkeypatch.undo()
     gt.apply_glm_kernels(model, indexer=False)
-    assert _patch.is_patched(router, "route_tokens_to_experts")
+    assert _patch.is_patched(router, _method(router))
 
 
 def test_instance_patch_leaves_other_models_alone_and_class_patch_patches_new_ones(
         monkeypatch):
     ref_model, model = pair("deepseek_v3")
-    assert _patch.is_patched(gt.routing_modules(model)[0], "route_tokens_to_experts")
-    assert not _patch.is_patched(gt.routing_modules(ref_model)[0], "route_tokens_to_experts")
+    method = _method(gt.routing_modules(model)[0])
+    assert _patch.is_patched(gt.routing_modules(model)[0], method)
+    assert not _patch.is_patched(gt.routing_modules(ref_model)[0], method)
     modeling = _patch._modeling_module("deepseek_v3")
-    monkeypatch.setattr(modeling.DeepseekV3MoE, "route_tokens_to_experts",
-                        modeling.DeepseekV3MoE.route_tokens_to_experts)   # restored after
+    routing = next(p for p in _patch.installed_patches("deepseek_v3") if p.kind == "routing")
+    cls = getattr(modeling, routing.cls_name)
+    monkeypatch.setattr(cls, method, getattr(cls, method))              # restored after
     gt.apply_glm_kernels_to_deepseek_v3()
     fresh = make_model("deepseek_v3")
-    assert _patch.is_patched(gt.routing_modules(fresh)[0], "route_tokens_to_experts")
+    assert _patch.is_patched(gt.routing_modules(fresh)[0], method)
     with NoTopk():
         out = fresh(torch.randint(2, 64, (2, 5))).logits
     assert torch.isfinite(out).all()
@@ -211,10 +238,10 @@ def _compiled_matches_eager(fn, hidden):
 
 def test_compiled_patched_router_matches_eager():
     """torch.compile(fullgraph=True) with Inductor of a patched GLM-5 MoE layer's routing
-    (its gate and the replaced route_tokens_to_experts), forward and backward."""
+    (its gate and the replaced routing method, either layout), forward and backward."""
     block = gt.routing_modules(pair("glm_moe_dsa")[1])[0]
     hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5))
-    _compiled_matches_eager(lambda h: block.route_tokens_to_experts(block.gate(h)), hidden)
+    _compiled_matches_eager(lambda h: _route(block, h), hidden)
 
 
 @pytest.mark.slow
@@ -223,6 +250,6 @@ def test_compiled_patched_moe_layer_matches_eager():
     implementation: the eager one loops over data). ~80 s of Inductor on a loaded CPU."""
     _, model = pair("glm_moe_dsa")
     model.config._experts_implementation = "batched_mm"
-    block = gt.routing_modules(model)[0]
+    block = next(m for m in model.modules() if type(m).__name__ == "GlmMoeDsaMoE")
     hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5))
     _compiled_matches_eager(lambda h: (block(h),), hidden)

@@ -11,6 +11,11 @@ What is replaced, per ``model_type`` (class -> method):
                  DeepseekV4Indexer.forward               (indexer)
     qwen3_moe    Qwen3MoeTopKRouter.forward              (routing)
 
+That is transformers 5.2-5.10's layout. Newer releases (5.25) route in the router's forward
+(GlmMoeDsaTopkRouter, Glm4MoeTopkRouter, DeepseekV3TopkRouter ``.forward(hidden_states)``) and
+pass the indexers the model's Cache as ``cache``: ``NEWER`` holds those forms and
+``installed_patches`` picks, per method, the one the installed release has.
+
 Methods are replaced, modules are not: parameters, buffers, state-dict names, forward
 signatures, hooks and ``isinstance`` checks stay as they were.
 """
@@ -49,8 +54,27 @@ PATCHES: Dict[str, Tuple[Patch, ...]] = {
     "qwen3_moe": (Patch("routing", "Qwen3MoeTopKRouter", "forward",
                         _routers.qwen3_router_forward),),
 }
+# Where a transformers release after 5.10 moved or re-signed a replaced method, the patch for
+# its layout: noaux_tc routing moved from the MoE block's route_tokens_to_experts(logits) into
+# the router's forward(hidden_states); the DSA indexers take the model's Cache as ``cache``.
+_NOAUX_ROUTER = _routers.noaux_router_forward
+NEWER: Dict[Tuple[str, str], Patch] = {
+    ("GlmMoeDsaMoE", "route_tokens_to_experts"):
+        Patch("routing", "GlmMoeDsaTopkRouter", "forward", _NOAUX_ROUTER),
+    ("Glm4MoeMoE", "route_tokens_to_experts"):
+        Patch("routing", "Glm4MoeTopkRouter", "forward", _NOAUX_ROUTER),
+    ("DeepseekV3MoE", "route_tokens_to_experts"):
+        Patch("routing", "DeepseekV3TopkRouter", "forward", _NOAUX_ROUTER),
+    ("GlmMoeDsaIndexer", "forward"):
+        Patch("indexer", "GlmMoeDsaIndexer", "forward",
+              _routers.glm_moe_dsa_indexer_forward_cache),
+    ("DeepseekV4Indexer", "forward"):
+        Patch("indexer", "DeepseekV4Indexer", "forward",
+              _routers.deepseek_v4_indexer_forward_cache),
+}
 SUPPORTED_MODEL_TYPES = tuple(PATCHES)
-_ALL_FUNCTIONS = {p.function for patches in PATCHES.values() for p in patches}
+_ALL_FUNCTIONS = ({p.function for patches in PATCHES.values() for p in patches}
+                  | {p.function for p in NEWER.values()})
 
 
 def _modeling_module(model_type: str):
@@ -66,8 +90,30 @@ def _check_flags(routing, indexer) -> Tuple[bool, bool]:
     return _checks.check_bool("routing", routing), _checks.check_bool("indexer", indexer)
 
 
+def _original(cls, method: str):
+    """transformers' own ``cls.method`` (None where this release has no such method)."""
+    return _routers.ORIGINALS.get((cls, method), getattr(cls, method, None))
+
+
+def installed_patches(model_type: str) -> Tuple[Patch, ...]:
+    """The patches of ``model_type`` for the installed transformers' layout: each entry of
+    ``PATCHES`` (5.2-5.10), or its ``NEWER`` form where the method is gone or has the newer
+    form's parameters."""
+    modeling = _modeling_module(model_type)
+    chosen = []
+    for patch in PATCHES[model_type]:
+        newer = NEWER.get((patch.cls_name, patch.method))
+        original = _original(getattr(modeling, patch.cls_name), patch.method)
+        if newer is not None and (original is None or
+                                  _parameters(original) == _parameters(newer.function)):
+            patch = newer
+        chosen.append(patch)
+    return tuple(chosen)
+
+
 def _selected(model_type: str, routing: bool, indexer: bool) -> List[Patch]:
-    return [p for p in PATCHES[model_type] if (routing if p.kind == "routing" else indexer)]
+    return [p for p in installed_patches(model_type)
+            if (routing if p.kind == "routing" else indexer)]
 
 
 def model_type_of(model: torch.nn.Module) -> str:
@@ -124,15 +170,16 @@ def _check_signature(cls, patch: Patch) -> None:
     """Refuse a transformers release whose method takes other arguments than the replacement
     (e.g. 5.25's GLM-5 indexer takes a ``cache`` object): patching it would break the model's
     forward, so nothing is patched and the error names what to turn off."""
-    original = _routers.ORIGINALS.get((cls, patch.method), getattr(cls, patch.method))
+    original = _original(cls, patch.method)
     if original is patch.function:
         return
-    if _parameters(original) != _parameters(patch.function):
+    if original is None or _parameters(original) != _parameters(patch.function):
         import transformers
         raise ValueError(
-            f"apply_glm_kernels: {cls.__name__}.{patch.method}{inspect.signature(original)} in "
-            f"transformers {transformers.__version__} differs from the replacement's "
-            f"{inspect.signature(patch.function)} (written for transformers 5.2-5.10); pass "
+            f"apply_glm_kernels: {cls.__name__}.{patch.method}"
+            f"{inspect.signature(original) if original else ' (absent)'} in transformers "
+            f"{transformers.__version__} differs from the replacement's "
+            f"{inspect.signature(patch.function)} (written for transformers 5.2-5.25); pass "
             f"{patch.kind}=False to leave it as transformers ships it")
 
 
@@ -159,7 +206,8 @@ def is_patched(module: torch.nn.Module, method: str) -> bool:
 def routing_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     """The modules that route each MoE layer (model order), whether patched or not."""
     model_type = model_type_of(model)
-    names = {p.cls_name: p.method for p in PATCHES[model_type] if p.kind == "routing"}
+    names = {p.cls_name: p.method for p in installed_patches(model_type)
+             if p.kind == "routing"}
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
@@ -167,6 +215,7 @@ def _class_patcher(model_type: str):
     def apply(*, routing: bool = True, indexer: bool = True) -> None:
         _apply_to_classes(model_type, routing, indexer)
     replaced = ", ".join(f"{p.cls_name}.{p.method}" for p in PATCHES[model_type])
+    replaced += " (newer releases: the methods installed_patches names)"
     apply.__name__ = apply.__qualname__ = f"apply_glm_kernels_to_{model_type}"
     apply.__doc__ = (f"Patch transformers' ``{model_type}`` classes (every model built after "
                      f"this call, e.g. by ``from_pretrained``): {replaced}. ``routing`` and "

@@ -66,6 +66,20 @@ def noaux_route_tokens_to_experts(self, router_logits):
     return ids, weights.to(router_logits.dtype)
 
 
+def noaux_router_forward(self, hidden_states):
+    """``forward`` of GlmMoeDsaTopkRouter / Glm4MoeTopkRouter / DeepseekV3TopkRouter where
+    transformers (newer than 5.10) routes in the router: the fp32 logits of the hidden states,
+    then the noaux_tc choice above; returns (router_logits fp32 [T, E], topk_weights fp32
+    [T, k], topk_indices int64 [T, k]) as the original does."""
+    flat = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(flat.float(), self.weight.float())
+    weights, ids = route(self, router_logits, self.top_k, scoring="sigmoid",
+                         bias=self.e_score_correction_bias, n_group=self.num_group,
+                         topk_group=self.topk_group, renormalize=bool(self.norm_topk_prob),
+                         scaling_factor=self.routed_scaling_factor)
+    return router_logits, weights, ids
+
+
 # ----------------------------------------------------------------- Qwen3-MoE
 def qwen3_router_forward(self, hidden_states):
     """``Qwen3MoeTopKRouter.forward``: softmax over the experts (fp32), top_k, renormalized
@@ -178,12 +192,61 @@ def glm_moe_dsa_indexer_forward(self, hidden_states, q_resid, position_embedding
     return torch.where(indices >= 0, indices, indices[..., :1])
 
 
+@torch.no_grad()
+def glm_moe_dsa_indexer_forward_cache(self, hidden_states, q_resid, position_embeddings,
+                                      attention_mask, position_ids, cache=None):
+    """``GlmMoeDsaIndexer.forward`` of transformers releases whose indexer keeps its keys in
+    the model's ``Cache`` (``cache.update_indexer``) and applies interleaved RoPE (5.25), with
+    the top-k by ``glm_kernels.topk``: the original's index scores, per query the best keys of
+    its causal prefix, ties to the lower key index, spare slots repeating the best key (the
+    sparse mask built from them is the same); int32 indices as the original returns."""
+    rotate = _modeling(self).apply_rotary_pos_emb_interleave
+    batch_size, seq_len, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    rope, rest = self.qk_rope_head_dim, self.head_dim - self.qk_rope_head_dim
+    q = self.wq_b(q_resid).view(batch_size, seq_len, self.n_heads, self.head_dim)
+    q_rot, q_pass = torch.split(q, [rope, rest], dim=-1)
+    k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, rest], dim=-1)
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    if cache is not None:
+        k = cache.update_indexer(k, self.layer_idx)
+    # the original's products in its order: the scores are its bits, only the top-k changes
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1))
+                    * self.softmax_scale)
+    weights = (self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
+               * (self.n_heads ** -0.5))
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    if attention_mask.dtype == torch.bool:
+        index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        index_scores = index_scores + attention_mask
+    total_len = index_scores.shape[-1]
+    lengths = causal_lengths(seq_len, total_len, index_scores.device).expand(batch_size, seq_len)
+    indices = topk(index_scores, min(self.index_topk, total_len), lengths=lengths).indices
+    return torch.where(indices >= 0, indices, indices[..., :1]).to(torch.int32)
+
+
 # ----------------------------------------------------------------- DeepSeek-V4 indexer
 def deepseek_v4_indexer_forward(self, hidden_states, q_residual, position_ids, past_key_values,
                                 layer_idx):
     """``DeepseekV4Indexer.forward`` with the top-k by ``glm_kernels.topk``: a query keeps the
     best compressed entries among those it may see (``lengths`` = (position + 1) //
     compress_rate); spare slots are -1, as the original marks them."""
+    return _deepseek_v4_indexer(self, hidden_states, q_residual, position_ids, past_key_values,
+                                layer_idx)
+
+
+def deepseek_v4_indexer_forward_cache(self, hidden_states, q_residual, position_ids, cache,
+                                      layer_idx):
+    """The same where transformers names the cache argument ``cache`` (5.25)."""
+    return _deepseek_v4_indexer(self, hidden_states, q_residual, position_ids, cache, layer_idx)
+
+
+def _deepseek_v4_indexer(self, hidden_states, q_residual, position_ids, past_key_values,
+                         layer_idx):
     mod = _modeling(self)
     batch, seq_len, _ = hidden_states.shape
     cache_layer = past_key_values.layers[layer_idx] if past_key_values is not None else None

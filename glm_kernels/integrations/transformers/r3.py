@@ -42,7 +42,8 @@ def _n_experts(module) -> int:
 
 def _patched_routing_modules(model) -> List[torch.nn.Module]:
     modules = _patch.routing_modules(model)
-    method = {p.cls_name: p.method for p in _patch.PATCHES[_patch.model_type_of(model)]}
+    method = {p.cls_name: p.method
+              for p in _patch.installed_patches(_patch.model_type_of(model))}
     unpatched = [m for m in modules if not _patch.is_patched(m, method[type(m).__name__])]
     if not modules or unpatched:
         raise ValueError("R3 needs the model's routers patched: call "
