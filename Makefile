@@ -176,7 +176,8 @@ test-min: .venv-min/.installed .venv-floor/.installed .venv-compat/.installed
 TF_FLOOR       ?= transformers==5.2.0
 TF_NEWEST      ?= transformers==5.25.0
 TF_TESTS       := tests/integrations/test_transformers.py \
-  tests/integrations/test_transformers_r3.py tests/integrations/test_transformers_muon.py
+  tests/integrations/test_transformers_r3.py tests/integrations/test_transformers_muon.py \
+  tests/invariant/test_models.py
 build/tf-floor/.installed: $(STAMP)
 	rm -rf build/tf-floor
 	$(PIP) install -q --no-deps --target build/tf-floor "$(TF_FLOOR)"

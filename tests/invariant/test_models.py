@@ -105,3 +105,17 @@ def test_training_gradients_inside_the_context(model_type):
                                if p.grad is not None])
     assert torch.isfinite(grads[True]).all()
     assert_close(grads[True], grads[False], tol=1e-5, name=f"{model_type} gradients")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm_moe_dsa"])
+def test_rollout_equals_full_forward_bitwise_with_apply_glm_kernels(model_type):
+    """The mode composes with the transformers integration: the patched routers (moe_route)
+    and GLM-5's patched DSA indexer (glm_kernels.topk) inside the context, same contract."""
+    from glm_kernels.integrations.transformers import apply_glm_kernels, routing_modules
+    from glm_kernels.integrations.transformers._patch import is_patched
+    model = apply_glm_kernels(tiny_causal_lm(model_type, torch.float32))
+    assert all(is_patched(m, "forward") or is_patched(m, "route_tokens_to_experts")
+               for m in routing_modules(model))
+    with glm_kernels.batch_invariant():
+        report = assert_batch_invariant(model, _prompts(), max_new_tokens=3)
+    assert (report["alone"], report["batch"], report["shuffled"]) == (0, 0, 0)
