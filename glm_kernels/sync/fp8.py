@@ -81,8 +81,13 @@ class FP8Blocks:
     def selects(self, name: str) -> bool:
         return bool(self._select(name))
 
-    def quantize(self, name: str, t: torch.Tensor, spec):
-        """{name: (fp8 shard, slice), name + "_scale_inv": (scales, slice)} of one shard."""
+    def quantize(self, name: str, t: torch.Tensor, spec, band_bytes: int = 1 << 26):
+        """{name: (fp8 shard, slice), name + "_scale_inv": (scales, slice)} of one shard.
+
+        The FP8 shard is a :class:`LazyFP8`: its bytes are quantized band by band when a
+        piece (or the base) is read, so a publish never holds the shard's FP8 copy; the
+        scales (1/16384 of the elements) are computed here, in bands of about
+        ``band_bytes`` FP8 bytes."""
         if t.dim() != 2 or t.dtype not in _INPUT_DTYPES:
             raise TypeError(f"fp8 weight {name!r} must be a 2-D {_INPUT_DTYPES} tensor, got "
                             f"{t.dtype} of shape {tuple(t.shape)}")
@@ -93,9 +98,69 @@ class FP8Blocks:
             raise ValueError(f"fp8 weight {name!r}: the shard [{start}, {stop}) of dim {dim} is "
                              f"not on {b}-element block boundaries; shard FP8 weights on "
                              f"multiples of the block")
-        q, s = quantize_fp8_blocks(t, self.block)
+        q = LazyFP8(t, self.block)
+        s = q.scales(band_bytes)
         sfull = tuple(-(-n // bb) for n, bb in zip(full, self.block))
         sspec = (dim, start // b, -(-stop // b), sfull)
         return {name: (q, (dim, start, stop, full)),
                 name + SCALE_SUFFIX: (s, layout.check_slice(f"{name}{SCALE_SUFFIX}", sspec,
                                                             s.shape))}
+
+
+class LazyFP8:
+    """The float8_e4m3fn bytes of one 2-D shard, computed on indexing.
+
+    ``lazy[rows, cols]`` (slices with step 1) quantizes the whole blocks around the box and
+    returns the box: every block is quantized on its own (its amax, its scale), so a box cut
+    from a band equals the same box of ``quantize_fp8_blocks(shard)`` bit for bit, and
+    memory holds one band, not the shard's FP8 copy. The shard's block boundaries are the
+    full weight's (``FP8Blocks.quantize`` checks the shard is cut on them). On the CPU the
+    torch reference's fp32 temporaries (about 16 bytes per element) are bounded to one block
+    row at a time; the CUDA kernel writes the FP8 bytes with no temporaries, a band at once.
+    """
+
+    dtype = torch.float8_e4m3fn
+
+    def __init__(self, weight: torch.Tensor, block):
+        self.weight, self.block = weight, tuple(block)
+        self.shape, self.device = weight.shape, weight.device
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        return self.weight.numel()
+
+    def element_size(self) -> int:
+        return 1
+
+    def _row_steps(self, start: int, stop: int, band_rows: int):
+        """Row ranges of whole blocks covering [start, stop): one block row each on the CPU,
+        bands of ``band_rows`` (a block multiple) on CUDA."""
+        step = band_rows if self.device.type == "cuda" else self.block[0]
+        return [(r, min(stop, r + step)) for r in range(start, stop, step)]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if not (isinstance(index, tuple) and len(index) == 2
+                and all(isinstance(i, slice) and i.step in (None, 1) for i in index)):
+            raise TypeError(f"LazyFP8 takes two unit-step slices, got {index!r:.80}")
+        (a0, a1), (b0, b1) = [i.indices(n)[:2] for i, n in zip(index, self.shape)]
+        (r0, r1), (c0, c1) = [(a // b * b, min(n, -(-c // b) * b)) for (a, c), b, n in
+                              zip(((a0, a1), (b0, b1)), self.block, self.shape)]
+        out = torch.empty(max(a1 - a0, 0), max(b1 - b0, 0), dtype=self.dtype,
+                          device=self.device)
+        for lo, hi in self._row_steps(r0, r1, r1 - r0):
+            q, _ = quantize_fp8_blocks(self.weight[lo:hi, c0:c1], self.block)
+            keep0, keep1 = max(lo, a0), min(hi, a1)
+            out[keep0 - a0:keep1 - a0] = q[keep0 - lo:keep1 - lo, b0 - c0:b1 - c0]
+        return out
+
+    def scales(self, band_bytes: int) -> torch.Tensor:
+        """fp32 [ceil(R/br), ceil(C/bc)] scale_inv of the shard, in bands of whole blocks of
+        about ``band_bytes`` FP8 bytes on CUDA (one block row at a time on the CPU)."""
+        rows, cols = self.shape
+        band_rows = max(1, band_bytes // max(cols * self.block[0], 1)) * self.block[0]
+        bands = [quantize_fp8_blocks(self.weight[lo:hi], self.block)[1]
+                 for lo, hi in self._row_steps(0, rows, band_rows)]
+        return torch.cat(bands) if bands else torch.empty(
+            0, -(-cols // self.block[1]), dtype=torch.float32, device=self.device)

@@ -41,10 +41,11 @@ def group_rank(group) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def resolve(named_tensors: Mapping, slices: Optional[Mapping], fp8, rank: int
-            ) -> Dict[str, Tuple[torch.Tensor, layout.Slice]]:
+def resolve(named_tensors: Mapping, slices: Optional[Mapping], fp8, rank: int,
+            chunk_bytes: int = 1 << 26) -> Dict[str, Tuple[torch.Tensor, layout.Slice]]:
     """{name: (local tensor, slice)} this rank publishes (replicated tensors: rank 0 only),
-    FP8 names replaced by their quantized weight and ``_scale_inv``."""
+    FP8 names replaced by their quantized weight (a ``LazyFP8``: quantized piece by piece)
+    and ``_scale_inv``."""
     if not isinstance(named_tensors, Mapping):
         raise TypeError(f"named_tensors must be a mapping name -> tensor, got "
                         f"{type(named_tensors).__name__}")
@@ -79,7 +80,7 @@ def resolve(named_tensors: Mapping, slices: Optional[Mapping], fp8, rank: int
             raise TypeError(f"{what}: {exc}") from None
         t = t.detach()
         if fp8 is not None and fp8.selects(name):
-            for qname, (qt, qspec) in fp8.quantize(name, t, spec).items():
+            for qname, (qt, qspec) in fp8.quantize(name, t, spec, chunk_bytes).items():
                 out[qname] = (qt, qspec)
             continue
         out[name] = (t, spec)
@@ -126,7 +127,7 @@ class ShardState:
 
     def _alloc(self, t: torch.Tensor) -> torch.Tensor:
         if self.where == "device":
-            return torch.empty_like(t, memory_format=torch.contiguous_format)
+            return torch.empty(t.shape, dtype=t.dtype, device=t.device)
         pin = t.device.type == "cuda" and torch.cuda.is_available()
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
 
@@ -179,7 +180,7 @@ def publish(sender, named_tensors, full: bool) -> int:
     """Sender.publish for a sharded sender (see the module docstring)."""
     group, transport = sender.group, sender.transport
     rank, world = group_rank(group)
-    tensors = resolve(named_tensors, sender.slices, sender.fp8, rank)
+    tensors = resolve(named_tensors, sender.slices, sender.fp8, rank, sender.chunk_bytes)
     want_full = bool(full or sender._force_full)
     if rank == 0:
         want_full = transport.full_requested() or want_full

@@ -195,6 +195,11 @@ _MEMORY = textwrap.dedent("""
     rows, cols, bucket = 2048, 4096, 1 << 20                 # a 16 MiB bf16 shard
     shard = (torch.randn(rows, cols) * 0.02).bfloat16()
     spec = {"w": (0, 0, rows, (rows, cols))}
+    fp8 = sync.FP8Blocks(names=["w"]) if sys.argv[1:] == ["fp8"] else None
+    if fp8 is not None:                                      # 8 MiB of FP8 bytes
+        rows, cols = 8192, 1024
+        shard = (torch.randn(rows, cols) * 0.02).bfloat16()
+        spec = {"w": (0, 0, rows, (rows, cols))}
     root = tempfile.mkdtemp()
     small = {"w": shard[:8].clone()}
     warm = sync.Sender(sync.DiskTransport(root + "/warm"), slices={"w": (0, 0, 8, (8, cols))},
@@ -202,7 +207,7 @@ _MEMORY = textwrap.dedent("""
     warm.publish(small); small["w"].view(torch.int16)[::3] += 1; warm.publish(small)
     out = {}
     sender = sync.Sender(sync.DiskTransport(root + "/d"), slices=spec, encoding="gap16",
-                         bucket_bytes=bucket)
+                         bucket_bytes=bucket, fp8=fp8)
     reset_peak(); before, _ = rss()
     sender.publish({"w": shard})
     after, peak = rss()
@@ -219,6 +224,20 @@ _MEMORY = textwrap.dedent("""
 """)
 
 
+def _publish_memory(*args):
+    # glibc's fixed mmap threshold: a freed large temporary goes back to the system at once
+    # (the default threshold rises after the first free, and freed heap then counts in RSS
+    # as if it were still held), so VmHWM follows what is alive
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH",
+                                                                                ""),
+               MALLOC_MMAP_THRESHOLD_="131072")
+    done = subprocess.run([sys.executable, "-c", _MEMORY, *args], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux VmHWM")
 def test_publish_peak_host_memory_is_one_bucket_beyond_the_base():
     """Peak resident memory of a publish (VmHWM, reset before it), in a fresh process: the
@@ -226,19 +245,48 @@ def test_publish_peak_host_memory_is_one_bucket_beyond_the_base():
     publish at most about a bucket, whatever the update's size (30 % density: 20 MB of
     packets go out bucket by bucket). Freed memory the allocator kept can hide an
     allocation from RSS, so this bounds what was newly touched, not every malloc."""
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH",
-                                                                                ""))
-    done = subprocess.run([sys.executable, "-c", _MEMORY], capture_output=True, text=True,
-                          timeout=240, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    import json
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = _publish_memory()
     base, bucket, slack = 16 << 20, 1 << 20, 2 << 20
     assert got["first"][1] >= base * 0.95                     # the base is kept
     assert got["first"][0] <= base + bucket + slack, got
     assert got["0.3"][1] > 8 * bucket                         # a large update ...
     for density in ("0.01", "0.3"):
         assert got[density][0] <= bucket + slack, got          # ... within a bucket
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux VmHWM")
+def test_fp8_publish_never_holds_the_shards_fp8_copy():
+    """The same with FP8 rollout weights (a 16 MiB bf16 shard [8192, 1024], 8 MiB of FP8
+    bytes): the base is the FP8 bytes and scales; a publish quantizes piece by piece, so
+    beyond the base it holds a bucket and one block row's quantization working set (the CPU
+    reference's fp32 temporaries, about 16 B x 128 x 1024 = 2 MiB), never the 8 MiB copy."""
+    got = _publish_memory("fp8")
+    base, bucket, block_row, slack = 8 << 20, 1 << 20, 2 << 20, 2 << 20
+    assert got["first"][1] >= base * 0.95
+    assert got["first"][0] <= base + bucket + block_row + slack, got
+    assert got["0.3"][1] > got["0.01"][1] > 0                  # deltas of FP8 bytes went out
+    for density in ("0.01", "0.3"):
+        assert got[density][0] <= bucket + block_row + slack, got
+
+
+def test_lazy_fp8_boxes_are_the_whole_quantizations_bytes():
+    """Any box of a LazyFP8 (block-aligned or not, edge blocks partial) and its scales, in
+    any band size, equal quantize_fp8_blocks of the whole shard bit for bit."""
+    from glm_kernels.sync.fp8 import LazyFP8, quantize_fp8_blocks
+    weight = (torch.randn(300, 520, generator=torch.Generator().manual_seed(3)) * 0.05
+              ).bfloat16()
+    weight[130:140, 260:270] *= 40                            # one block with another scale
+    q, scales = quantize_fp8_blocks(weight, (128, 128))
+    lazy = LazyFP8(weight, (128, 128))
+    boxes = [(slice(0, 300), slice(0, 520)), (slice(0, 1), slice(0, 520)),
+             (slice(5, 260), slice(100, 300)), (slice(127, 129), slice(511, 520)),
+             (slice(256, 300), slice(0, 128)), (slice(200, 200), slice(0, 520))]
+    for rows, cols in boxes:
+        assert torch.equal(lazy[rows, cols].view(torch.uint8), q[rows, cols].view(torch.uint8))
+    for band in (1, 128 * 520, 1 << 30):
+        assert torch.equal(lazy.scales(band), scales)
+    with pytest.raises(TypeError, match="unit-step slices"):
+        lazy[::2, :]
 
 
 def test_receiver_whose_box_no_sender_cut_for_refuses(tmp_path):
