@@ -353,25 +353,30 @@ class DiskTransport(Transport):
             since_full += 1
         return True   # nothing full on disk yet
 
-    def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
-             bucket_bytes: int, epoch: Optional[str] = None) -> None:
-        self._take_lock()
-        self._clear_planted(REQUEST, MANIFEST)
-        epoch = check_epoch(epoch)
+    def _next_manifest(self, version: int, base: Optional[int], epoch: Optional[str]):
+        """(the manifest to extend, whether ``version`` restarts its history). A restarted
+        sender (a new epoch, numbering again) starts a new history with its first full
+        snapshot, as on every other transport: receivers follow it at once."""
         manifest = self._manifest_or_none()
         if manifest is None:
             if base is not None:
                 raise TransportError(f"{self._file(MANIFEST)} is malformed: only a full "
                                      f"snapshot can start a new manifest")
             manifest = {"format": FORMAT, "latest": 0, "versions": []}
-        # A restarted sender (a new epoch, numbering again) starts a new history with its
-        # first full snapshot, as on every other transport: receivers follow it at once.
         restart = (version <= manifest["latest"] and base is None and epoch is not None
                    and all(r.get("e") != epoch for r in manifest["versions"]))
         if version <= manifest["latest"] and not restart:
             raise ValueError(f"version {version} is not newer than v{manifest['latest']} "
                              f"already in {self.path}; start the Sender with "
                              f"version=DiskTransport.latest_version()")
+        return manifest, restart
+
+    def send(self, version: int, base: Optional[int], entries: Iterable[Entry],
+             bucket_bytes: int, epoch: Optional[str] = None) -> None:
+        self._take_lock()
+        self._clear_planted(REQUEST, MANIFEST)
+        epoch = check_epoch(epoch)
+        manifest, restart = self._next_manifest(version, base, epoch)
         if restart:
             logger.warning("glm_kernels.sync: sender epoch %s restarts %s at v%d (it held up "
                            "to v%d): the older versions are dropped", epoch, self.path,
@@ -460,17 +465,7 @@ class DiskTransport(Transport):
         files = [name for p in parts for name in (p or [])]
         for name in files:
             check_file_name(name)
-        manifest = self._manifest_or_none()
-        if manifest is None:
-            if base is not None:
-                raise TransportError(f"{self._file(MANIFEST)} is malformed: only a full "
-                                     f"snapshot can start a new manifest")
-            manifest = {"format": FORMAT, "latest": 0, "versions": []}
-        restart = (version <= manifest["latest"] and base is None and epoch is not None
-                   and all(r.get("e") != epoch for r in manifest["versions"]))
-        if version <= manifest["latest"] and not restart:
-            raise ValueError(f"version {version} is not newer than v{manifest['latest']} "
-                             f"already in {self.path}")
+        manifest, restart = self._next_manifest(version, base, epoch)
         self._publish_manifest(manifest, {"v": version, "base": base, "e": epoch,
                                           "files": files}, restart)
         return True
