@@ -201,6 +201,9 @@ def test_a_method_with_other_arguments_is_refused_before_any_change(monkeypatch)
     monkeypatch.undo()
     gt.apply_glm_kernels(model, indexer=False)
     assert _patch.is_patched(router, _method(router))
+    monkeypatch.delattr(modeling, "GlmMoeDsaIndexer")          # a release without the class
+    with pytest.raises(ValueError, match=r"no class GlmMoeDsaIndexer.*indexer=False"):
+        gt.apply_glm_kernels_to_glm_moe_dsa()
 
 
 def test_instance_patch_leaves_other_models_alone_and_class_patch_patches_new_ones(

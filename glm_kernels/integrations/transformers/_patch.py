@@ -103,7 +103,8 @@ def installed_patches(model_type: str) -> Tuple[Patch, ...]:
     chosen = []
     for patch in PATCHES[model_type]:
         newer = NEWER.get((patch.cls_name, patch.method))
-        original = _original(getattr(modeling, patch.cls_name), patch.method)
+        cls = getattr(modeling, patch.cls_name, None)
+        original = None if cls is None else _original(cls, patch.method)
         if newer is not None and (original is None or
                                   _parameters(original) == _parameters(newer.function)):
             patch = newer
@@ -188,6 +189,10 @@ def _apply_to_classes(model_type: str, routing, indexer) -> None:
     modeling = _modeling_module(model_type)
     selected = _selected(model_type, routing, indexer)
     for patch in selected:                 # every check before the first change
+        if not hasattr(modeling, patch.cls_name):
+            raise ValueError(f"apply_glm_kernels_to_{model_type}: transformers' "
+                             f"{modeling.__name__} has no class {patch.cls_name}; pass "
+                             f"{patch.kind}=False to leave that part as transformers ships it")
         _check_signature(getattr(modeling, patch.cls_name), patch)
     for patch in selected:
         cls = getattr(modeling, patch.cls_name)
