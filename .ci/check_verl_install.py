@@ -2,7 +2,7 @@
 the first argument), numpy and pytest, then exactly the docs' pip commands, then runs
 tests/integrations/test_verl.py and test_verl_losses.py (torch backend) against this checkout
 with nothing skipped. The docs' commands must equal glm_kernels.integrations.verl.INSTALL_HINT
-(the ImportError's advice, defined in verl_losses.py).
+(the ImportError's advice, defined in integrations/verl/losses.py).
 Usage: python .ci/check_verl_install.py TORCH_SPEC [VENV_DIR]
 """
 import ast
@@ -26,7 +26,7 @@ def docs_commands():
 
 def install_hint():
     """INSTALL_HINT read from the source (importing the module needs verl)."""
-    with open(os.path.join(ROOT, "glm_kernels", "integrations", "verl_losses.py")) as f:
+    with open(os.path.join(ROOT, "glm_kernels", "integrations", "verl", "losses.py")) as f:
         tree = ast.parse(f.read())
     for node in tree.body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "INSTALL_HINT":
