@@ -14,6 +14,9 @@ import torch
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+# The divisor of scale_inv as a tensor: Inductor (torch < 2.13) turns a division by a
+# constant into a multiplication by its reciprocal, one ulp off amax / 448 for some amax.
+_FP8_MAX_TENSOR = torch.tensor(FP8_MAX)
 
 
 def quantize_fp8_blocks(w: torch.Tensor, block=(128, 128)):
@@ -28,4 +31,4 @@ def quantize_fp8_blocks(w: torch.Tensor, block=(128, 128)):
     scale = torch.full_like(amax, FP8_MAX) / amax
     q = (blocks * scale[:, None, :, None]).to(torch.float8_e4m3fn)
     q = q.view(nr * br, nc * bc)[:rows, :cols].contiguous()
-    return q, amax / FP8_MAX
+    return q, amax / _FP8_MAX_TENSOR.to(amax.device)

@@ -159,7 +159,12 @@ def parse_piece(entry_name: str):
 def dtensor_slice(what: str, t) -> Tuple[torch.Tensor, Optional[Slice]]:
     """(local tensor, slice) of a DTensor on a 1-D mesh: Shard(d) gives the slice of this
     rank, Replicate gives None (a whole tensor). Other placements raise ValueError."""
-    from torch.distributed.tensor import Replicate, Shard
+    try:
+        from torch.distributed.tensor import Replicate, Shard
+    except ImportError:
+        raise TypeError(f"{what}: publishing DTensors needs torch >= 2.5 (public "
+                        f"torch.distributed.tensor); on torch {torch.__version__} give "
+                        "the local shard with slices= instead") from None
     placements = t.placements
     if len(placements) != 1:
         raise ValueError(f"{what}: a DTensor on a {len(placements)}-D mesh; give its local "

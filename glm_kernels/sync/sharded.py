@@ -16,6 +16,8 @@ One version, collectively over the trainer group:
 """
 from __future__ import annotations
 
+import importlib
+
 from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
@@ -88,11 +90,13 @@ def resolve(named_tensors: Mapping, slices: Optional[Mapping], fp8, rank: int,
 
 
 def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:          # torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    # torch.distributed.tensor from torch 2.5, torch.distributed._tensor before
+    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            return isinstance(t, importlib.import_module(module).DTensor)
+        except (ImportError, AttributeError):    # torch without distributed, or older
+            continue
+    return False
 
 
 def shard_box(t: torch.Tensor, spec) -> layout.Box:

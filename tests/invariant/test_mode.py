@@ -76,8 +76,10 @@ def test_attention_matches_sdpa(case):
     elif case == "additive":
         mask = torch.where(torch.rand(2, 1, 5, 9) > 0.3, 0.0, torch.finfo(torch.float32).min)
     out, lse = ref.attention(q, k, v, mask, case == "causal", 0.3)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case == "causal",
-                                          scale=0.3, enable_gqa=case == "gqa")
+    # torch's GQA by repeating the key/value heads (sdpa's enable_gqa needs torch >= 2.5)
+    k_all, v_all = (k.repeat_interleave(4 // heads, 1), v.repeat_interleave(4 // heads, 1))
+    want = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                          is_causal=case == "causal", scale=0.3)
     assert_close(out, want, tol=1e-5, name="attention")
     assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
 

@@ -154,7 +154,10 @@ def world_body(trainers, rank, world, out_dir):
             sender = sync.Sender(transport, group=tgroup, fp8=fp8, encoding="gap16",
                                  bucket_bytes=16384)
         else:
-            held = {n: torch.full_like(t, 0) for n, t in published(master_at(0)).items()}
+            # zeros by bytes: torch 2.4 cannot fill a float8 tensor
+            held = {n: torch.zeros(t.shape, dtype=torch.uint8).view(t.dtype)
+                    if t.dtype == torch.float8_e4m3fn else torch.zeros_like(t)
+                    for n, t in published(master_at(0)).items()}
             slices = engine_slices(held, part)
             params = {n: take(t, slices.get(n)).contiguous() for n, t in held.items()}
             receiver = sync.Receiver(transport, params, slices=slices,
@@ -251,9 +254,21 @@ def world_body(trainers, rank, world, out_dir):
         dist.barrier()
         if kind == "disk":
             transport.close()
-    if trainers == 2:
+    if trainers == 2 and DTENSOR_API:
         verdict["dtensor"] = dtensor_steps(trainers, rank, out_dir, tgroup, egroup)
     return verdict
+
+
+def _has_public_dtensor() -> bool:
+    try:
+        from torch.distributed.tensor import Replicate, Shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# sync takes DTensors from torch 2.5 (public torch.distributed.tensor); older: slices= only
+DTENSOR_API = _has_public_dtensor()
 
 
 def dtensor_steps(trainers, rank, out_dir, tgroup, egroup):
