@@ -16,13 +16,12 @@ One version, collectively over the trainer group:
 """
 from __future__ import annotations
 
-import importlib
-
 from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
 from ..delta import encode
+from ..muon.sharded import is_dtensor  # DTensor of torch 2.4 (_tensor) and 2.5+
 from . import layout
 from .protocol import Entry, PublishStats, SyncError, delta_entry, dtype_name, full_entry
 
@@ -63,7 +62,7 @@ def resolve(named_tensors: Mapping, slices: Optional[Mapping], fp8, rank: int,
             raise TypeError(f"tensor names must be str without '@', got {name!r:.80}")
         what = f"named_tensors[{name!r}]"
         spec = None
-        if _is_dtensor(t):
+        if is_dtensor(t):
             if name in slices:
                 raise ValueError(f"{what} is a DTensor: its layout comes from its placements, "
                                  f"do not also give slices[{name!r}]")
@@ -87,16 +86,6 @@ def resolve(named_tensors: Mapping, slices: Optional[Mapping], fp8, rank: int,
             continue
         out[name] = (t, spec)
     return out
-
-
-def _is_dtensor(t) -> bool:
-    # torch.distributed.tensor from torch 2.5, torch.distributed._tensor before
-    for module in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        try:
-            return isinstance(t, importlib.import_module(module).DTensor)
-        except (ImportError, AttributeError):    # torch without distributed, or older
-            continue
-    return False
 
 
 def shard_box(t: torch.Tensor, spec) -> layout.Box:

@@ -23,5 +23,5 @@ from .r3 import RoutingRecord, RoutingReplay, record_routing, replay_routing
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply_glm_kernels", "apply_glm_kernels_to_glm_moe_dsa",
            "apply_glm_kernels_to_glm4_moe", "apply_glm_kernels_to_deepseek_v3",
            "apply_glm_kernels_to_deepseek_v4", "apply_glm_kernels_to_qwen3_moe",
-           "installed_patches", "routing_modules", "token_logprobs", "record_routing", "replay_routing",
-           "RoutingRecord", "RoutingReplay"]
+           "installed_patches", "routing_modules", "token_logprobs", "record_routing",
+           "replay_routing", "RoutingRecord", "RoutingReplay"]

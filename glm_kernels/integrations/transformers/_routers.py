@@ -185,10 +185,15 @@ def glm_moe_dsa_indexer_forward(self, hidden_states, q_resid, position_embedding
     index_scores = torch.einsum("bsht,bsh->bst", scores, weights)
     if attention_mask is not None:
         index_scores = index_scores + attention_mask
-    total_len = index_scores.shape[-1]
-    lengths = causal_lengths(seq_len, total_len, index_scores.device)
-    lengths = lengths.expand(batch_size, seq_len)
-    indices = topk(index_scores, min(self.index_topk, total_len), lengths=lengths).indices
+    return _causal_top_keys(index_scores, self.index_topk)
+
+
+def _causal_top_keys(index_scores: torch.Tensor, index_topk: int) -> torch.Tensor:
+    """int64 [B, S, k]: per query of ``index_scores`` [B, S, T] its best keys among its causal
+    prefix (``causal_lengths``), ties to the lower key, spare slots repeating the best key."""
+    batch_size, seq_len, total_len = index_scores.shape
+    lengths = causal_lengths(seq_len, total_len, index_scores.device).expand(batch_size, seq_len)
+    indices = topk(index_scores, min(index_topk, total_len), lengths=lengths).indices
     return torch.where(indices >= 0, indices, indices[..., :1])
 
 
@@ -223,10 +228,7 @@ def glm_moe_dsa_indexer_forward_cache(self, hidden_states, q_resid, position_emb
         index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))
     else:
         index_scores = index_scores + attention_mask
-    total_len = index_scores.shape[-1]
-    lengths = causal_lengths(seq_len, total_len, index_scores.device).expand(batch_size, seq_len)
-    indices = topk(index_scores, min(self.index_topk, total_len), lengths=lengths).indices
-    return torch.where(indices >= 0, indices, indices[..., :1]).to(torch.int32)
+    return _causal_top_keys(index_scores, self.index_topk).to(torch.int32)
 
 
 # ----------------------------------------------------------------- DeepSeek-V4 indexer
