@@ -139,7 +139,7 @@ check-verl-install:
 # which no torch or Python version changes; the example still runs end to end on the floor
 # (process backend), and bitwise on-policy (the batch-invariant mode rests on torch's kernels).
 # (Two pytest runs: given a folder and node ids under an --ignore'd one, pytest 9 drops the
-# node ids and the pytest Python 3.9 gets drops the folder.)
+# node ids and pytest 8.4, the one Python 3.9 gets, drops the folder.)
 MIN_TESTS := tests --ignore=tests/examples --ignore=tests/test_testing.py
 MIN_EXAMPLE_TESTS := \
   tests/examples/test_trainer_async.py::test_short_run_learns_and_accounts_for_every_sample \
