@@ -9,6 +9,9 @@ Directory layout::
     v00000011-<epoch>-delta-0000.safetensors  a delta: uint8 tensors holding delta packets
                                           (new names in a delta version are stored full)
     FULL_REQUESTED                        present while a receiver asks for a full snapshot
+    FULL_REQUESTED-<layout>-<id>.json     a receiver with declared boxes asks for its pieces
+                                          in full (``resync``: only those pieces are re-sent;
+                                          that version's record lists <layout> in "full")
     PUBLISHER.lock                        flock'ed by the one publishing transport
 
 Every file is at most about ``bucket_bytes`` of tensor data (one tensor never spans files) and
@@ -38,7 +41,6 @@ overlapping) before any tensor is read (``glm_kernels._safetensors``).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -53,6 +55,7 @@ import torch
 from .. import _checks, _dispatch, _json
 from .. import _safetensors as st
 from ..delta.packet import check_int
+from . import resync
 from .protocol import (DTYPES, KINDS, MAX_VERSION, Entry, SyncError, Transport, TransportError,
                        Update, check_epoch, check_shape, dtype_name)
 
@@ -67,7 +70,6 @@ assert set(st.NAMES) == set(DTYPES.values())
 _NAME = re.compile(r"v[0-9]{8,19}-(?:[0-9a-f]{16}-)?(?:r[0-9]{4,6}-)?(?:full|delta)-[0-9]{4,6}"
                    r"\.safetensors")
 _LAYOUT = re.compile(r"LAYOUT-[0-9a-f]{16}\.json")
-_MAX_LAYOUT_BYTES = 16 << 20
 _MAX_LAYOUTS = 1024
 _MAX_MANIFEST_BYTES = 64 << 20
 _MAX_META_BYTES = 64 << 20
@@ -154,6 +156,11 @@ def _check_manifest(manifest, where: str) -> dict:
             check_epoch(r.get("e"))
         except SyncError as exc:
             raise bad(f"v{v}: {exc}") from None
+        full_for = r.get("full", [])
+        if (not isinstance(full_for, list) or len(full_for) > resync.MAX_REQUESTS
+                or (full_for and base is None)
+                or not all(isinstance(x, str) and resync.ID.fullmatch(x) for x in full_for)):
+            raise bad(f"v{v} re-sends in full the layouts {full_for!r:.80}")
         previous = v
     if latest != previous:
         raise bad(f"latest v{latest} is not the newest record v{previous}")
@@ -210,6 +217,9 @@ class DiskTransport(Transport):
         self._refused: set = set()
         self._lock_fd: Optional[int] = None
         self._want: Optional[set] = None        # target prefixes of the receiver's pieces
+        self._layout: Optional[tuple] = None    # (id, document) of declared boxes
+        self._asked: Optional[str] = None       # this receiver's standing request file
+        self._seen_requests: List[str] = []     # sender: requests read for this publish
         #: receiver side: bytes read from weight files (headers included), all updates
         self.bytes_read = 0
 
@@ -336,22 +346,32 @@ class DiskTransport(Transport):
             return None
 
     def full_requested(self) -> bool:
+        return self.resync_request().asks
+
+    def resync_request(self) -> "resync.Resync":
+        """Everything (``FULL_REQUESTED``, the periodic snapshot, a malformed manifest or
+        request file), or the boxes of the receivers' standing requests (``resync``)."""
         self._take_lock()
         self._clear_planted(REQUEST, MANIFEST)
+        self._seen_requests = resync.standing(self.path)
         try:
             os.remove(self._file(REQUEST))
-            return True
+            return resync.EVERYTHING
         except FileNotFoundError:
             pass
         manifest = self._manifest_or_none()
         if manifest is None:
-            return True
+            return resync.EVERYTHING
         since_full = 0
         for record in reversed(manifest["versions"]):
             if record["base"] is None:
-                return since_full + 1 >= self.full_every
+                break
             since_full += 1
-        return True   # nothing full on disk yet
+        else:
+            return resync.EVERYTHING   # nothing full on disk yet
+        if since_full + 1 >= self.full_every:
+            return resync.EVERYTHING
+        return resync.read_requests(self, self._seen_requests)
 
     def _next_manifest(self, version: int, base: Optional[int], epoch: Optional[str]):
         """(the manifest to extend, whether ``version`` restarts its history). A restarted
@@ -452,9 +472,10 @@ class DiskTransport(Transport):
                 except FileNotFoundError:
                     pass
 
-    def commit(self, version, base, epoch, parts, ok, part) -> bool:
+    def commit(self, version, base, epoch, parts, ok, part, full_for=()) -> bool:
         """Part 0 writes the manifest record naming every part's files once every part is
-        out; when some part failed, every part deletes its own files (none is named)."""
+        out (and ``full_for``: the layout ids whose pieces went full); when some part
+        failed, every part deletes its own files (none is named)."""
         if not ok:
             self._remove_files(self._own_files(version, epoch, part))
             return False
@@ -466,8 +487,10 @@ class DiskTransport(Transport):
         for name in files:
             check_file_name(name)
         manifest, restart = self._next_manifest(version, base, epoch)
-        self._publish_manifest(manifest, {"v": version, "base": base, "e": epoch,
-                                          "files": files}, restart)
+        record = {"v": version, "base": base, "e": epoch, "files": files}
+        if full_for and base is not None:
+            record["full"] = sorted(full_for)
+        self._publish_manifest(manifest, record, restart)
         return True
 
     # ------------------------------------------------------------------ layouts
@@ -478,10 +501,9 @@ class DiskTransport(Transport):
         self._want = {layout.target_prefix(n, full, box) for n, (full, box) in targets.items()}
         if not explicit:
             return
-        body = json.dumps({"format": 1, "targets": {
-            n: [list(full), [list(ab) for ab in box]] for n, (full, box) in sorted(
-                targets.items())}}, separators=(",", ":")).encode()
-        name = f"LAYOUT-{hashlib.blake2b(body, digest_size=8).hexdigest()}.json"
+        body = resync.layout_doc(targets)
+        self._layout = (resync.layout_id(body), body)
+        name = f"LAYOUT-{self._layout[0]}.json"
         if os.path.exists(self._file(name)):
             return
         try:
@@ -494,7 +516,6 @@ class DiskTransport(Transport):
 
     def targets(self) -> dict:
         """Sender side: the boxes every receiver declared (``LAYOUT-*.json``), validated."""
-        from . import layout
         out: Dict[str, set] = {}
         try:
             names = sorted(n for n in os.listdir(self.path) if _LAYOUT.fullmatch(n))
@@ -502,30 +523,14 @@ class DiskTransport(Transport):
             return out
         for name in names[:_MAX_LAYOUTS]:
             try:
-                fd, size = _open_regular(self._file(name))
-            except (FileNotFoundError, SyncError):
+                held = resync.parse_layout(resync.read_small(self._file(name), name), name)
+            except FileNotFoundError:
                 continue
-            try:
-                if size > _MAX_LAYOUT_BYTES:
-                    raise SyncError(f"{size} bytes")
-                doc = _json.json_loads_bounded(
-                    st.read_exact(fd, size, 0, error=SyncError).numpy().tobytes(), name,
-                    max_bytes=_MAX_LAYOUT_BYTES, error=SyncError)
-                if not isinstance(doc, dict) or not isinstance(doc.get("targets"), dict):
-                    raise SyncError("not an object with a 'targets' object")
-                for tname, (full, box) in doc["targets"].items():
-                    box = tuple(tuple(ab) for ab in box)
-                    if (not isinstance(tname, str) or len(full) > layout.MAX_DIMS
-                            or not all(_is_int(n) and n >= 0 for n in full)
-                            or len(box) != len(full) or not all(
-                                len(ab) == 2 and _is_int(ab[0]) and _is_int(ab[1])
-                                and 0 <= ab[0] <= ab[1] <= n for ab, n in zip(box, full))):
-                        raise SyncError(f"{tname!r:.80}: box {box!r:.80} outside {full!r:.80}")
-                    out.setdefault(tname, set()).add((tuple(full), box))
-            except (SyncError, TypeError, ValueError) as exc:  # damaged: logged, not used
+            except SyncError as exc:            # damaged: logged, not used
                 logger.warning("glm_kernels.sync: layout file %s refused: %s", name, exc)
-            finally:
-                os.close(fd)
+                continue
+            for tname, target in held.items():
+                out.setdefault(tname, set()).add(target)
         return out
 
     def _publish_manifest(self, manifest: dict, record: dict, restart: bool = False) -> None:
@@ -537,6 +542,9 @@ class DiskTransport(Transport):
             dropped = manifest["versions"] + dropped
         body = json.dumps({"format": FORMAT, "latest": record["v"], "versions": versions})
         self._atomic_write(MANIFEST, lambda f: f.write(body.encode()))
+        if record["base"] is None:     # answers every request read before it
+            resync.discard(self, self._seen_requests)
+            self._seen_requests = []
         kept = {name for r in versions for name in r["files"]}
         for r in dropped:   # after the manifest stops naming them; validated names only
             for name in r["files"]:
@@ -563,8 +571,12 @@ class DiskTransport(Transport):
         restarted = manifest["latest"] < held
         current = manifest["versions"][-1].get("e") if manifest["versions"] else None
         new_epoch = self._epoch is not None and current not in (None, self._epoch)
-        fulls = [r for r in versions if r["base"] is None
-                 and (r["v"] > held or restarted or (new_epoch and r.get("e") == current))]
+        # or a delta that re-sent this receiver's boxes in full (it asked: ``resync``)
+        mine = self._layout[0] if self._layout is not None else None
+        fulls = [r for r in versions if (r["base"] is None and (
+            r["v"] > held or restarted or (new_epoch and r.get("e") == current))) or (
+                mine in r.get("full", ()) and r["v"] > held
+                and self._epoch in (None, r.get("e")))]
         return fulls[-1] if fulls else None
 
     def recv(self, held: int, timeout: Optional[float]) -> Optional[Update]:
@@ -636,11 +648,19 @@ class DiskTransport(Transport):
         if ok:
             if self._delivered is not None:
                 self._epoch = self._delivered.get("e")
+            if self._asked is not None:     # answered: the receiver holds a version again
+                resync.discard(self, [self._asked])
+                self._asked = None
             return
         if self._delivered is not None:
             self._refused.add(self._delivered["v"])
         try:
-            self._atomic_write(REQUEST, lambda f: f.write(str(version).encode()))
+            if self._layout is None:        # whole tensors, undeclared: everything
+                self._atomic_write(REQUEST, lambda f: f.write(str(version).encode()))
+            else:
+                if self._asked is None:
+                    self._asked = resync.request_name(self._layout[0], secrets.token_hex(8))
+                self._atomic_write(self._asked, lambda f: f.write(self._layout[1]))
         except OSError as exc:      # e.g. a read-only mount on the rollout host
             _dispatch.warn_once(f"sync.disk.request:{self.path}",
                                 f"glm_kernels.sync: cannot ask for a full snapshot in "

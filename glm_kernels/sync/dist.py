@@ -166,8 +166,9 @@ class P2PTransport(Transport):
 
     Lock step: every sender rank calls ``publish`` (collective over the Sender's group) and
     every receiver rank ``receive``/``poll`` once per version, in the same order. After each
-    version every rank of ``group`` all-reduces two flags (a sender part failed, a receiver
-    refused): a refusal makes the senders' next publish a full snapshot, a failed sender
+    version every rank of ``group`` all-reduces flags (a sender part failed, and one per
+    receiver rank: it refused): the senders' next publish re-sends in full the pieces cut
+    for the refusing ranks' boxes, every other piece a delta (``resync``); a failed sender
     part leaves the receivers on the previous version and the next publish is a delta on it.
 
     Parameters
@@ -202,7 +203,7 @@ class P2PTransport(Transport):
         self.device = torch.device(device)
         self._mine: dict = {}
         self._layouts = None
-        self._full_flag = False
+        self._refused: set = set()      # sender side: receiver ranks that refused, unanswered
         #: receiver side: frame data and meta bytes received, all updates
         self.bytes_received = 0
         self.meta_bytes_received = 0
@@ -301,20 +302,31 @@ class P2PTransport(Transport):
         return None
 
     def _flags(self, sender_failed: bool, refused: bool):
-        flags = torch.tensor([int(sender_failed), int(refused)], dtype=torch.int64,
-                             device=self.device)
+        """(a sender part failed, the receiver ranks that refused), over every rank."""
+        flags = torch.zeros(1 + len(self.receivers), dtype=torch.int64, device=self.device)
+        flags[0] = int(sender_failed)
+        if refused:
+            flags[1 + self.receivers.index(self.rank)] = 1
         self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self.group)
-        return [bool(x) for x in flags.tolist()]
+        got = flags.tolist()
+        return bool(got[0]), {r for r, x in zip(self.receivers, got[1:]) if x}
 
-    def commit(self, version, base, epoch, parts, ok, part) -> bool:
+    def commit(self, version, base, epoch, parts, ok, part, full_for=()) -> bool:
         failed, refused = self._flags(not ok, False)
-        # A receiver that refused asked for a full snapshot: the next publish sends one.
-        self._full_flag = self._full_flag or refused
+        self._refused |= refused
         return not failed
 
     def full_requested(self) -> bool:
-        asked, self._full_flag = self._full_flag, False
-        return asked
+        return self.resync_request().asks
+
+    def resync_request(self):
+        """The boxes of the receiver ranks that refused since the last call (every sender
+        knows every receiver's layout)."""
+        from . import resync
+        refused, self._refused = self._refused, set()
+        if not refused:
+            return resync.NOTHING
+        return resync.of_layouts((self._layouts or {}).get(r) for r in sorted(refused))
 
     def _recv_from(self, src):
         """(frames, error text) of one sender's part; always drains it (lock step)."""

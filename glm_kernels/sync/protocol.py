@@ -408,6 +408,14 @@ class Transport(abc.ABC):
         """Receiver side: the boxes this receiver holds, {name: (full shape, box)}.
         ``explicit``: the receiver was given slices or a group (else: whole tensors)."""
 
+    def resync_request(self):
+        """Sender side (sharded): what the next publish re-sends in full, a
+        :class:`~glm_kernels.sync.resync.Resync`: everything, or the pieces cut for the
+        boxes of the receivers that refused. Default: everything when
+        :meth:`full_requested`."""
+        from .resync import EVERYTHING, NOTHING
+        return EVERYTHING if self.full_requested() else NOTHING
+
     def send_part(self, version: int, base: Optional[int], entries: Iterable[Entry],
                   bucket_bytes: int, epoch: Optional[str], part: int, parts: int):
         """Sender side: deliver rank ``part``'s entries of a version made of ``parts`` parts;
@@ -419,8 +427,9 @@ class Transport(abc.ABC):
         return None
 
     def commit(self, version: int, base: Optional[int], epoch: Optional[str], parts: list,
-               ok: bool, part: int) -> bool:
+               ok: bool, part: int, full_for=()) -> bool:
         """Sender side, every part, after every part's send_part: ``ok`` says whether every
-        part is out (``parts``: what each part's send_part returned). Returns whether the
+        part is out (``parts``: what each part's send_part returned; ``full_for``: the
+        ``Resync.ids`` whose pieces this version re-sent in full). Returns whether the
         version was published (and, where the transport can tell, applied)."""
         return ok

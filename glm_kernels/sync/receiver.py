@@ -45,8 +45,11 @@ class Receiver:
     tensor it applies to (``glm_kernels.delta.verify``: base and result checksums). Only then
     are all tensors written, in place. Any failure raises :class:`SyncError` (or its
     subclass :class:`VersionError`), leaves every tensor unchanged, and asks the sender for
-    a full snapshot. (If the machine fails in the middle of the writes -- a device out of
-    memory -- the receiver drops to version 0, which only a full snapshot leaves.)
+    a full snapshot (a sharded sender re-sends in full only the pieces of this receiver's
+    boxes, declared with ``slices`` or a ``group``; a version that brings this receiver only
+    full pieces tiling its boxes applies like a full snapshot). (If the machine fails in the
+    middle of the writes -- a device out of memory -- the receiver drops to version 0, which
+    only a full snapshot leaves.)
 
     Sender epochs: the receiver holds the epoch of the sender it last applied. A full snapshot
     from another epoch (a restarted sender, numbering from 1 again) is accepted whatever its
@@ -218,7 +221,7 @@ class Receiver:
     def _check(self, update: Update):
         """Phase 1 (reads only): the version, every entry, and that the pieces of every
         sliced name tile this receiver's box. Returns the writes of phase 2."""
-        self._check_version(update)
+        self._check_version(update, self._only_full_pieces(update))
         seen = set()
         checked: List[Tuple[str, torch.Tensor, object]] = []
         pieces, boxes = [], collections.defaultdict(list)
@@ -259,6 +262,26 @@ class Receiver:
                                 f"{self.targets[name][1]} (a trainer rank's part is missing)")
         stats = ReceiveStats(update.version, len(checked) + len(pieces), changed, taken)
         return _without_shared_duplicates(update.version, checked), pieces, stats
+
+    def _only_full_pieces(self, update: Update) -> bool:
+        """Whether every entry this receiver takes is a full piece cut for its boxes: a
+        sharded version that re-sends them after this receiver refused (a delta for the
+        others, ``resync``). It applies like a full snapshot, whatever version is held:
+        the pieces must still tile every box (:meth:`_check`)."""
+        if update.base is None:
+            return False
+        took = False
+        for entry in update.entries:
+            parsed = layout.parse_piece(entry.name)
+            if parsed is None:
+                return False
+            name, full, target, _ = parsed
+            if self.targets.get(name) != (tuple(full), target):
+                continue            # another receiver's (or an unknown name: refused later)
+            if entry.kind != "full":
+                return False
+            took = True
+        return took
 
     def _check_piece(self, version: int, entry, parsed):
         """(region view, box shape, full payload or verified DeltaPacket), or None for a
@@ -348,21 +371,22 @@ class Receiver:
         self.last_stats = stats
         return self.version
 
-    def _check_version(self, update: Update) -> None:
+    def _check_version(self, update: Update, full_here: bool = False) -> None:
         check_versions(update.version, update.base)
         epoch = check_epoch(getattr(update, "epoch", None))
-        if update.base is None and epoch is not None and epoch != self.epoch:
+        full = update.base is None or full_here
+        if full and epoch is not None and epoch != self.epoch:
             if epoch in self._retired:
                 raise VersionError(f"full snapshot v{update.version} comes from sender epoch "
                                    f"{epoch}, which this receiver has left (a stale update "
                                    f"from a sender that was replaced)")
             return          # a new sender (restarted, numbering again): accepted at once
-        if (update.base is not None and epoch is not None and self.epoch is not None
+        if (not full and epoch is not None and self.epoch is not None
                 and epoch != self.epoch):
             raise VersionError(f"update v{update.version} is a delta from sender epoch "
                                f"{epoch}; this receiver holds v{self.version} of epoch "
                                f"{self.epoch} (a different sender)")
-        if update.base is None:
+        if full:
             if update.version <= self.version:
                 raise VersionError(f"full snapshot v{update.version} is not newer than the "
                                    f"held v{self.version} (out of order)")

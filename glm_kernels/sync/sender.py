@@ -11,6 +11,7 @@ from ..delta import ENCODINGS, encode
 from ..delta.packet import check_zstd_level, require_zstd
 from . import sharded
 from .fp8 import FP8Blocks
+from .resync import NOTHING
 from .sharded import ShardState
 from .protocol import PublishStats  # noqa: F401  (re-exported: sync.PublishStats)
 from .protocol import (DEFAULT_BUCKET_BYTES, MAX_VERSION, Entry, Transport, delta_entry,
@@ -72,7 +73,9 @@ class Sender:
     of a publish is one piece, its new values and base, and the codec's scratch (at most one
     bucket); nothing holds a copy of the full model. The base moves only once the version
     is published: a version that fails on any rank leaves every engine and every base on the
-    previous version, and the next publish is a delta on it.
+    previous version, and the next publish is a delta on it. After an engine rank refused a
+    version, the next publish re-sends in full only the pieces cut for the refusing ranks'
+    boxes (disk and P2P; ``sync.resync``), every other piece a delta.
 
     Every update carries the sender's ``epoch`` (random per Sender): a receiver accepts a full
     snapshot from a new epoch (a restarted trainer) whatever its version number, and refuses
@@ -149,6 +152,7 @@ class Sender:
         self.last_stats: Optional[PublishStats] = None
         self._base: Dict[str, torch.Tensor] = {}   # what the receivers hold (delta mode)
         self._force_full = False
+        self._resync = NOTHING      # sharded: boxes asked for in full, not yet published
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], *, full: bool = False) -> int:
         """Send ``named_tensors`` as the next version and return that version number.

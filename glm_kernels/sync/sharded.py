@@ -2,9 +2,11 @@
 
 One version, collectively over the trainer group:
 
-1. every rank gathers (version, epoch, committed version, has a base, wants a full snapshot):
-   the version is the largest + 1, the epoch and the delta's base are those of the ranks that
-   hold a base (a rank restarted without one sends its shards full: only its shards);
+1. every rank gathers (version, epoch, committed version, has a base, wants a full snapshot,
+   what the receivers that refused ask to be re-sent): the version is the largest + 1, the
+   epoch and the delta's base are those of the ranks that hold a base (a rank restarted
+   without one sends its shards full: only its shards); the pieces cut for the boxes of
+   receivers that refused go full, every other piece stays a delta (``resync``);
 2. every rank cuts its shard by the receivers' target boxes into pieces of at most a chunk,
    encodes each against its base (host memory; one chunk moved to the device at a time) and
    hands them to its own transport (``send_part``);
@@ -16,14 +18,18 @@ One version, collectively over the trainer group:
 """
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 
 from ..delta import encode
 from ..muon.sharded import is_dtensor  # DTensor of torch 2.4 (_tensor) and 2.5+
-from . import layout
+from . import layout, resync
 from .protocol import Entry, PublishStats, SyncError, delta_entry, dtype_name, full_entry
+
+logger = logging.getLogger(__name__)
 
 
 def gather(obj, group) -> list:
@@ -147,14 +153,16 @@ class ShardState:
                     kept[index].copy_(t[index])
 
 
-def entries(tensors, state: ShardState, targets, full: bool, sender, counts
-            ) -> Iterator[Entry]:
-    """Lazy entries of this rank's pieces: one chunk on the device at a time."""
+def entries(tensors, state: ShardState, targets, full: bool, sender, counts,
+            resend: frozenset = frozenset()) -> Iterator[Entry]:
+    """Lazy entries of this rank's pieces: one chunk on the device at a time. ``resend``:
+    the target prefixes (``layout.target_prefix``) whose pieces go full."""
     for name, pname, box, chunk in pieces(tensors, targets, sender.chunk_bytes):
         t, _ = tensors[name]
         index = layout.local_index(box, chunk) if box else ()
         new = t[index].contiguous()
-        old = None if full else state.old(name, t)
+        again = bool(resend) and pname[:pname.rindex("/") + 1] in resend
+        old = None if full or again else state.old(name, t)
         if old is None:
             entry = full_entry(pname, new)
         else:
@@ -169,16 +177,37 @@ def entries(tensors, state: ShardState, targets, full: bool, sender, counts
         yield entry
 
 
+def published_boxes(asked: resync.Resync, tensors, group, rank: int) -> resync.Resync:
+    """``asked`` when every box it names is a box of a published tensor (some rank
+    publishes the name, every rank that does with that full shape; the transport checked
+    that each box lies inside it); everything otherwise (logged by rank 0)."""
+    names = {n for n, _, _ in asked.targets}
+    fulls: Dict[str, set] = {}
+    for mine in gather({n: tuple(spec[3]) if spec is not None else ()
+                        for n, (_, spec) in tensors.items() if n in names}, group):
+        for n, f in mine.items():
+            fulls.setdefault(n, set()).add(f)
+    bad = sorted((n, f) for n, f, _ in asked.targets if fulls.get(n) != {tuple(f)})
+    if not bad:
+        return asked
+    if rank == 0:
+        logger.warning("glm_kernels.sync: a receiver asks for pieces of %s, not a published "
+                       "tensor of that shape%s; the next publish is a full snapshot",
+                       bad[0], f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+    return resync.EVERYTHING
+
+
 def publish(sender, named_tensors, full: bool) -> int:
     """Sender.publish for a sharded sender (see the module docstring)."""
     group, transport = sender.group, sender.transport
     rank, world = group_rank(group)
     tensors = resolve(named_tensors, sender.slices, sender.fp8, rank, sender.chunk_bytes)
     want_full = bool(full or sender._force_full)
+    asked = sender._resync        # asked for and not yet answered by a published version
     if rank == 0:
-        want_full = transport.full_requested() or want_full
+        asked = asked | transport.resync_request()
     info = gather((sender.version, sender.epoch, sender.committed, bool(sender._state.base),
-                   want_full), group)
+                   want_full, asked), group)
     holders = [i for i in info if i[3] and i[2] is not None]
     version = max(i[0] for i in info) + 1
     epoch = holders[0][1] if holders else info[0][1]
@@ -186,22 +215,33 @@ def publish(sender, named_tensors, full: bool) -> int:
     full = any(i[4] for i in info) or not holders
     if holders and len({(h[1], h[2]) for h in holders}) != 1:
         full = True         # ranks disagree on what the receivers hold: start over
+    asked = functools.reduce(lambda a, b: a | b, (i[5] for i in info))
+    if not full and asked.targets and not asked.everything:
+        asked = published_boxes(asked, tensors, group, rank)
+    # every rank holds the same: a version that is not published leaves it asked for
+    sender._resync = asked
+    full = full or asked.everything
     base_version = None if full else committed
+    resend = frozenset() if full else frozenset(
+        layout.target_prefix(n, f, b) for n, f, b in asked.targets)
     targets = transport.targets()
     counts = {"delta": 0, "changed": 0, "bytes": 0, "pieces": 0}
     error, part = None, None
     try:
         part = transport.send_part(version, base_version,
-                                   entries(tensors, sender._state, targets, full, sender, counts),
+                                   entries(tensors, sender._state, targets, full, sender, counts,
+                                           resend),
                                    sender.bucket_bytes, epoch, rank, world)
     except Exception as exc:       # a rank dying mid-version: every rank learns it below
         error = exc
     outcomes = gather((error is None, part, None if error is None else
                        f"{type(error).__name__}: {error}"), group)
     ok = all(o[0] for o in outcomes)
+    answered = {"full_for": sorted(asked.ids)} if resend and asked.ids else {}
     try:
         accepted, commit_error = transport.commit(version, base_version, epoch,
-                                                  [o[1] for o in outcomes], ok, rank), None
+                                                  [o[1] for o in outcomes], ok, rank,
+                                                  **answered), None
     except Exception as exc:
         accepted, commit_error = False, exc
     verdicts = gather((bool(accepted), None if commit_error is None else str(commit_error)),
@@ -214,6 +254,7 @@ def publish(sender, named_tensors, full: bool) -> int:
         sender._state.commit(tensors, sender.chunk_bytes)
         sender.committed = version
         sender._force_full = False
+        sender._resync = resync.NOTHING
         return version
     if error is not None:
         raise error

@@ -124,6 +124,23 @@ def bitwise_equal(params, expected, slices):
     return bad
 
 
+def resent_pieces(rank, trainers, sender, transport, step):
+    """How many of trainer ``rank``'s pieces of ``step`` are cut for a box of engine B (the
+    engine that refuses): the pieces a targeted resync re-sends in full."""
+    from glm_kernels.sync import layout, sharded
+    held = published(master_at(0))
+    prefixes = set()
+    for part in (0, 1):
+        slices = engine_slices(held, part)
+        params = {n: take(t, slices.get(n)) for n, t in held.items()}
+        prefixes |= {layout.target_prefix(n, full, box)
+                     for n, (full, box) in layout.targets_of(params, slices).items()}
+    local, slices = trainer_shards(master_at(step), rank, trainers)
+    tensors = sharded.resolve(local, slices, sender.fp8, rank, sender.chunk_bytes)
+    return sum(name[:name.rindex("/") + 1] in prefixes for _, name, _, _ in
+               sharded.pieces(tensors, transport.targets(), sender.chunk_bytes))
+
+
 def _roles(rank, trainers):
     if rank < trainers:
         return "trainer", None
@@ -239,10 +256,10 @@ def world_body(trainers, rank, world, out_dir):
             log.append(rec)
             log.append(check_engine(step_engine(5), 5))
         # fault 2: engine B rank 1 drifts (a flipped bit), refuses step 6: engine B stays;
-        # step 7 recovers with a full snapshot
+        # step 7 recovers: full pieces for engine B's boxes only, deltas for the rest
         if role == "trainer":
             log.append(step_trainer(6))
-            log.append(step_trainer(7))
+            log.append(step_trainer(7) + (resent_pieces(rank, trainers, sender, transport, 7),))
         else:
             if part == 1:                # a flipped bit in its slice of emb.weight
                 receiver.params["emb.weight"].view(-1).view(torch.uint8)[0] ^= 1
@@ -250,7 +267,15 @@ def world_body(trainers, rank, world, out_dir):
             rec["bad_vs_previous"] = bitwise_equal(receiver.params,
                                                    published(master_at(5)), slices)
             log.append(check_engine(rec, 6))
-            log.append(check_engine(step_engine(7), 7))
+            rec = check_engine(step_engine(7), 7)
+            # engine B slices these names; the others' pieces (whole boxes) are engine B's too
+            sliced = set(engine_slices(receiver.params, 0) if part is None else slices)
+            rec["expected_changed_sliced"] = changed_in_slice(
+                {n: t for n, t in published(master_at(6)).items() if n in sliced},
+                {n: t for n, t in published(master_at(7)).items() if n in sliced}, slices)
+            rec["held_bytes"] = sum(t.numel() * t.element_size()
+                                    for t in receiver.params.values())
+            log.append(rec)
         dist.barrier()
         if kind == "disk":
             transport.close()

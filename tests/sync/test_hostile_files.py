@@ -358,3 +358,81 @@ def test_fuzz_hostile_disk_inputs_refused_cleanly_then_recovered(tmp_path, seed)
         version = sender.publish(state)
         assert receiver.poll() == version, kind
         assert plain_bytes(params) == plain_bytes(state), kind
+
+
+# ------------------------------------------------------------------ resync requests
+def _layout_request(path, doc: bytes, name_id=None):
+    from glm_kernels.sync import resync
+    lid = name_id or resync.layout_id(doc)
+    where = os.path.join(path, resync.request_name(lid, "0123456789abcdef"))
+    with open(where, "wb") as f:
+        f.write(doc)
+    return where
+
+
+@pytest.mark.parametrize("kind", ["malformed", "oversized", "symlink", "id mismatch",
+                                  "box outside", "unpublished name", "directory", "fifo",
+                                  "too many"])
+def test_bad_resync_request_is_a_full_snapshot_with_a_warning(tmp_path, kind, caplog):
+    """A request file the sender cannot trust (unparsable, over 16 MiB, a symlink, a body
+    that is not the layout its name names, a box outside its tensor, a tensor nobody
+    publishes, a directory or FIFO, more than 1024 of them) asks for everything: the next
+    publish is a full snapshot, logged, never an exception; the file is removed (a
+    directory or FIFO moved aside, a symlink's target untouched) and the publish after
+    is a delta again."""
+    import logging
+    from glm_kernels.sync import resync
+    state = {"w": torch.randn(12, 4), "b": torch.randn(3)}
+    sender = sync.Sender(sync.DiskTransport(tmp_path, full_every=100), encoding="gap16",
+                         slices={"w": (0, 0, 12, (12, 4))}, bucket_bytes=256)
+    receiver = sync.Receiver(sync.DiskTransport(tmp_path), {"w": torch.zeros(6, 4),
+                                                            "b": torch.zeros(3)},
+                             slices={"w": (0, 6, 12, (12, 4))})
+    sender.publish(state)
+    assert receiver.poll() == 1
+    good = resync.layout_doc(receiver.targets)
+    canary = tmp_path.parent / f"canary-{kind}"
+    canary.write_bytes(good)
+    if kind == "malformed":
+        where = _layout_request(tmp_path, b"{not json")
+    elif kind == "oversized":
+        where = _layout_request(tmp_path, b"", "ab" * 8)
+        os.truncate(where, resync.MAX_LAYOUT_BYTES + 1)
+    elif kind == "symlink":
+        where = os.path.join(tmp_path, resync.request_name(resync.layout_id(good), "ab" * 8))
+        os.symlink(canary, where)
+    elif kind == "id mismatch":
+        where = _layout_request(tmp_path, good, "cd" * 8)
+    elif kind == "box outside":
+        where = _layout_request(tmp_path, good.replace(b"[6,12]", b"[6,13]"))
+    elif kind == "unpublished name":
+        where = _layout_request(tmp_path, good.replace(b'"w"', b'"nope"'))
+    elif kind in ("directory", "fifo"):
+        where = os.path.join(tmp_path, resync.request_name("ab" * 8, "ab" * 8))
+        os.mkdir(where) if kind == "directory" else os.mkfifo(where)
+    else:                                                    # too many
+        first = _layout_request(tmp_path, good)
+        for i in range(resync.MAX_REQUESTS):
+            where = os.path.join(tmp_path, resync.request_name(resync.layout_id(good),
+                                                               f"{i:016x}"))
+            os.link(first, where)
+    sparse_step(state, 1)
+    with caplog.at_level(logging.WARNING, logger="glm_kernels.sync"):
+        out = _within(lambda: sender.publish(state), 20, where, f"publish with a {kind} request")
+    assert out.get("v") == 2, out
+    assert sender.last_stats.full, kind
+    why = {"malformed": "malformed JSON", "oversized": "more than the", "symlink": "links",
+           "id mismatch": "not the layout its name names", "box outside": "outside [12, 4]",
+           "unpublished name": "not a published tensor", "directory": "a directory",
+           "fifo": "a FIFO", "too many": "more than 1024"}[kind]
+    assert any(why in r.getMessage() and "full snapshot" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert glob.glob(os.path.join(tmp_path, "FULL_REQUESTED*")) == [], kind
+    if kind in ("directory", "fifo"):
+        assert glob.glob(os.path.join(tmp_path, ".planted-*-FULL_REQUESTED-*")), kind
+    assert canary.read_bytes() == good
+    assert receiver.poll() == 2 and torch.equal(receiver.params["w"], state["w"][6:])
+    sparse_step(state, 2)
+    assert sender.publish(state) == 3
+    assert sender.last_stats.delta_tensors == sender.last_stats.tensors, kind
+    assert receiver.poll() == 3 and torch.equal(receiver.params["b"], state["b"])

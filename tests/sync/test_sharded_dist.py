@@ -1,7 +1,8 @@
 """Sharded weight sync in gloo worlds: T trainer ranks (2, 3, 4; uneven Shard(0) cuts) publish
 collectively to a TP-1 engine and a TP-2 engine (uneven slices along dim 0 and dim 1), over
 DiskTransport (one directory) and P2PTransport, bf16 + fp32 + int64 + an FP8 weight; then a
-trainer rank dying mid-version (and restarting without a base) and an engine rank refusing."""
+trainer rank dying mid-version (and restarting without a base) and an engine rank refusing
+(the next publish re-sends in full only the pieces cut for the refusing engine's boxes)."""
 import functools
 
 import pytest
@@ -22,7 +23,11 @@ def _check_trainers(log, rank, kind):
     # only the restarted rank's shards go full; the others stay deltas
     assert (delta_tensors == 0) == (rank == 1) and tensors > 0, (kind, rank, log[5])
     assert tuple(log[6][:3]) == ("ok", 7, False)
-    assert tuple(log[7][:3]) == ("ok", 8, True), (kind, rank, log[7])     # after the refusal
+    # after engine B's refusal: a delta version whose pieces cut for engine B's boxes are full
+    status, version, full, delta_tensors, tensors, resent = log[7]
+    assert (status, version, full) == ("ok", 8, False), (kind, rank, log[7])
+    assert tensors - delta_tensors == resent and delta_tensors > 0, (kind, rank, log[7])
+    return resent
 
 
 def _check_engine(log, part, kind, trainers, pieces_sent):
@@ -53,7 +58,17 @@ def _check_engine(log, part, kind, trainers, pieces_sent):
         assert rec["bad_vs_previous"] == (["emb.weight"] if part == 1 else []), rec
         if part == 0:
             assert "another rank of the engine group refused" in rec["error"], rec
-    assert log[7]["version"] == 8 and log[7]["bad"] == [] and log[7]["error"] is None, log[7]
+    rec = log[7]                     # every engine on v8, bitwise
+    assert rec["version"] == 8 and rec["bad"] == [] and rec["error"] is None, rec
+    if part is None:
+        # its pieces of the names engine B slices came as deltas (the whole-tensor names'
+        # pieces are cut for a box engine B holds too: full)
+        assert rec["changed"] == rec["expected_changed_sliced"] > 0, rec
+    else:
+        # engine B took only full pieces, each byte of its slices once
+        assert rec["changed"] == 0 and rec["payload"] == rec["held_bytes"], rec
+        if kind == "p2p":
+            assert rec["transport_bytes"] == rec["held_bytes"], rec
 
 
 @pytest.mark.parametrize("trainers", [2, 3, 4])
@@ -64,7 +79,8 @@ def test_sharded_trainers_to_tp1_and_tp2_engines(tmp_path, trainers):
     for rank, verdict in enumerate(verdicts):
         for kind in ("disk", "p2p"):
             if rank < trainers:
-                _check_trainers(verdict[kind], rank, kind)
+                # every rank holds rows of some box of engine B
+                assert _check_trainers(verdict[kind], rank, kind) > 0, (kind, rank)
             else:
                 part = None if rank == trainers else rank - trainers - 1
                 pieces_sent = [sum(verdicts[t][kind][step][4] for t in range(trainers))

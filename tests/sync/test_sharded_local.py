@@ -324,3 +324,130 @@ def test_fp8_quantize_under_torch_compile_fullgraph():
     want_q, want_s = ref.quantize_fp8_blocks(w, (64, 32))
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(s, want_s)
+
+
+# ---------------------------------------------------------------------------- targeted resync
+_ROWS, _COLS, _CUT = 24, 6, 16
+
+
+def _resync_world(path):
+    """A sharded sender (whole ``w`` given with slices, and ``b``) over one directory, to
+    receivers holding rows [0, 16) and [16, 24) of ``w``, and one holding ``w`` whole; every
+    receiver holds ``b`` whole. Pieces of 64 bytes (2 rows of ``w``)."""
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(_ROWS, _COLS, generator=g), "b": torch.randn(5, generator=g)}
+    sender = sync.Sender(sync.DiskTransport(path, full_every=100), encoding="gap16",
+                         slices={"w": (0, 0, _ROWS, (_ROWS, _COLS))}, bucket_bytes=256)
+    receivers = [sync.Receiver(sync.DiskTransport(path, poll_interval=0.01),
+                               {"w": torch.zeros(b - a, _COLS), "b": torch.zeros(5)},
+                               slices={"w": (0, a, b, (_ROWS, _COLS))})
+                 for a, b in ((0, _CUT), (_CUT, _ROWS))]
+    receivers.append(sync.Receiver(sync.DiskTransport(path), {"w": torch.zeros(_ROWS, _COLS),
+                                                              "b": torch.zeros(5)}, slices={}))
+    return state, sender, receivers
+
+
+def _step(state, step):
+    state["w"].view(-1).view(torch.int32)[step % 5::5] += 1
+    state["b"].view(torch.int32)[step % 2::2] += 1
+
+
+def _holds(receivers, state):
+    rows = ((0, _CUT), (_CUT, _ROWS), (0, _ROWS))
+    return [torch.equal(r.params["w"], state["w"][a:b]) and torch.equal(r.params["b"],
+                                                                        state["b"])
+            for r, (a, b) in zip(receivers, rows)]
+
+
+def _requests(path):
+    return sorted(p.name for p in path.glob("FULL_REQUESTED*"))
+
+
+def test_refusing_receiver_gets_its_boxes_in_full_the_others_deltas(tmp_path):
+    """The receiver of rows [16, 24) drifts and refuses v3: the next versions re-send in
+    full only the pieces cut for its boxes (its rows of ``w``, and ``b``, whose whole box the
+    others hold too), every other piece a delta on v3, until it has applied one; it takes
+    the newest (v5) straight from v2, and every receiver holds the trainer's bytes."""
+    state, sender, receivers = _resync_world(tmp_path)
+    for step in range(2):
+        _step(state, step)
+        sender.publish(state)
+        assert [r.poll() for r in receivers] == [step + 1] * 3
+    receivers[1].params["w"].view(-1).view(torch.uint8)[0] ^= 1
+    _step(state, 2)
+    assert sender.publish(state) == 3
+    assert receivers[0].poll() == 3 and receivers[2].poll() == 3
+    with pytest.raises(sync.SyncError, match="delta refused"):
+        receivers[1].poll()
+    assert receivers[1].version == 2 and len(_requests(tmp_path)) == 1
+    mine = len(list(layout.chunks(((_CUT, _ROWS), (0, _COLS)), 4, sender.chunk_bytes))) + 1
+    for step in (3, 4):            # the request stands until its receiver applies a version
+        _step(state, step)
+        assert sender.publish(state) == step + 1
+        stats = sender.last_stats
+        assert not stats.full and stats.tensors == 8 + 4 + 12 + 1, stats
+        assert stats.tensors - stats.delta_tensors == mine == 5, stats
+    import json
+    lid = _requests(tmp_path)[0].split("-")[1]
+    records = json.loads((tmp_path / "MANIFEST.json").read_text())["versions"]
+    assert [r.get("full") for r in records[-2:]] == [[lid], [lid]]
+    assert receivers[0].poll() == 5 and receivers[2].poll() == 5
+    assert receivers[1].poll() == 5 and receivers[1].last_stats.changed == 0
+    assert receivers[1].last_stats.payload_bytes == (_ROWS - _CUT) * _COLS * 4 + 5 * 4
+    assert receivers[0].last_stats.changed > 0 and receivers[2].last_stats.changed > 0
+    assert _holds(receivers, state) == [True] * 3
+    assert _requests(tmp_path) == []           # answered: removed by its receiver
+    _step(state, 5)
+    sender.publish(state)
+    assert sender.last_stats.delta_tensors == sender.last_stats.tensors
+    assert [r.poll() for r in receivers] == [6] * 3 and _holds(receivers, state) == [True] * 3
+
+
+def test_full_snapshot_answers_and_removes_standing_requests(tmp_path):
+    """A full snapshot answers every request it read: the sender removes them (a receiver
+    that died after asking costs its boxes until then, not forever)."""
+    state, sender, receivers = _resync_world(tmp_path)
+    sender.publish(state)
+    assert [r.poll() for r in receivers] == [1] * 3
+    receivers[0].params["w"].view(-1).view(torch.uint8)[0] ^= 1
+    _step(state, 1)
+    sender.publish(state)
+    with pytest.raises(sync.SyncError):
+        receivers[0].poll()
+    assert len(_requests(tmp_path)) == 1
+    _step(state, 2)
+    assert sender.publish(state, full=True) == 3 and sender.last_stats.full
+    assert _requests(tmp_path) == []
+    assert [r.poll() for r in receivers] == [3] * 3 and _holds(receivers, state) == [True] * 3
+    _step(state, 3)
+    sender.publish(state)
+    assert sender.last_stats.delta_tensors == sender.last_stats.tensors
+
+
+def test_receiver_with_only_full_pieces_of_a_delta_version_applies_it():
+    """Receiver side of a targeted resync: a delta version (base 3) whose every piece for
+    this receiver is full applies on any older version; one delta piece among them, or a
+    box left uncovered, is refused with the receiver unchanged."""
+    from glm_kernels.sync.protocol import Update, delta_entry, full_entry
+    from glm_kernels.delta import encode
+    spec = (0, 4, 10, (10, 3))
+    receiver = sync.Receiver(sync.LocalTransport(), {"w": torch.zeros(6, 3)},
+                             slices={"w": spec})
+    target = layout.slice_box(spec)
+    new = torch.randn(10, 3)
+    halves = (((4, 7), (0, 3)), ((7, 10), (0, 3)))
+    pieces = [full_entry(layout.piece_name("w", (10, 3), target, box),
+                         new[box[0][0]:box[0][1]].contiguous()) for box in halves]
+    other = full_entry(layout.piece_name("w", (10, 3), ((0, 4), (0, 3)), ((0, 4), (0, 3))),
+                       new[:4].contiguous())
+    with pytest.raises(sync.SyncError, match="do not tile"):
+        receiver.apply_update(Update(4, 3, pieces[:1] + [other], "e0"))
+    packet = encode(new[7:].contiguous(), torch.zeros(3, 3), encoding="gap16")
+    mixed = pieces[:1] + [delta_entry(pieces[1].name, (3, 3), packet)]
+    with pytest.raises(sync.VersionError, match="delta on v3"):
+        receiver.apply_update(Update(4, 3, mixed, "e0"))
+    assert receiver.version == 0 and not receiver.params["w"].any()
+    assert receiver.apply_update(Update(4, 3, pieces + [other], "e0")) == 4
+    assert torch.equal(receiver.params["w"], new[4:])
+    with pytest.raises(sync.VersionError, match="not newer"):
+        receiver.apply_update(Update(4, 2, pieces, "e0"))
