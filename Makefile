@@ -14,7 +14,11 @@ PY         := .venv/bin/python
 PIP        := .venv/bin/pip
 STAMP      := .venv/.installed
 SOURCES    := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
-EXTRAS     := "triton>=3.4" pytest pytest-xdist numpy zstandard safetensors matplotlib tqdm
+# pytest 9.2 keeps a node's id where pytest-xdist 3.8's loadgroup no longer renames it: every
+# xdist_group mark is ignored (module fixtures built on both workers, the Ray and sandbox
+# tests side by side). Python 3.9 gets pytest 8.4, which the cap does not touch.
+PYTEST_PKGS := "pytest<9.2" pytest-xdist
+EXTRAS     := "triton>=3.4" $(PYTEST_PKGS) numpy zstandard safetensors matplotlib tqdm
 # The trainers the integration tests run against (pyproject's [integrations]; verl without
 # its full dependency set, which the loss path does not import) and Ray for the example.
 TRAINERS   := "trl==1.16.0" "transformers==5.10.4" "ray==2.60.0" "tensordict==0.10.0" \
@@ -102,21 +106,21 @@ check-verl-install:
 	test -x .venv-min/bin/python || $(MIN_PYTHON) -m venv .venv-min
 	.venv-min/bin/pip install -q --upgrade pip
 	.venv-min/bin/pip install -q $(MIN_SPEC)
-	$(call install_project,.venv-min,pytest pytest-xdist numpy zstandard safetensors matplotlib tqdm)
+	$(call install_project,.venv-min,$(PYTEST_PKGS) numpy zstandard safetensors matplotlib tqdm)
 	touch $@
 
 .venv-floor/.installed: $(SOURCES)
 	test -x .venv-floor/bin/python || $(FLOOR_PYTHON) -m venv .venv-floor
 	.venv-floor/bin/pip install -q --upgrade pip
 	.venv-floor/bin/pip install -q $(FLOOR_SPEC)
-	$(call install_project,.venv-floor,pytest pytest-xdist safetensors zstandard)
+	$(call install_project,.venv-floor,$(PYTEST_PKGS) safetensors zstandard)
 	touch $@
 
 .venv-newest/.installed: $(SOURCES)
 	test -x .venv-newest/bin/python || $(NEWEST_PYTHON) -m venv .venv-newest
 	.venv-newest/bin/pip install -q --upgrade pip
 	$(NEWEST_PIP_ENV) .venv-newest/bin/pip install -q $(NEWEST_SPEC)
-	$(call install_project,.venv-newest,pytest pytest-xdist numpy zstandard safetensors)
+	$(call install_project,.venv-newest,$(PYTEST_PKGS) numpy zstandard safetensors)
 	touch $@
 
 .venv-compat/.installed: $(SOURCES)

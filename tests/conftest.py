@@ -32,6 +32,10 @@ KERNEL_BACKEND = "triton" if HAS_CUDA else "interpret"
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+# First among the plug-ins: pytest-xdist's worker reads the ``xdist_group`` marks in its own
+# hook (appending the group to each node id), so marks added after it are never seen and the
+# "grouped" tests ran on both workers (module fixtures built twice, sandbox tests side by side).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     _group_shared_fixtures(items)
     if HAS_CUDA:
