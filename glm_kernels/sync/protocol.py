@@ -42,7 +42,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, NamedTuple, Optional
+from typing import FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -363,6 +363,31 @@ def check_shape(shape) -> tuple:
     return tuple(shape)
 
 
+#: (name, full shape, target box) of a receiver's tensor
+Target = Tuple[str, Tuple[int, ...], Tuple[Tuple[int, int], ...]]
+
+
+class Resync(NamedTuple):
+    """What the next publish re-sends in full: everything (a full snapshot), or the pieces
+    cut for ``targets``. ``ids``: the disk layouts whose requests these targets answer."""
+    everything: bool
+    targets: FrozenSet[Target]
+    ids: FrozenSet[str]
+
+    @property
+    def asks(self) -> bool:
+        return self.everything or bool(self.targets)
+
+    def __or__(self, other: "Resync") -> "Resync":
+        if self.everything or other.everything:
+            return EVERYTHING
+        return Resync(False, self.targets | other.targets, self.ids | other.ids)
+
+
+EVERYTHING = Resync(True, frozenset(), frozenset())
+NOTHING = Resync(False, frozenset(), frozenset())
+
+
 class Transport(abc.ABC):
     """What Sender and Receiver need from a transport (subclasses implement all four).
 
@@ -413,7 +438,6 @@ class Transport(abc.ABC):
         :class:`~glm_kernels.sync.resync.Resync`: everything, or the pieces cut for the
         boxes of the receivers that refused. Default: everything when
         :meth:`full_requested`."""
-        from .resync import EVERYTHING, NOTHING
         return EVERYTHING if self.full_requested() else NOTHING
 
     def send_part(self, version: int, base: Optional[int], entries: Iterable[Entry],

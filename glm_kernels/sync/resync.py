@@ -30,43 +30,19 @@ import json
 import logging
 import os
 import re
-from typing import Dict, FrozenSet, List, NamedTuple, Tuple
+from typing import Dict, List
 
 from .. import _json
 from .. import _safetensors as st
 from . import layout
-from .protocol import SyncError
+from .protocol import EVERYTHING, NOTHING, Resync, SyncError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-
-#: (name, full shape, target box) of a receiver's tensor
-Target = Tuple[str, Tuple[int, ...], Tuple[Tuple[int, int], ...]]
 
 MAX_LAYOUT_BYTES = 16 << 20       # a layout document or a request file
 MAX_REQUESTS = 1024               # request files read per publish; more: a full snapshot
 ID = re.compile(r"[0-9a-f]{16}")
 _REQUEST = re.compile(r"FULL_REQUESTED-([0-9a-f]{16})-[0-9a-f]{16}\.json")
-
-
-class Resync(NamedTuple):
-    """What the next publish re-sends in full: everything (a full snapshot), or the pieces
-    cut for ``targets``. ``ids``: the disk layouts whose requests these targets answer."""
-    everything: bool
-    targets: FrozenSet[Target]
-    ids: FrozenSet[str]
-
-    @property
-    def asks(self) -> bool:
-        return self.everything or bool(self.targets)
-
-    def __or__(self, other: "Resync") -> "Resync":
-        if self.everything or other.everything:
-            return EVERYTHING
-        return Resync(False, self.targets | other.targets, self.ids | other.ids)
-
-
-EVERYTHING = Resync(True, frozenset(), frozenset())
-NOTHING = Resync(False, frozenset(), frozenset())
 
 
 def of_layouts(layouts) -> Resync:
