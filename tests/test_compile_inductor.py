@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import glm_kernels
-from glm_kernels import HeadSplit, _dispatch
+from glm_kernels import HeadSplit
 from tests._compare import TOLERANCES, assert_close
 from tests.conftest import KERNEL_BACKEND, skip_without_kernels
 
@@ -23,9 +23,6 @@ HAS_CXX = any(shutil.which(name) for name in ("g++", "c++", "clang++"))
 COMPILER = "inductor" if (HAS_CXX or torch.cuda.is_available()) else "aot_eager"
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# torch 2.4: reverse_kl_from_logits refuses to enter a graph (its dynamo gets the gradient
-# wrong; tests/loss/test_logits_reverse_kl.py checks the refusal and the graph break).
-REVERSE_KL_IN_GRAPH = _dispatch.torch_version() >= (2, 5)
 
 
 @pytest.fixture(params=["torch", KERNEL_BACKEND], ids=lambda b: f"{b}-{COMPILER}")
@@ -151,9 +148,8 @@ def test_selective_logprobs_and_reverse_kl(backend):
             lp, ent = glm_kernels.selective_logprobs(x, ids, temperature=0.9,
                                                      return_entropy=True)
             outs += [lp, ent]
-            if REVERSE_KL_IN_GRAPH:
-                outs.append(glm_kernels.reverse_kl_from_logits(x, teacher.to(x.dtype),
-                                                               temperature=1.5))
+            outs.append(glm_kernels.reverse_kl_from_logits(x, teacher.to(x.dtype),
+                                                           temperature=1.5))
         return (sum(o.sum() for o in outs),) + tuple(outs)
     check_compiled_matches_eager(step, leaves)
 

@@ -297,8 +297,11 @@ def test_opcheck_custom_ops():
     lse = torch.logsumexp(hidden @ weight.t(), -1)
     utils = ("test_schema", "test_faketensor")
     with glm_kernels.force_backend("torch"):
-        torch.library.opcheck(linear_logprobs._forward_op, (hidden, weight, ids, 1.0, True, 3),
-                              test_utils=utils)
+        for entropy in (True, False):   # schema, fake, registered autograd, AOT dispatch
+            torch.library.opcheck(linear_logprobs._fused_linear_logprobs_op,
+                                  (hidden.clone().requires_grad_(True),
+                                   weight.clone().requires_grad_(True), ids, 1.0, entropy, 3,
+                                   True))
         torch.library.opcheck(linear_logprobs._backward_op,
                               (hidden, weight, ids, lse, torch.rand(4), grad_lp.reshape(-1),
                                grad_ent.reshape(-1), 1.0, 3, True, True, True),

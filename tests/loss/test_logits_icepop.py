@@ -251,13 +251,21 @@ def test_torch_compile_fullgraph(any_backend):
 
 
 def test_opcheck_fused_op():
+    """The public op (schema, fake, registered autograd, AOT dispatch with dynamic shapes),
+    its gradient in a new buffer and written over the logits in backward; the in-place
+    backward op's schema and fake."""
     logits, ids, rollout, adv, mask = (t.cpu() for t in _inputs(1, 4, 20, seed=11)[:5])
-    args = (logits.reshape(4, 20), ids.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
-            mask.reshape(-1).view(torch.uint8), torch.full((4,), 0.25), 1.0, 0.5, 2.0, 0.2,
-            0.28, 3.0, True, True)
+    tokens = (ids.reshape(-1), rollout.reshape(-1), None, adv.reshape(-1),
+              mask.reshape(-1).view(torch.uint8), torch.full((4,), 0.25))
+    params = (1.0, 0.5, 2.0, 0.2, 0.28, 3.0)
     with glm_kernels.force_backend("torch"):
-        torch.library.opcheck(from_logits._fused_op, args,
-                              test_utils=("test_schema", "test_faketensor"))
+        for inplace in (False, True):
+            torch.library.opcheck(from_logits._icepop_from_logits_op,
+                                  (logits.reshape(4, 20).clone().requires_grad_(True), *tokens,
+                                   *params, True, inplace, True))
+        torch.library.opcheck(from_logits._grad_inplace_op,
+                              (logits.reshape(4, 20).clone(), *tokens, torch.tensor([0.5]),
+                               *params), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu

@@ -219,15 +219,24 @@ def test_torch_compile_fullgraph(any_backend):
 
 
 def test_opcheck_custom_ops():
+    """The public op (schema, fake, registered autograd, AOT dispatch with dynamic shapes) with
+    and without entropy, nucleus and in-place backward; the backward ops' schema and fakes."""
     logits, ids = _logits((3, 20)).cpu(), _ids((3,), 20).cpu()
+    keep, offsets = torch.tensor([1, 4, 2]), torch.tensor([0, 2, 2, 3])
     lse = torch.logsumexp(logits, -1)
     utils = ("test_schema", "test_faketensor")
     with glm_kernels.force_backend("torch"):
-        torch.library.opcheck(logprobs._logprobs_op, (logits, ids, 1.0, True), test_utils=utils)
-        torch.library.opcheck(logprobs._shard_stats_op, (logits, ids, 1.0, True, 0, 40),
-                              test_utils=utils)
-        torch.library.opcheck(logprobs._bwd_op, (logits, ids, lse, torch.rand(3), torch.rand(3),
-                                                 None, 1.0, 0), test_utils=utils)
+        for entropy, nucleus, inplace in ((True, False, False), (False, True, False),
+                                          (True, True, True)):
+            nuc = (keep, offsets) if nucleus else (None, None)
+            args = (logits.clone().requires_grad_(True), ids, *nuc, 1.0, entropy, "", inplace)
+            torch.library.opcheck(logprobs._selective_logprobs_op, args)
+        for nuc, lse_keep in (((None, None), lse[:0]), ((keep, offsets), lse + 0.5)):
+            args = (ids, *nuc, lse, torch.rand(3), lse_keep, torch.rand(3), torch.rand(3), 1.0,
+                    0)
+            torch.library.opcheck(logprobs._backward_op, (logits, *args), test_utils=utils)
+            torch.library.opcheck(logprobs._backward_inplace_op, (logits.clone(), *args),
+                                  test_utils=utils)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,8 @@
 
 One spawn per world size runs every case with both backends (torch, and the Triton kernels
 under the interpreter); each rank compares its sharded values and gradient slice with the
-unsharded call on the full logits, and writes a verdict per case that the tests read.
+unsharded call on the full logits, and writes a verdict per case that the tests read. On two
+ranks the three ops also run in one ``torch.compile(fullgraph=True)`` graph (torch backend).
 """
 import traceback
 
@@ -137,6 +138,32 @@ def _case_reverse_kl(group, rank, world):
     _compare_sharded(fn, grad_fn, student, group, rank, world)
 
 
+def _case_compiled(group, rank, world):
+    """The three ops in one torch.compile(fullgraph=True) graph with ``tp_group`` (the group
+    enters their schemas by name, the all-reduces run inside them) equal the eager calls."""
+    logits, ids, rollout, adv, mask = _icepop_inputs(world * 70, seed=9)
+    teacher = logits + torch.randn(logits.shape, generator=torch.Generator().manual_seed(10))
+    cols = slice(rank * 70, (rank + 1) * 70)
+    teacher_shard = teacher[..., cols].contiguous()
+    w = _weights(6, 11).reshape(2, 3)
+
+    def step(x):
+        lp, ent = selective_logprobs(x, ids, temperature=0.9, return_entropy=True,
+                                     tp_group=group)
+        kl = reverse_kl_from_logits(x, teacher_shard, tp_group=group)
+        loss = icepop_loss_from_logits(x * 1.0, ids, rollout, adv, mask, tp_group=group,
+                                       reduction="none", inplace_backward=True)
+        return (lp * w).sum() + ent.sum() + (kl * w).sum() + loss.sum(), lp, ent, kl, loss
+
+    shard = logits[..., cols].contiguous()
+    eager_vals, eager_grad = _run(step, shard, lambda out: out[0])
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    vals, grad = _run(compiled, shard, lambda out: out[0])
+    for i, (a, b) in enumerate(zip(vals, eager_vals)):
+        assert_close(a, b, tol=1e-5, name=f"compiled output {i}")
+    assert_close(grad, eager_grad, tol=1e-5, name="compiled gradient")
+
+
 def _run_cases(rank, world):
     world_group = dist.group.WORLD
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]   # collective: all ranks
@@ -150,15 +177,18 @@ def _run_cases(rank, world):
         # TP groups of 2 inside a larger world: the rank inside the group decides the shard.
         "subgroups": lambda: _case_logprobs(pairs[rank // 2], rank % 2, 2, 50, 1.1),
     }
+    runs = [(name, backend) for name in CASES for backend in BACKENDS]
+    if world == 2:      # one compile per rank: the torch backend and two ranks say enough
+        cases["compiled"] = lambda: _case_compiled(world_group, rank, world)
+        runs.append(("compiled", "torch"))
     verdicts = {}
-    for name in CASES:
-        for backend in BACKENDS:
-            try:
-                with glm_kernels.force_backend(backend):
-                    cases[name]()
-                verdicts[f"{name}[{backend}]"] = "ok"
-            except Exception:   # recorded per case; a hung collective is caught by the timeout
-                verdicts[f"{name}[{backend}]"] = traceback.format_exc(limit=4)
+    for name, backend in runs:
+        try:
+            with glm_kernels.force_backend(backend):
+                cases[name]()
+            verdicts[f"{name}[{backend}]"] = "ok"
+        except Exception:   # recorded per case; a hung collective is caught by the timeout
+            verdicts[f"{name}[{backend}]"] = traceback.format_exc(limit=4)
     return verdicts
 
 
@@ -178,4 +208,12 @@ def test_sharded_equals_unsharded(verdicts, case):
     if case.endswith("[interpret]"):
         skip_without_kernels()      # the ranks recorded why they could not run it
     failures = {rank: v[case] for rank, v in enumerate(verdicts) if v[case] != "ok"}
+    assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())
+
+
+def test_compiled_sharded_equals_eager(verdicts):
+    if len(verdicts) != 2:
+        pytest.skip("compiled on two ranks only")
+    failures = {rank: v["compiled[torch]"] for rank, v in enumerate(verdicts)
+                if v["compiled[torch]"] != "ok"}
     assert not failures, "\n".join(f"rank {r}:\n{msg}" for r, msg in failures.items())

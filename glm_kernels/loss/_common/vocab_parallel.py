@@ -14,8 +14,9 @@ Backward needs no communication at all: every rank holds the full-vocab lse (and
 of every row, and the gradient of its own columns, g (onehot - p) / T, only reads its columns.
 The upstream gradient is the same on every rank (the loss is replicated after the
 all-reduces), exactly as in Megatron's vocab-parallel cross-entropy, whose backward is also
-communication-free. So the all-reduces sit outside autograd and the Functions that call them
-return the local gradient.
+communication-free. So the all-reduces sit inside the ops' forward bodies, outside autograd, and
+the backward formulas return the local gradient. The ops' schemas carry the group by name
+(:func:`group_name`; torch's functional collectives do the same), resolved back in the body.
 
 Assumptions (not checked, that would cost a collective per call): every rank passes the same
 token ids and rows, and the same V_l.
@@ -30,8 +31,24 @@ from . import softmax as ref
 NEG_INF = float("-inf")
 
 
+def group_name(group) -> str:
+    """What a custom op's schema carries for ``group`` (a ProcessGroup is no schema type): its
+    name, as torch's functional collectives pass it; "" for None (no vocab parallelism)."""
+    return "" if group is None else group.group_name
+
+
+def resolve_group(name: str):
+    """The ProcessGroup :func:`group_name` named (None for ""), inside an op's body."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
 def shard_range(v_local: int, group) -> tuple:
-    """(vocab_start, vocab_total) of this rank's shard."""
+    """(vocab_start, vocab_total) of this rank's shard ((0, v_local) without a group)."""
+    if group is None:
+        return 0, v_local
     return dist.get_rank(group) * v_local, dist.get_world_size(group) * v_local
 
 

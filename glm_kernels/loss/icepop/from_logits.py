@@ -14,18 +14,26 @@ Two paths:
 
 * fused (token_mean / sum / seq_mean_token_mean, no ``tp_group``): ``_icepop_logits_kernel``
   reads each row, computes lse, lp, the IcePop term (the shared ``icepop_token_math``) and
-  writes the gradient for grad_output = 1 -- into a new buffer, or over the logits with
-  ``inplace_backward=True``. Rows that fit in registers are read once (bf16 up to 24576
-  columns, e.g. 19360 = GLM-5's vocab / 8; fp32 up to 16384); longer rows are swept twice by
-  the same program of a persistent grid, the second sweep meant to hit L2. Backward
-  multiplies the buffer by grad_output in place, with a kernel that returns at once when
-  grad_output == 1 (a device-side test: no host sync).
+  writes the gradient for grad_output = 1 into a new buffer. Rows that fit in registers are
+  read once (bf16 up to 24576 columns, e.g. 19360 = GLM-5's vocab / 8; fp32 up to 16384);
+  longer rows are swept twice by the same program of a persistent grid, the second sweep
+  meant to hit L2. Backward multiplies the buffer by grad_output in place, with a kernel that
+  returns at once when grad_output == 1 (a device-side test: no host sync). With
+  ``inplace_backward=True`` forward writes no gradient; backward runs the same pass over the
+  saved logits, writing the gradient over them, then the same scale (the same bits as the new
+  buffer, one more read of the logits): the registered op is functional, so its forward
+  cannot write over its input.
 * composed (``reduction="none"``: the per-token grad_output is only known in backward; or
   ``tp_group``: the full-vocab lse needs all-reduces between reading a row and writing its
   gradient): ``selective_logprobs`` then ``icepop_loss``; backward recomputes the softmax from
   the saved lse (one more read of the logits).
 
 Either way the extra memory is O(tokens): lse / per-token stats, never an fp32 [N, V] tensor.
+
+The fused path is the ``glm_kernels::icepop_loss_from_logits`` custom op with its backward
+registered on it (the saved gradient times grad_output, or with ``inplace_backward`` the
+mutating ``icepop_loss_from_logits_backward_`` op); eager calls run the op's body directly
+under a plain autograd node with the same backward (docs/design.md 1, "Autograd").
 """
 
 from typing import Optional, Tuple
@@ -39,8 +47,9 @@ from .icepop import (_NUM_STATS, _check_hyperparameters, _check_inputs, _stats_f
                      icepop_loss, icepop_metrics)
 from ..mismatch import raise_if_nonfinite
 from ..logprobs import logprobs_rows
-from .._common.launch import (LogitsLaunchConfig, check_logits_and_ids, check_token_id_flag,
-                              prepare_call, rows_2d, run_op)
+from .._common.launch import (LogitsLaunchConfig, call_op, check_logits_and_ids,
+                              check_token_id_flag, differentiable_op, in_eager_node,
+                              prepare_call, rows_2d)
 
 
 def kernels_or_none(backend: str):
@@ -126,114 +135,108 @@ def _scale_impl(x: torch.Tensor, factor: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(x)
 
 
-@torch.library.custom_op("glm_kernels::scale_by_", mutates_args=("x",))
-def _scale_op(x: torch.Tensor, factor: torch.Tensor) -> None:
-    """x *= factor (an fp32 scalar tensor) in place; a no-op pass when factor == 1 on GPU."""
-    _scale_impl(x, factor)
+def scale_by_grad_output(ctx, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """Backward of the fused losses: the gradient saved by forward times grad_output.
+
+    Eagerly in place, with a kernel that returns at once when grad_output == 1. In a traced
+    backward as a product: the saved gradient is an output of the forward op, and AOTAutograd
+    refuses an op that mutates it once that output is returned too (its value would change
+    after the fact); Inductor writes the product over the saved buffer, dead after it.
+    """
+    if in_eager_node(ctx):
+        _scale_impl(x, grad_output.float().reshape(1).contiguous())
+        return x
+    return x * grad_output.to(x.dtype)
 
 
-@_scale_op.register_fake
-def _scale_fake(x, factor):
-    return None
-
-
-def scale_by_grad_output(x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """Backward of the fused losses: the saved gradient times grad_output, in place."""
-    run_op(_scale_op, _scale_impl, x, grad_output.float().reshape(1).contiguous())
-    return x
-
-
-# --------------------------------------------------------------------------- custom ops
-def _fused_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
-                old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
-                scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
-                eps_low: float, eps_high: float, dual_clip: Optional[float], need_grad: bool,
-                metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
+# --------------------------------------------------------------------------- the fused op
+def _icepop_from_logits_impl(logits: torch.Tensor, token_ids: torch.Tensor,
+                             rollout: torch.Tensor, old: Optional[torch.Tensor],
+                             adv: torch.Tensor, mask: Optional[torch.Tensor],
+                             scale: torch.Tensor, inv_temp: float, gate_low: float,
+                             gate_high: float, eps_low: float, eps_high: float,
+                             dual_clip: Optional[float], need_grad: bool, inplace: bool,
+                             metrics: bool
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss fp32 [], dL/dlogits [N, V] for grad_output 1 or [0], stats rows [N, 8],
+    log-probs [N] fp32 with ``metrics`` else [0]). With ``inplace`` the gradient is left to
+    the backward, which writes it over the logits."""
+    store_grad = need_grad and not inplace
+    grad = torch.empty_like(logits) if store_grad else logits.new_empty(0)
     rows, lp = new_rows(logits.shape[0], metrics, logits.device)
-    icepop_rows_into(grad if need_grad else None, logits, token_ids, rollout, old, adv, mask,
+    icepop_rows_into(grad if store_grad else None, logits, token_ids, rollout, old, adv, mask,
                      scale, rows, lp if metrics else None, inv_temp=inv_temp,
                      gate_low=gate_low, gate_high=gate_high, eps_low=eps_low,
                      eps_high=eps_high, dual_clip=dual_clip)
     return loss_from_rows(rows, scale), grad, rows, lp
 
 
-@torch.library.custom_op("glm_kernels::icepop_loss_from_logits", mutates_args=())
-def _fused_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
-              old: Optional[torch.Tensor], adv: torch.Tensor, mask: Optional[torch.Tensor],
-              scale: torch.Tensor, inv_temp: float, gate_low: float, gate_high: float,
-              eps_low: float, eps_high: float, dual_clip: Optional[float], need_grad: bool,
-              metrics: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss fp32 [], dL/dlogits [N, V] for grad_output 1 or [0], stats rows [N, 8],
-    log-probs [N] fp32 with ``metrics`` else [0])."""
-    return _fused_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                       gate_high, eps_low, eps_high, dual_clip, need_grad, metrics)
+_icepop_from_logits_op = torch.library.custom_op(
+    "glm_kernels::icepop_loss_from_logits", mutates_args=())(_icepop_from_logits_impl)
 
 
-@_fused_op.register_fake
-def _fused_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                gate_high, eps_low, eps_high, dual_clip, need_grad, metrics):
-    grad = torch.empty_like(logits) if need_grad else logits.new_empty(0)
+@_icepop_from_logits_op.register_fake
+def _icepop_from_logits_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp,
+                             gate_low, gate_high, eps_low, eps_high, dual_clip, need_grad,
+                             inplace, metrics):
+    grad = torch.empty_like(logits) if need_grad and not inplace else logits.new_empty(0)
     return (logits.new_empty((), dtype=torch.float32), grad,
             *new_rows(logits.shape[0], metrics, logits.device))
 
 
-def _fused_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
-                        old: Optional[torch.Tensor], adv: torch.Tensor,
-                        mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
-                        gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                        dual_clip: Optional[float], metrics: bool
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, lp = new_rows(logits.shape[0], metrics, logits.device)
-    icepop_rows_into(logits, logits, token_ids, rollout, old, adv, mask, scale, rows,
-                     lp if metrics else None, inv_temp=inv_temp, gate_low=gate_low,
-                     gate_high=gate_high, eps_low=eps_low, eps_high=eps_high,
-                     dual_clip=dual_clip)
-    if not torch.compiler.is_compiling():
-        torch.autograd.graph.increment_version(logits)   # the op does it when dispatched
-    return loss_from_rows(rows, scale), rows, lp
+def _grad_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
+                       old: Optional[torch.Tensor], adv: torch.Tensor,
+                       mask: Optional[torch.Tensor], scale: torch.Tensor,
+                       grad_output: torch.Tensor, inv_temp: float, gate_low: float,
+                       gate_high: float, eps_low: float, eps_high: float,
+                       dual_clip: Optional[float]) -> None:
+    """dL/dlogits times grad_output (fp32 [1]) written over the logits: the fused pass, then
+    the in-place scale, the same two steps (and bits) as the gradient in a new buffer."""
+    rows, _ = new_rows(logits.shape[0], False, logits.device)
+    icepop_rows_into(logits, logits, token_ids, rollout, old, adv, mask, scale, rows, None,
+                     inv_temp=inv_temp, gate_low=gate_low, gate_high=gate_high,
+                     eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    _scale_impl(logits, grad_output)     # its version bump refuses a second backward
 
 
-@torch.library.custom_op("glm_kernels::icepop_loss_from_logits_", mutates_args=("logits",))
-def _fused_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, rollout: torch.Tensor,
-                      old: Optional[torch.Tensor], adv: torch.Tensor,
-                      mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
-                      gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                      dual_clip: Optional[float], metrics: bool
-                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused op writing dL/dlogits (grad_output 1) over the logits: (loss, stats rows,
-    log-probs or [0])."""
-    return _fused_inplace_impl(logits, token_ids, rollout, old, adv, mask, scale, inv_temp,
-                               gate_low, gate_high, eps_low, eps_high, dual_clip, metrics)
+_grad_inplace_op = torch.library.custom_op("glm_kernels::icepop_loss_from_logits_backward_",
+                                           mutates_args=("logits",))(_grad_inplace_impl)
 
 
-@_fused_inplace_op.register_fake
-def _fused_inplace_fake(logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                        gate_high, eps_low, eps_high, dual_clip, metrics):
-    return (logits.new_empty((), dtype=torch.float32),
-            *new_rows(logits.shape[0], metrics, logits.device))
+@_grad_inplace_op.register_fake
+def _grad_inplace_fake(logits, token_ids, rollout, old, adv, mask, scale, grad_output,
+                       inv_temp, gate_low, gate_high, eps_low, eps_high, dual_clip):
+    return None
 
 
-class _FusedIcePopFromLogits(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                gate_high, eps_low, eps_high, dual_clip, need_grad, inplace, metrics):
-        args = (logits, token_ids, rollout, old, adv, mask, scale, inv_temp, gate_low,
-                gate_high, eps_low, eps_high, dual_clip)
-        if inplace and need_grad:
-            loss, rows, lp = run_op(_fused_inplace_op, _fused_inplace_impl, *args, metrics)
-            grad = logits
-        else:
-            loss, grad, rows, lp = run_op(_fused_op, _fused_impl, *args, need_grad, metrics)
-        stats = _stats_from_partials(rows)
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(stats, lp)
-        return loss, stats, lp
+def _setup_context(ctx, inputs, output):
+    need_grad, inplace = inputs[13], inputs[14]
+    _, grad, rows, lp = output
+    ctx.need_grad, ctx.inplace = need_grad, inplace
+    # In place, backward runs the pass again over the saved logits: nothing [N, V] is held
+    # beside them (a functional op cannot write over its input in forward).
+    ctx.save_for_backward(*(inputs[:7] if inplace else (grad,)))
+    ctx.params = inputs[7:13]
+    ctx.mark_non_differentiable(grad, rows, lp)
+    ctx.set_materialize_grads(False)     # no zero-filled [N, V] gradient for ``grad``
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_stats, _grad_lp):
-        grad, = ctx.saved_tensors
-        return (scale_by_grad_output(grad, grad_loss),) + (None,) * 15
+
+def _backward(ctx, grad_loss, _grad_grad, _grad_rows, _grad_lp):
+    if not ctx.need_grad:
+        raise RuntimeError("icepop_loss_from_logits: backward called but forward ran without "
+                           "need_grad")
+    if ctx.inplace:
+        logits, *token_inputs = ctx.saved_tensors
+        call_op(ctx, _grad_inplace_op, _grad_inplace_impl, logits, *token_inputs,
+                grad_loss.float().reshape(1).contiguous(), *ctx.params)
+        grad = logits
+    else:
+        grad = scale_by_grad_output(ctx, ctx.saved_tensors[0], grad_loss)
+    return (grad,) + (None,) * 15
+
+
+_icepop_from_logits = differentiable_op(_icepop_from_logits_op, _icepop_from_logits_impl,
+                                        _setup_context, _backward)
 
 
 def check_icepop_arguments(shape, device, rollout, advantages, loss_mask, old_logprobs,
@@ -295,11 +298,10 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
         Vocab-parallel group: the loss is the full-vocab loss on every rank, the gradient the
         one of this rank's shard (no communication in backward).
     inplace_backward : bool, default False
-        Write the logits gradient into the logits buffer (forward, for the fused path;
-        backward, for the composed one) and return that buffer as the gradient: no second
-        [*S, V] buffer. The logits are destroyed: nothing else may read them afterwards
-        (autograd refuses a backward that needs them: their version counter is bumped), and
-        backward can run once.
+        Write the logits gradient into the logits buffer during backward and return that
+        buffer as the gradient: no second [*S, V] buffer. The logits are destroyed by the
+        backward: a node that saved them and runs after it is refused (their version counter
+        is bumped: "modified by an inplace operation"), and backward can run once.
 
     Returns
     -------
@@ -352,9 +354,10 @@ def icepop_loss_from_logits(logits: torch.Tensor, token_ids: torch.Tensor,
     scale = token_scales(loss_mask, shape, reduction, logits.device)
     need_grad = bool(logits.requires_grad and torch.is_grad_enabled())
     metrics = return_metrics or raise_on_nonfinite
-    loss, stats, lp = _FusedIcePopFromLogits.apply(
+    loss, _, rows, lp = _icepop_from_logits(
         rows_2d(logits), ids, rollout, old, adv, mask, scale, 1.0 / temperature, lo, hi,
         eps_low, eps_high, dual, need_grad, inplace_backward, metrics)
+    stats = _stats_from_partials(rows)
     return finish_fused_loss("icepop_loss_from_logits", loss, stats, lp, shape,
                              rollout_logprobs, loss_mask, old_logprobs, lo, hi,
                              return_metrics, raise_on_nonfinite)

@@ -10,10 +10,15 @@ of those logits. Per chunk of C tokens (C chosen from a memory budget)::
 
 so [tokens, V] never exists: the only vocab-sized buffers are one [C, V] chunk and the
 [V, H] weight gradient (which any path needs). The gradients are computed during forward for
-grad_output = 1 (a scalar loss); backward multiplies them by grad_output in place (a kernel
-that returns at once when grad_output == 1). The weight gradient accumulates over chunks in
-the weight's dtype (one rounding per chunk when it is bf16, as in Liger's fused linear
-cross-entropy).
+grad_output = 1 (a scalar loss); backward multiplies them by grad_output (eagerly in place,
+with a kernel that returns at once when grad_output == 1). The weight gradient accumulates
+over chunks in the weight's dtype (one rounding per chunk when it is bf16, as in Liger's
+fused linear cross-entropy).
+
+Registered as the ``glm_kernels::fused_linear_icepop_loss`` custom op, whose outputs include
+the two gradients, with its backward (those gradients times grad_output) registered on it;
+eager calls run the op's body directly under a plain autograd node with the same backward
+(docs/design.md 1, "Autograd").
 """
 
 from typing import Optional, Tuple
@@ -22,7 +27,7 @@ import torch
 
 from ... import _checks
 from .._common import checks as loss_checks
-from .._common.launch import run_op
+from .._common.launch import differentiable_op
 from .._common.linear import (DEFAULT_MEMORY_BUDGET, FusedLinearConfig, check_linear_inputs,
                               chunk_config, chunked_linear_pass, make_fused_linear_config)
 from .from_logits import (check_icepop_arguments, finish_fused_loss, flat_token_inputs,
@@ -43,6 +48,8 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
                        need_grad_weight: bool, metrics: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                   torch.Tensor]:
+    """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8],
+    log-probs [N] fp32 with ``metrics`` else [0]); gradients for grad_output = 1."""
     rows, lp = new_rows(hidden.shape[0], metrics, hidden.device)
     need_grad = need_grad_hidden or need_grad_weight
     pick = lambda t, part: None if t is None else t[part]   # noqa: E731
@@ -60,20 +67,8 @@ def _fused_linear_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: to
     return loss_from_rows(rows, scale), grad_hidden, grad_weight, rows, lp
 
 
-@torch.library.custom_op("glm_kernels::fused_linear_icepop_loss", mutates_args=())
-def _fused_linear_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                     rollout: torch.Tensor, old: Optional[torch.Tensor], adv: torch.Tensor,
-                     mask: Optional[torch.Tensor], scale: torch.Tensor, inv_temp: float,
-                     gate_low: float, gate_high: float, eps_low: float, eps_high: float,
-                     dual_clip: Optional[float], chunk_size: int, need_grad_hidden: bool,
-                     need_grad_weight: bool, metrics: bool
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                torch.Tensor]:
-    """(loss, dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0], stats rows [N, 8],
-    log-probs [N] fp32 with ``metrics`` else [0]); gradients for grad_output = 1."""
-    return _fused_linear_impl(hidden, weight, token_ids, rollout, old, adv, mask, scale,
-                              inv_temp, gate_low, gate_high, eps_low, eps_high, dual_clip,
-                              chunk_size, need_grad_hidden, need_grad_weight, metrics)
+_fused_linear_op = torch.library.custom_op("glm_kernels::fused_linear_icepop_loss",
+                                           mutates_args=())(_fused_linear_impl)
 
 
 @_fused_linear_op.register_fake
@@ -86,23 +81,22 @@ def _fused_linear_fake(hidden, weight, token_ids, rollout, old, adv, mask, scale
             *new_rows(hidden.shape[0], metrics, hidden.device))
 
 
-class _FusedLinearIcePop(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, *args):
-        loss, grad_hidden, grad_weight, rows, lp = run_op(
-            _fused_linear_op, _fused_linear_impl, hidden, weight, *args)
-        stats = _stats_from_partials(rows)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.num_args = len(args)
-        ctx.mark_non_differentiable(stats, lp)
-        return loss, stats, lp
+def _setup_context(ctx, inputs, output):
+    _, grad_hidden, grad_weight, rows, lp = output
+    ctx.save_for_backward(grad_hidden, grad_weight)
+    ctx.num_inputs = len(inputs)
+    ctx.mark_non_differentiable(grad_hidden, grad_weight, rows, lp)
+    ctx.set_materialize_grads(False)     # no zero-filled [N, H] / [V, H] for the gradients
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_stats, _grad_lp):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        grads = [scale_by_grad_output(g, grad_loss) if g.numel() else None
-                 for g in (grad_hidden, grad_weight)]
-        return (*grads,) + (None,) * ctx.num_args
+
+def _backward(ctx, grad_loss, _grad_hidden, _grad_weight, _grad_rows, _grad_lp):
+    grads = [scale_by_grad_output(ctx, g, grad_loss) if g.numel() else None
+             for g in ctx.saved_tensors]
+    return (*grads,) + (None,) * (ctx.num_inputs - 2)
+
+
+_fused_linear_icepop = differentiable_op(_fused_linear_op, _fused_linear_impl, _setup_context,
+                                         _backward)
 
 
 def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
@@ -184,12 +178,13 @@ def fused_linear_icepop_loss(hidden: torch.Tensor, weight: torch.Tensor,
                                                 old_logprobs)
     scale = token_scales(loss_mask, shape, reduction, hidden.device)
     grad_on = torch.is_grad_enabled()
-    loss, stats, lp = _FusedLinearIcePop.apply(
+    loss, _, _, rows, lp = _fused_linear_icepop(
         hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
         token_ids.reshape(-1).contiguous(), rollout, old, adv, mask, scale, 1.0 / temperature,
         lo, hi, eps_low, eps_high, dual, config.chunk_size,
         bool(grad_on and hidden.requires_grad),
         bool(grad_on and weight.requires_grad), return_metrics or raise_on_nonfinite)
+    stats = _stats_from_partials(rows)
     return finish_fused_loss("fused_linear_icepop_loss", loss, stats, lp, shape,
                              rollout_logprobs, loss_mask, old_logprobs, lo, hi,
                              return_metrics, raise_on_nonfinite)

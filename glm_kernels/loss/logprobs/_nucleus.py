@@ -197,7 +197,9 @@ def _index(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.int64 else x.long()
 
 
-def _stats_impl(logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start):
+def stats(logits, token_ids, keep_ids, keep_offsets, inv_temp: float,
+          vocab_start: int) -> torch.Tensor:
+    """[N, 3] fp32 nucleus statistics of this tensor's columns (see nucleus_partial_stats)."""
     kernels, block_k = _kernels(logits)
     if kernels is None:
         return nucleus_partial_stats(logits, token_ids, keep_ids, keep_offsets, inv_temp,
@@ -209,8 +211,10 @@ def _stats_impl(logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start
     return out
 
 
-def _grad_terms_impl(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp, inv_temp,
-                     vocab_start):
+def grad_terms(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp, inv_temp: float,
+               vocab_start: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(flat index [K + N] int64, values [K + N] fp32) of the nucleus rows' gradient (see
+    nucleus_grad_terms)."""
     kernels, block_k = _kernels(logits)
     if kernels is None:
         return nucleus_grad_terms(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp,
@@ -225,52 +229,11 @@ def _grad_terms_impl(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_l
     return index, value
 
 
-# --------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("glm_kernels::nucleus_logprob_stats", mutates_args=())
-def _stats_op(logits: torch.Tensor, token_ids: torch.Tensor, keep_ids: torch.Tensor,
-              keep_offsets: torch.Tensor, inv_temp: float, vocab_start: int) -> torch.Tensor:
-    """[N, 3] fp32 nucleus statistics of this tensor's columns (see nucleus_partial_stats)."""
-    return _stats_impl(logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start)
-
-
-@_stats_op.register_fake
-def _stats_fake(logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start):
-    return logits.new_empty((logits.shape[0], 3), dtype=torch.float32)
-
-
-@torch.library.custom_op("glm_kernels::nucleus_logprob_grad_terms", mutates_args=())
-def _grad_terms_op(logits: torch.Tensor, token_ids: torch.Tensor, keep_ids: torch.Tensor,
-                   keep_offsets: torch.Tensor, lse_keep: torch.Tensor, grad_lp: torch.Tensor,
-                   inv_temp: float, vocab_start: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(flat index [K + N] int64, values [K + N] fp32) of the nucleus rows' gradient."""
-    return _grad_terms_impl(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp,
-                            inv_temp, vocab_start)
-
-
-@_grad_terms_op.register_fake
-def _grad_terms_fake(logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp, inv_temp,
-                     vocab_start):
-    size = keep_ids.shape[0] + logits.shape[0]
-    return (logits.new_empty((size,), dtype=torch.int64),
-            logits.new_empty((size,), dtype=torch.float32))
-
-
-def run_stats(run_op, logits, token_ids, keep_ids, keep_offsets, inv_temp, vocab_start):
-    return run_op(_stats_op, _stats_impl, logits, token_ids, keep_ids, keep_offsets,
-                  inv_temp, vocab_start)
-
-
 def add_grad_terms(out, index, values) -> torch.Tensor:
     """out (an [N, V] gradient) with the nucleus terms added at their flat positions."""
     flat = out.view(-1)
     flat.index_add_(0, index, values.to(out.dtype))
     return out
-
-
-def grad_terms(run_op, logits, token_ids, keep_ids, keep_offsets, lse_keep, grad_lp,
-               inv_temp, vocab_start):
-    return run_op(_grad_terms_op, _grad_terms_impl, logits, token_ids, keep_ids,
-                  keep_offsets, lse_keep, grad_lp, inv_temp, vocab_start)
 
 
 def reference(logits: torch.Tensor, token_ids: torch.Tensor, keep_ids: torch.Tensor,

@@ -21,6 +21,10 @@ weight gradient. Saved for backward: hidden and weight (references), lse and H [
 The weight gradient of bf16 / fp16 weights sums over chunks in fp32 by default (one rounding
 at the end, as TRL's fused LM head does); ``fp32_weight_grad=False`` sums in the weight
 dtype, one rounding per chunk, as ``fused_linear_icepop_loss`` does.
+
+Registered as the ``glm_kernels::fused_linear_logprobs`` custom op with its backward (the
+``fused_linear_logprobs_backward`` op) registered on it; eager calls run the op's body directly
+under a plain autograd node with the same backward (docs/design.md 1, "Autograd").
 """
 
 from typing import Optional, Tuple
@@ -28,9 +32,9 @@ from typing import Optional, Tuple
 import torch
 
 from ... import _checks
-from .._common.launch import run_op
+from .._common.launch import call_op, differentiable_op
 from .._common.linear import check_linear_inputs, chunk_config, chunked_linear_pass
-from .logprobs import _grad_into, _logprobs_impl
+from .logprobs import _grad_into, _logprobs_impl, _upstream
 
 # [C, V] fp32 buffers the torch backend's passes hold beside the chunk at their peak (the
 # backward one with the entropy term; _common/softmax.softmax_grad): measured by
@@ -38,9 +42,12 @@ from .logprobs import _grad_into, _logprobs_impl
 TORCH_FP32_TEMPORARIES = 5
 
 
-def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                  inv_temp: float, want_entropy: bool, chunk_size: int
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fused_linear_logprobs_impl(hidden: torch.Tensor, weight: torch.Tensor,
+                                token_ids: torch.Tensor, inv_temp: float, want_entropy: bool,
+                                chunk_size: int, fp32_weight_grad: bool
+                                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lp [N], entropy [N] or [0], lse [N]) fp32 of hidden [N, H] @ weight [V, H]^T;
+    ``fp32_weight_grad`` is read by the backward only."""
     n = hidden.shape[0]
     new = lambda k: torch.empty(k, dtype=torch.float32, device=hidden.device)  # noqa: E731
     lp, entropy, lse = new(n), new(n if want_entropy else 0), new(n)
@@ -57,16 +64,13 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.T
     return lp, entropy, lse
 
 
-@torch.library.custom_op("glm_kernels::fused_linear_logprobs", mutates_args=())
-def _forward_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                inv_temp: float, want_entropy: bool, chunk_size: int
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lp [N], entropy [N] or [0], lse [N]) fp32 of hidden [N, H] @ weight [V, H]^T."""
-    return _forward_impl(hidden, weight, token_ids, inv_temp, want_entropy, chunk_size)
+_fused_linear_logprobs_op = torch.library.custom_op(
+    "glm_kernels::fused_linear_logprobs", mutates_args=())(_fused_linear_logprobs_impl)
 
 
-@_forward_op.register_fake
-def _forward_fake(hidden, weight, token_ids, inv_temp, want_entropy, chunk_size):
+@_fused_linear_logprobs_op.register_fake
+def _fused_linear_logprobs_fake(hidden, weight, token_ids, inv_temp, want_entropy,
+                                chunk_size, fp32_weight_grad):
     n = hidden.shape[0]
     new = lambda k: hidden.new_empty((k,), dtype=torch.float32)   # noqa: E731
     return new(n), new(n if want_entropy else 0), new(n)
@@ -77,6 +81,8 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.
                    grad_entropy: Optional[torch.Tensor], inv_temp: float, chunk_size: int,
                    need_grad_hidden: bool, need_grad_weight: bool, fp32_weight_grad: bool
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0]) for upstream gradients grad_lp
+    [N] and grad_entropy [N] (None: the entropy was not asked for), logits recomputed."""
     def gradient_pass(part, logits_c):
         _grad_into(logits_c, logits_c, token_ids[part], lse[part],
                    entropy[part] if grad_entropy is not None else entropy, grad_lp[part],
@@ -88,17 +94,8 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.
                                fp32_weight_grad=fp32_weight_grad)
 
 
-@torch.library.custom_op("glm_kernels::fused_linear_logprobs_backward", mutates_args=())
-def _backward_op(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                 lse: torch.Tensor, entropy: torch.Tensor, grad_lp: torch.Tensor,
-                 grad_entropy: Optional[torch.Tensor], inv_temp: float, chunk_size: int,
-                 need_grad_hidden: bool, need_grad_weight: bool, fp32_weight_grad: bool
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dL/dhidden [N, H] or [0], dL/dweight [V, H] or [0]) for upstream gradients grad_lp
-    [N] and grad_entropy [N] (None: the entropy was not asked for), logits recomputed."""
-    return _backward_impl(hidden, weight, token_ids, lse, entropy, grad_lp, grad_entropy,
-                          inv_temp, chunk_size, need_grad_hidden, need_grad_weight,
-                          fp32_weight_grad)
+_backward_op = torch.library.custom_op("glm_kernels::fused_linear_logprobs_backward",
+                                       mutates_args=())(_backward_impl)
 
 
 @_backward_op.register_fake
@@ -108,40 +105,31 @@ def _backward_fake(hidden, weight, token_ids, lse, entropy, grad_lp, grad_entrop
             torch.empty_like(weight) if need_grad_weight else weight.new_empty(0))
 
 
-class _FusedLinearLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, token_ids, inv_temp, want_entropy, chunk_size,
-                fp32_weight_grad):
-        # An entropy kept for logging (or a log-prob left unused) gets no zero-filled upstream
-        # gradient: backward leaves its term out instead of computing it times 0.
-        ctx.set_materialize_grads(False)
-        lp, entropy, lse = run_op(_forward_op, _forward_impl, hidden, weight, token_ids,
-                                  inv_temp, want_entropy, chunk_size)
-        # token_ids saved through a view: torch 2.4's Dynamo, tracing this Function, saved the
-        # hidden states in its place and the compiled backward read them as token ids (wrong
-        # gradients, no error); the view costs nothing and is saved as itself.
-        ctx.save_for_backward(hidden, weight, token_ids.view(-1), lse, entropy)
-        ctx.cfg = (inv_temp, want_entropy, chunk_size, fp32_weight_grad)
-        if not want_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return lp, entropy
+def _setup_context(ctx, inputs, output):
+    hidden, weight, token_ids, inv_temp, want_entropy, chunk_size, fp32_weight_grad = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, token_ids, lse, entropy)
+    ctx.cfg = (inv_temp, want_entropy, chunk_size, fp32_weight_grad)
+    ctx.mark_non_differentiable(lse, *(() if want_entropy else (entropy,)))
+    ctx.set_materialize_grads(False)     # see logprobs._upstream
 
-    @staticmethod
-    def backward(ctx, grad_lp, grad_entropy):
-        hidden, weight, token_ids, lse, entropy = ctx.saved_tensors
-        inv_temp, want_entropy, chunk_size, fp32_weight_grad = ctx.cfg
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_lp = (torch.zeros_like(lse) if grad_lp is None
-                   else grad_lp.float().contiguous())
-        # A traced backward may hand the non-differentiable [0] entropy a gradient anyway.
-        grad_entropy = (grad_entropy.float().contiguous()
-                        if want_entropy and grad_entropy is not None else None)
-        grad_hidden, grad_weight = run_op(
-            _backward_op, _backward_impl, hidden, weight, token_ids, lse, entropy, grad_lp,
-            grad_entropy, inv_temp, chunk_size, bool(need_hidden), bool(need_weight),
-            fp32_weight_grad)
-        return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
-                None, None, None, None, None)
+
+def _backward(ctx, grad_lp, grad_entropy, _grad_lse):
+    hidden, weight, token_ids, lse, entropy = ctx.saved_tensors
+    inv_temp, want_entropy, chunk_size, fp32_weight_grad = ctx.cfg
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    grad_lp, grad_entropy = _upstream(grad_lp, grad_entropy, lse, want_entropy)
+    grad_hidden, grad_weight = call_op(
+        ctx, _backward_op, _backward_impl, hidden, weight, token_ids, lse, entropy, grad_lp,
+        grad_entropy, inv_temp, chunk_size, bool(need_hidden), bool(need_weight),
+        fp32_weight_grad)
+    return (grad_hidden if need_hidden else None, grad_weight if need_weight else None,
+            None, None, None, None, None)
+
+
+_fused_linear_logprobs = differentiable_op(_fused_linear_logprobs_op,
+                                           _fused_linear_logprobs_impl, _setup_context,
+                                           _backward)
 
 
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
@@ -213,7 +201,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, token_ids:
     config = chunk_config("selective_logprobs", hidden, weight, chunk_size=chunk_size,
                           memory_budget=memory_budget,
                           torch_fp32_temporaries=TORCH_FP32_TEMPORARIES)
-    lp, entropy = _FusedLinearLogprobs.apply(
+    lp, entropy, _ = _fused_linear_logprobs(
         hidden.reshape(-1, hidden.shape[-1]).contiguous(), weight.contiguous(),
         token_ids.reshape(-1).contiguous(), 1.0 / temperature, return_entropy,
         config.chunk_size, fp32_weight_grad)

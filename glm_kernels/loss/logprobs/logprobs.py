@@ -11,9 +11,12 @@ logits and lse (one read, one write). With ``tp_group`` each rank holds a Megatr
 vocab-parallel shard; the shard statistics are combined by two all-reduces
 (``_common/vocab_parallel.py``) and backward stays communication-free.
 
-The compute primitives are ``torch.library`` custom ops (fake kernels give shapes), so the op
-traces through ``torch.compile``; in eager mode the wrappers call the plain implementation
-directly and skip the dispatcher.
+Registered as the ``glm_kernels::selective_logprobs`` custom op (a fake kernel gives shapes,
+the backward is registered on the op), so it traces through ``torch.compile``, vocab-parallel
+too: the schema carries the group by name and the all-reduces run inside the op. Backward is
+the ``selective_logprobs_backward`` op, or ``selective_logprobs_backward_``, which writes the
+gradient over the saved logits (``inplace_backward``). Eager calls run the op's body directly
+under a plain autograd node with the same backward (docs/design.md 1, "Autograd").
 """
 
 from typing import Optional, Tuple
@@ -22,8 +25,8 @@ import torch
 
 from ... import _checks, _dispatch
 from .._common import checks as loss_checks
-from .._common.launch import (check_logits_and_ids, check_token_id_flag, make_launch_config,
-                              prepare_call, rows_2d, run_op)
+from .._common.launch import (call_op, check_logits_and_ids, check_token_id_flag,
+                              differentiable_op, make_launch_config, prepare_call, rows_2d)
 from .._common import softmax as ref
 from . import _torch as _logits_torch
 from . import _nucleus
@@ -44,9 +47,10 @@ def _torch_path():
     return ref if _dispatch.batch_invariant_enabled() else _logits_torch
 
 
-# --------------------------------------------------------------------------- custom ops
+# --------------------------------------------------------------------------- forward
 def _logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
                    want_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lp [N], entropy [N] or [0], lse [N]) fp32 of full-vocab [N, V] rows."""
     n, v = logits.shape
     kernels, cfg, flag = prepare_call("selective_logprobs", logits, token_ids, v, kernels_or_none)
     if kernels is None:
@@ -64,25 +68,11 @@ def _logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: floa
     return lp, entropy, lse
 
 
-@torch.library.custom_op("glm_kernels::selective_logprobs", mutates_args=())
-def _logprobs_op(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
-                 want_entropy: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lp [N], entropy [N] or [0], lse [N]) of [N, V] logits, all fp32."""
-    return _logprobs_impl(logits, token_ids, inv_temp, want_entropy)
-
-
-@_logprobs_op.register_fake
-def _logprobs_fake(logits, token_ids, inv_temp, want_entropy):
-    n = logits.shape[0]
-    new = lambda k: logits.new_empty((k,), dtype=torch.float32)   # noqa: E731
-    return new(n), new(n if want_entropy else 0), new(n)
-
-
-def _shard_stats_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
-                      want_entropy: bool, vocab_start: int, vocab_total: int) -> torch.Tensor:
+def _shard_stats(logits, token_ids, inv_temp, want_entropy, vocab_start, vocab_total):
+    """[N, 4] fp32 (m, s, t, z_t) of one vocab shard (``_vocab_parallel`` combines them)."""
     n, _ = logits.shape
     kernels, cfg, flag = prepare_call("selective_logprobs", logits, token_ids, vocab_total,
-                                        kernels_or_none)
+                                      kernels_or_none)
     if kernels is None:
         partial = ref.logprob_partial_stats(logits, token_ids, inv_temp, vocab_start,
                                             want_entropy)
@@ -96,22 +86,51 @@ def _shard_stats_impl(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: f
     return partial
 
 
-@torch.library.custom_op("glm_kernels::logprob_shard_stats", mutates_args=())
-def _shard_stats_op(logits: torch.Tensor, token_ids: torch.Tensor, inv_temp: float,
-                    want_entropy: bool, vocab_start: int, vocab_total: int) -> torch.Tensor:
-    """[N, 4] fp32 (m, s, t, z_t) of one vocab shard (``_vocab_parallel`` combines them)."""
-    return _shard_stats_impl(logits, token_ids, inv_temp, want_entropy, vocab_start,
-                             vocab_total)
+def _selective_logprobs_impl(logits: torch.Tensor, token_ids: torch.Tensor,
+                             keep_ids: Optional[torch.Tensor],
+                             keep_offsets: Optional[torch.Tensor], inv_temp: float,
+                             want_entropy: bool, group: str, inplace_backward: bool
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lp [N], entropy [N] or [0], lse [N], lse over the nucleus [N] or [0]) fp32 of [N, V]
+    logits: this rank's shard of the group named ``group`` ("" for none). ``inplace_backward``
+    is read by the backward only."""
+    tp_group = _vocab_parallel.resolve_group(group)
+    vocab_start, vocab_total = _vocab_parallel.shard_range(logits.shape[1], tp_group)
+    if tp_group is None:
+        lp, entropy, lse = _logprobs_impl(logits, token_ids, inv_temp, want_entropy)
+    else:
+        partial = _shard_stats(logits, token_ids, inv_temp, want_entropy, vocab_start,
+                               vocab_total)
+        lp, lse, entropy = _vocab_parallel.combine_logprob_stats(partial, tp_group)
+        if not want_entropy:
+            entropy = entropy.new_empty(0)
+    lse_keep = lse.new_empty(0)
+    if keep_ids is not None:
+        # Renormalise the log-prob over the nucleus (entropy and lse stay full-vocab).
+        stats = _nucleus.stats(logits, token_ids, keep_ids, keep_offsets, inv_temp,
+                               vocab_start)
+        if tp_group is not None:
+            stats = _nucleus.combine_nucleus_stats(stats, tp_group)
+        lp, lse_keep = _nucleus.finalize_nucleus(stats, keep_offsets, lp, lse)
+    return lp, entropy, lse, lse_keep
 
 
-@_shard_stats_op.register_fake
-def _shard_stats_fake(logits, token_ids, inv_temp, want_entropy, vocab_start, vocab_total):
-    return logits.new_empty((logits.shape[0], 4), dtype=torch.float32)
+_selective_logprobs_op = torch.library.custom_op(
+    "glm_kernels::selective_logprobs", mutates_args=())(_selective_logprobs_impl)
 
 
+@_selective_logprobs_op.register_fake
+def _selective_logprobs_fake(logits, token_ids, keep_ids, keep_offsets, inv_temp,
+                             want_entropy, group, inplace_backward):
+    n = logits.shape[0]
+    new = lambda k: logits.new_empty((k,), dtype=torch.float32)   # noqa: E731
+    return new(n), new(n if want_entropy else 0), new(n), new(0 if keep_ids is None else n)
+
+
+# --------------------------------------------------------------------------- backward
 def _grad_into(out, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
                vocab_start) -> None:
-    """Write dL/dlogits into ``out`` (which may be ``logits`` itself)."""
+    """Write the dense dL/dlogits into ``out`` (which may be ``logits`` itself)."""
     backend = _dispatch.select_backend("selective_logprobs", logits)
     kernels = kernels_or_none(backend)
     if kernels is None:
@@ -128,115 +147,113 @@ def _grad_into(out, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_
                         num_warps=cfg.num_warps)
 
 
-def _bwd_impl(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
-              entropy: torch.Tensor, grad_lp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
-              inv_temp: float, vocab_start: int) -> torch.Tensor:
-    out = torch.empty_like(logits)
+def _gradient_into(out, logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep,
+                   grad_lp, grad_entropy, inv_temp, vocab_start) -> None:
+    terms = None
+    if keep_ids is not None:
+        # The nucleus rows' log-prob terms, read from the logits before an in-place
+        # backward overwrites them; the dense pass keeps only their entropy term.
+        terms = _nucleus.grad_terms(logits, token_ids, keep_ids, keep_offsets, lse_keep,
+                                    grad_lp, inv_temp, vocab_start)
+        grad_lp = torch.where(keep_offsets.diff() > 0, 0.0, grad_lp)
     _grad_into(out, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
                vocab_start)
+    if terms is not None:
+        _nucleus.add_grad_terms(out, *terms)
+
+
+def _backward_impl(logits: torch.Tensor, token_ids: torch.Tensor,
+                   keep_ids: Optional[torch.Tensor], keep_offsets: Optional[torch.Tensor],
+                   lse: torch.Tensor, entropy: torch.Tensor, lse_keep: torch.Tensor,
+                   grad_lp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+                   inv_temp: float, vocab_start: int) -> torch.Tensor:
+    """dL/dlogits [N, V] in the logits dtype for upstream gradients grad_lp [N] and
+    grad_entropy [N] (None: no entropy term), the softmax recomputed from the saved lse."""
+    out = torch.empty_like(logits)
+    _gradient_into(out, logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep,
+                   grad_lp, grad_entropy, inv_temp, vocab_start)
     return out
 
 
-@torch.library.custom_op("glm_kernels::selective_logprobs_backward", mutates_args=())
-def _bwd_op(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
-            entropy: torch.Tensor, grad_lp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
-            inv_temp: float, vocab_start: int) -> torch.Tensor:
-    """dL/dlogits [N, V] in the logits dtype, softmax recomputed from the saved lse."""
-    return _bwd_impl(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
-                     vocab_start)
+_backward_op = torch.library.custom_op("glm_kernels::selective_logprobs_backward",
+                                       mutates_args=())(_backward_impl)
 
 
-@_bwd_op.register_fake
-def _bwd_fake(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp, vocab_start):
+@_backward_op.register_fake
+def _backward_fake(logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep, grad_lp,
+                   grad_entropy, inv_temp, vocab_start):
     return torch.empty_like(logits)
 
 
-def _bwd_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
-                      entropy: torch.Tensor, grad_lp: torch.Tensor,
-                      grad_entropy: Optional[torch.Tensor], inv_temp: float,
-                      vocab_start: int) -> None:
-    _grad_into(logits, logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
-               vocab_start)
+def _backward_inplace_impl(logits: torch.Tensor, token_ids: torch.Tensor,
+                           keep_ids: Optional[torch.Tensor], keep_offsets: Optional[torch.Tensor],
+                           lse: torch.Tensor, entropy: torch.Tensor, lse_keep: torch.Tensor,
+                           grad_lp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+                           inv_temp: float, vocab_start: int) -> None:
+    """The backward written over the logits buffer (inplace_backward): no second [N, V]."""
+    _gradient_into(logits, logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep,
+                   grad_lp, grad_entropy, inv_temp, vocab_start)
     if not torch.compiler.is_compiling():
         torch.autograd.graph.increment_version(logits)   # the op does it when dispatched
 
 
-@torch.library.custom_op("glm_kernels::selective_logprobs_backward_", mutates_args=("logits",))
-def _bwd_inplace_op(logits: torch.Tensor, token_ids: torch.Tensor, lse: torch.Tensor,
-                    entropy: torch.Tensor, grad_lp: torch.Tensor,
-                    grad_entropy: Optional[torch.Tensor], inv_temp: float,
-                    vocab_start: int) -> None:
-    """The backward written over the logits buffer (inplace_backward=True)."""
-    _bwd_inplace_impl(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
-                      vocab_start)
+_backward_inplace_op = torch.library.custom_op("glm_kernels::selective_logprobs_backward_",
+                                               mutates_args=("logits",))(_backward_inplace_impl)
 
 
-@_bwd_inplace_op.register_fake
-def _bwd_inplace_fake(logits, token_ids, lse, entropy, grad_lp, grad_entropy, inv_temp,
-                      vocab_start):
+@_backward_inplace_op.register_fake
+def _backward_inplace_fake(logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep,
+                           grad_lp, grad_entropy, inv_temp, vocab_start):
     return None
 
 
-# --------------------------------------------------------------------------- autograd
-class _SelectiveLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, token_ids, inv_temp, want_entropy, tp_group, inplace_backward,
-                keep_ids=None, keep_offsets=None):
-        if tp_group is None:
-            lp, entropy, lse = run_op(_logprobs_op, _logprobs_impl, logits, token_ids, inv_temp,
-                                      want_entropy)
-            vocab_start = 0
-        else:
-            vocab_start, vocab_total = _vocab_parallel.shard_range(logits.shape[1], tp_group)
-            partial = run_op(_shard_stats_op, _shard_stats_impl, logits, token_ids, inv_temp,
-                             want_entropy, vocab_start, vocab_total)
-            lp, lse, entropy = _vocab_parallel.combine_logprob_stats(partial, tp_group)
-            if not want_entropy:
-                entropy = entropy.new_empty(0)
-        lse_keep = lse[:0]
-        if keep_ids is not None:
-            # Renormalise the log-prob over the nucleus (entropy and lse stay full-vocab).
-            stats = _nucleus.run_stats(run_op, logits, token_ids, keep_ids, keep_offsets,
-                                       inv_temp, vocab_start)
-            if tp_group is not None:
-                stats = _nucleus.combine_nucleus_stats(stats, tp_group)
-            lp, lse_keep = _nucleus.finalize_nucleus(stats, keep_offsets, lp, lse)
-        ctx.save_for_backward(logits, token_ids, lse, entropy, keep_ids, keep_offsets, lse_keep)
-        ctx.cfg = (inv_temp, vocab_start, want_entropy, inplace_backward)
-        if not want_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return lp, entropy
+def _upstream(grad_lp, grad_entropy, lse, want_entropy):
+    """The upstream gradients as backward's kernels take them: fp32, contiguous; None (the
+    grads are not materialised) for an unused output: zeros for the log-prob, no entropy
+    term at all, rather than that term times 0."""
+    grad_lp = torch.zeros_like(lse) if grad_lp is None else grad_lp.float().contiguous()
+    # A traced backward may hand the non-differentiable [0] entropy a gradient anyway.
+    grad_entropy = (grad_entropy.float().contiguous()
+                    if want_entropy and grad_entropy is not None else None)
+    return grad_lp, grad_entropy
 
-    @staticmethod
-    def backward(ctx, grad_lp, grad_entropy):
-        logits, token_ids, lse, entropy, keep_ids, keep_offsets, lse_keep = ctx.saved_tensors
-        inv_temp, vocab_start, want_entropy, inplace = ctx.cfg
-        grad_lp = grad_lp.float().contiguous()
-        terms = None
-        if keep_ids is not None:
-            # The nucleus rows' log-prob terms, read from the logits before an in-place
-            # backward overwrites them; the dense pass keeps only their entropy term.
-            terms = _nucleus.grad_terms(run_op, logits, token_ids, keep_ids, keep_offsets,
-                                        lse_keep, grad_lp, inv_temp, vocab_start)
-            grad_lp = torch.where(keep_offsets.diff() > 0, 0.0, grad_lp)
-        args = (logits, token_ids, lse, entropy, grad_lp,
-                grad_entropy.float().contiguous() if want_entropy else None, inv_temp,
-                vocab_start)
-        if inplace:
-            run_op(_bwd_inplace_op, _bwd_inplace_impl, *args)
-            grad = logits
-        else:
-            grad = run_op(_bwd_op, _bwd_impl, *args)
-        if terms is not None:
-            grad = _nucleus.add_grad_terms(grad, *terms)
-        return grad, None, None, None, None, None, None, None
+
+def _setup_context(ctx, inputs, output):
+    logits, token_ids, keep_ids, keep_offsets, inv_temp, want_entropy, group, inplace = inputs
+    _, entropy, lse, lse_keep = output
+    ctx.save_for_backward(logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep)
+    vocab_start = _vocab_parallel.shard_range(logits.shape[1],
+                                              _vocab_parallel.resolve_group(group))[0]
+    ctx.cfg = (inv_temp, vocab_start, want_entropy, inplace)
+    ctx.mark_non_differentiable(lse, lse_keep, *(() if want_entropy else (entropy,)))
+    ctx.set_materialize_grads(False)     # see _upstream
+
+
+def _backward(ctx, grad_lp, grad_entropy, _grad_lse, _grad_lse_keep):
+    logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep = ctx.saved_tensors
+    inv_temp, vocab_start, want_entropy, inplace = ctx.cfg
+    grad_lp, grad_entropy = _upstream(grad_lp, grad_entropy, lse, want_entropy)
+    args = (logits, token_ids, keep_ids, keep_offsets, lse, entropy, lse_keep, grad_lp,
+            grad_entropy, inv_temp, vocab_start)
+    if inplace:
+        call_op(ctx, _backward_inplace_op, _backward_inplace_impl, *args)
+        grad = logits
+    else:
+        grad = call_op(ctx, _backward_op, _backward_impl, *args)
+    return (grad,) + (None,) * 7
+
+
+_selective_logprobs = differentiable_op(_selective_logprobs_op, _selective_logprobs_impl,
+                                        _setup_context, _backward)
 
 
 def logprobs_rows(logits2d, token_ids1d, *, inv_temp, want_entropy=False, tp_group=None,
                   inplace_backward=False, keep_ids=None, keep_offsets=None):
     """Differentiable (lp [N], entropy [N] or [0]) of [N, V] rows; no validation."""
-    return _SelectiveLogprobs.apply(logits2d, token_ids1d, inv_temp, want_entropy, tp_group,
-                                    inplace_backward, keep_ids, keep_offsets)
+    lp, entropy, _, _ = _selective_logprobs(
+        logits2d, token_ids1d, keep_ids, keep_offsets, inv_temp, want_entropy,
+        _vocab_parallel.group_name(tp_group), inplace_backward)
+    return lp, entropy
 
 
 def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
@@ -307,8 +324,7 @@ def selective_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *,
     _checks.check_bool("return_entropy", return_entropy)
     loss_checks.check_tp_group(tp_group)
     if keep_token_ids is not None or keep_offsets is not None:
-        vocab_total = logits.shape[-1] if tp_group is None else \
-            _vocab_parallel.shard_range(logits.shape[-1], tp_group)[1]
+        vocab_total = _vocab_parallel.shard_range(logits.shape[-1], tp_group)[1]
         _nucleus.check_nucleus(keep_token_ids, keep_offsets, token_ids.numel(), vocab_total,
                                logits.device)
         keep_token_ids, keep_offsets = keep_token_ids.contiguous(), keep_offsets.contiguous()

@@ -10,6 +10,11 @@ One sweep reads both logits tensors once and carries (m_s, s_s, u, m_t, s_t) onl
 saves lse_s, lse_t and KL [N] fp32; backward reads both tensors again and writes the student
 gradient. With ``tp_group`` the five statistics of each shard are combined by two
 all-reduces (``_vocab_parallel.combine_reverse_kl_stats``); backward needs no communication.
+
+Registered as the ``glm_kernels::reverse_kl_from_logits`` custom op (the group enters its schema
+by name, the all-reduces run inside it) with its backward, the
+``reverse_kl_from_logits_backward`` op, registered on it; eager calls run the op's body
+directly under a plain autograd node with the same backward (docs/design.md 1, "Autograd").
 """
 
 from typing import Tuple
@@ -20,7 +25,7 @@ from ... import _checks, _dispatch
 from .._common import checks as loss_checks
 from . import _reference as ref
 from .._common import vocab_parallel as _vocab_parallel
-from .._common.launch import make_launch_config, rows_2d, run_op
+from .._common.launch import call_op, differentiable_op, make_launch_config, rows_2d
 
 
 def _kernels_or_none(backend: str):
@@ -30,8 +35,8 @@ def _kernels_or_none(backend: str):
     return _reverse_kl_kernels
 
 
-def _stats_impl(student: torch.Tensor, teacher: torch.Tensor, inv_temp: float,
-                partial: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _shard_stats(student, teacher, inv_temp: float, partial: bool):
+    """(kl, lse_s, lse_t) [N] fp32, or with ``partial`` ([N, 5] shard statistics, [0], [0])."""
     backend = _dispatch.select_backend("reverse_kl_from_logits", student, teacher)
     kernels = _kernels_or_none(backend)
     if kernels is None:
@@ -53,23 +58,31 @@ def _stats_impl(student: torch.Tensor, teacher: torch.Tensor, inv_temp: float,
     return kl, lse_s, lse_t
 
 
-@torch.library.custom_op("glm_kernels::reverse_kl_from_logits", mutates_args=())
-def _stats_op(student: torch.Tensor, teacher: torch.Tensor, inv_temp: float,
-              partial: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(kl, lse_s, lse_t) [N] fp32, or with ``partial`` ([N, 5] shard statistics, [0], [0])."""
-    return _stats_impl(student, teacher, inv_temp, partial)
+def _reverse_kl_impl(student: torch.Tensor, teacher: torch.Tensor, inv_temp: float,
+                     group: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kl, lse_s, lse_t) [N] fp32 of [N, V] logits: this rank's shard of the group named
+    ``group`` ("" for none)."""
+    tp_group = _vocab_parallel.resolve_group(group)
+    if tp_group is None:
+        return _shard_stats(student, teacher, inv_temp, False)
+    stats, _, _ = _shard_stats(student, teacher, inv_temp, True)
+    return _vocab_parallel.combine_reverse_kl_stats(stats, tp_group)
 
 
-@_stats_op.register_fake
-def _stats_fake(student, teacher, inv_temp, partial):
-    n = student.shape[0]
-    new = lambda *shape: student.new_empty(shape, dtype=torch.float32)  # noqa: E731
-    return (new(n, 5), new(0), new(0)) if partial else (new(n), new(n), new(n))
+_reverse_kl_op = torch.library.custom_op("glm_kernels::reverse_kl_from_logits",
+                                         mutates_args=())(_reverse_kl_impl)
 
 
-def _grad_impl(student: torch.Tensor, teacher: torch.Tensor, lse_s: torch.Tensor,
-               lse_t: torch.Tensor, kl: torch.Tensor, grad_kl: torch.Tensor,
-               inv_temp: float) -> torch.Tensor:
+@_reverse_kl_op.register_fake
+def _reverse_kl_fake(student, teacher, inv_temp, group):
+    new = lambda: student.new_empty((student.shape[0],), dtype=torch.float32)  # noqa: E731
+    return new(), new(), new()
+
+
+def _backward_impl(student: torch.Tensor, teacher: torch.Tensor, lse_s: torch.Tensor,
+                   lse_t: torch.Tensor, kl: torch.Tensor, grad_kl: torch.Tensor,
+                   inv_temp: float) -> torch.Tensor:
+    """d(sum grad_kl * KL)/d student [N, V] in the student's dtype."""
     backend = _dispatch.select_backend("reverse_kl_from_logits", student, teacher)
     kernels = _kernels_or_none(backend)
     if kernels is None:
@@ -82,37 +95,32 @@ def _grad_impl(student: torch.Tensor, teacher: torch.Tensor, lse_s: torch.Tensor
     return grad
 
 
-@torch.library.custom_op("glm_kernels::reverse_kl_from_logits_backward", mutates_args=())
-def _grad_op(student: torch.Tensor, teacher: torch.Tensor, lse_s: torch.Tensor,
-             lse_t: torch.Tensor, kl: torch.Tensor, grad_kl: torch.Tensor,
-             inv_temp: float) -> torch.Tensor:
-    """d(sum grad_kl * KL)/d student [N, V] in the student's dtype."""
-    return _grad_impl(student, teacher, lse_s, lse_t, kl, grad_kl, inv_temp)
+_backward_op = torch.library.custom_op("glm_kernels::reverse_kl_from_logits_backward",
+                                       mutates_args=())(_backward_impl)
 
 
-@_grad_op.register_fake
-def _grad_fake(student, teacher, lse_s, lse_t, kl, grad_kl, inv_temp):
+@_backward_op.register_fake
+def _backward_fake(student, teacher, lse_s, lse_t, kl, grad_kl, inv_temp):
     return torch.empty_like(student)
 
 
-class _ReverseKL(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, student, teacher, inv_temp, tp_group):
-        if tp_group is None:
-            kl, lse_s, lse_t = run_op(_stats_op, _stats_impl, student, teacher, inv_temp, False)
-        else:
-            stats, _, _ = run_op(_stats_op, _stats_impl, student, teacher, inv_temp, True)
-            kl, lse_s, lse_t = _vocab_parallel.combine_reverse_kl_stats(stats, tp_group)
-        ctx.save_for_backward(student, teacher, lse_s, lse_t, kl)
-        ctx.inv_temp = inv_temp
-        return kl
+def _setup_context(ctx, inputs, output):
+    student, teacher, inv_temp, _ = inputs
+    kl, lse_s, lse_t = output
+    ctx.save_for_backward(student, teacher, lse_s, lse_t, kl)
+    ctx.inv_temp = inv_temp
+    ctx.mark_non_differentiable(lse_s, lse_t)
+    ctx.set_materialize_grads(False)
 
-    @staticmethod
-    def backward(ctx, grad_kl):
-        student, teacher, lse_s, lse_t, kl = ctx.saved_tensors
-        grad = run_op(_grad_op, _grad_impl, student, teacher, lse_s, lse_t, kl,
-                      grad_kl.float().contiguous(), ctx.inv_temp)
-        return grad, None, None, None
+
+def _backward(ctx, grad_kl, _grad_lse_s, _grad_lse_t):
+    student, teacher, lse_s, lse_t, kl = ctx.saved_tensors
+    grad = call_op(ctx, _backward_op, _backward_impl, student, teacher, lse_s, lse_t, kl,
+                   grad_kl.float().contiguous(), ctx.inv_temp)
+    return grad, None, None, None
+
+
+_reverse_kl = differentiable_op(_reverse_kl_op, _reverse_kl_impl, _setup_context, _backward)
 
 
 def reverse_kl_from_logits(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *,
@@ -165,14 +173,6 @@ def reverse_kl_from_logits(student_logits: torch.Tensor, teacher_logits: torch.T
                                  "teacher_logits": teacher_logits})
     temperature = _checks.check_finite_number("temperature", temperature, positive=True)
     loss_checks.check_tp_group(tp_group)
-    kl = _ReverseKL.apply(rows_2d(student_logits), rows_2d(teacher_logits.detach()),
-                          1.0 / temperature, tp_group)
+    kl, _, _ = _reverse_kl(rows_2d(student_logits), rows_2d(teacher_logits.detach()),
+                           1.0 / temperature, _vocab_parallel.group_name(tp_group))
     return kl.reshape(student_logits.shape[:-1])
-
-
-# torch 2.4's dynamo traces _ReverseKL to a wrong gradient (up to 100% off, even with the
-# "eager" backend; torch 2.5 and newer are exact, tests/loss/test_logits_reverse_kl.py). There
-# the op stays out of compiled graphs: a graph break runs it eagerly, and fullgraph=True
-# raises instead of training on a wrong gradient.
-if _dispatch.torch_version() < (2, 5):
-    reverse_kl_from_logits = torch.compiler.disable(reverse_kl_from_logits)
