@@ -446,7 +446,8 @@ class Transport(abc.ABC):
         returns what :meth:`commit` needs from this part (JSON-able)."""
         if parts != 1:
             raise TypeError(f"{type(self).__name__} takes one publisher per version; a sender "
-                            f"group of {parts} ranks needs DiskTransport or P2PTransport")
+                            f"group of {parts} ranks needs DiskTransport, P2PTransport or "
+                            f"IpcTransport.sharded")
         self.send(version, base, entries, bucket_bytes, epoch=epoch)
         return None
 

@@ -136,7 +136,8 @@ class Sender:
                             f"{type(group).__name__}")
         if group is not None and group.size() > 1 and not transport.multi_part:
             raise TypeError(f"a Sender group of {group.size()} ranks needs a transport that "
-                            f"takes several publishing ranks (DiskTransport, P2PTransport), "
+                            f"takes several publishing ranks (DiskTransport, P2PTransport, "
+                            f"IpcTransport.sharded), "
                             f"got {type(transport).__name__}")
         self.group, self.fp8, self.slices, self.base_where = group, fp8, slices, base
         #: sharded mode: a group, slices or FP8 weights (pieces cut by the receivers' boxes)

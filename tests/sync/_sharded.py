@@ -147,19 +147,22 @@ def _roles(rank, trainers):
     return "engine", (None if rank == trainers else rank - trainers - 1)
 
 
-def world_body(trainers, rank, world, out_dir):
-    """Disk, then P2P: v1 full, three sparse delta steps, then the two faults (trainer
-    rank dying mid-version + restarting without a base, an engine rank refusing)."""
+def world_body(trainers, rank, world, out_dir, ipc=None):
+    """Disk, then P2P (or, given ``ipc``, an ``IpcTransport.sharded`` links: IPC only): v1
+    full, three sparse delta steps, then the two faults (trainer rank dying mid-version +
+    restarting without a base, an engine rank refusing)."""
     from glm_kernels import sync
     from glm_kernels.sync import sharded
     role, part = _roles(rank, trainers)
     tgroup = dist.new_group(list(range(trainers)))
     egroup = dist.new_group([trainers + 1, trainers + 2])
     verdict = {}
-    for kind in ("disk", "p2p"):
+    for kind in ("disk", "p2p") if ipc is None else ("ipc",):
         log = verdict.setdefault(kind, [])
 
         def link():
+            if kind == "ipc":
+                return ipc.sender(rank) if rank < trainers else ipc.receiver(rank - trainers)
             if kind == "disk":
                 return sync.DiskTransport(os.path.join(out_dir, "disk"), full_every=100,
                                           poll_interval=0.01)
@@ -279,7 +282,7 @@ def world_body(trainers, rank, world, out_dir):
         dist.barrier()
         if kind == "disk":
             transport.close()
-    if trainers == 2 and DTENSOR_API:
+    if trainers == 2 and DTENSOR_API and ipc is None:
         verdict["dtensor"] = dtensor_steps(trainers, rank, out_dir, tgroup, egroup)
     return verdict
 
