@@ -63,8 +63,17 @@ XDIST  := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS) --dist loadgroup)
 # $(call pytest,<python>,<arguments>): pytest's exit 5 (nothing collected) is not a failure.
 pytest = $(1) -m pytest -q $(XDIST) $(2); rc=$$?; if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then \
   exit $$rc; fi
+# $(call timed,<target>): make <target> (its venv set-up included), then say how long it took.
+timed = start=$$(date +%s); $(MAKE) --no-print-directory $(1) && \
+  echo "ci:   make $(1) took $$(( $$(date +%s) - start )) s"
+# What an older (or newer) torch or Triton can break is an op, a kernel or one of their
+# options, not the product of the options, which is this project's logic: the version stages
+# run each parametrized test with every value of each parameter at least once, the kernels'
+# cases first (tests/conftest.py's --each-value-once); `make test` runs every case.
+COVER := --each-value-once
 
 .PHONY: demo test test-min test-newest test-megatron check-extras check-verl-install aot bench \
+  test-suite aot-check test-torch-floor test-kernels-floor test-gpu-image test-torch-newest \
   test-transformers-floor test-transformers-newest \
   venv clean
 
@@ -93,9 +102,15 @@ demo: $(STAMP)
 # The whole test suite (kernels under Triton's interpreter), then the sm_90 ahead-of-time
 # compile check. pytest's exit 5 (nothing collected) is not a failure.
 test: $(STAMP)
+	@$(call timed,test-suite)
+	@$(call timed,aot-check)
+	@$(call timed,check-verl-install)
+
+test-suite: $(STAMP)
 	$(call pytest,$(PY),tests)
+
+aot-check: $(STAMP)
 	$(PY) benchmarks/aot_report.py --check
-	$(MAKE) --no-print-directory check-verl-install
 
 # docs/verl.md's install lines in a clean venv (torch from TORCH_SPEC, then exactly those
 # lines), then verl's integration tests there.
@@ -154,18 +169,27 @@ MIN_EXAMPLE_TESTS := \
 # compile check (no spills: the kernel modules pick 3.4's launch parameters); on the GPU
 # image's stack (triton 3.6) the sm_90 compile check and a CPU dry run of the GPU check with
 # the image's wheel set.
-test-min: .venv-min/.installed .venv-floor/.installed .venv-compat/.installed
+test-min:
+	@$(call timed,test-torch-floor)
+	@$(call timed,check-extras)
+	@$(call timed,test-transformers-floor)
+	@$(call timed,test-kernels-floor)
+	@$(call timed,test-gpu-image)
+
+test-torch-floor: .venv-min/.installed
 	@.venv-min/bin/python -c "import sys, torch, triton; print('== torch floor: Python', \
 	  sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
-	$(call pytest,.venv-min/bin/python,$(MIN_TESTS))
+	$(call pytest,.venv-min/bin/python,$(COVER) $(MIN_TESTS))
 	$(call pytest,.venv-min/bin/python,$(MIN_EXAMPLE_TESTS))
-	$(MAKE) --no-print-directory check-extras
-	$(MAKE) --no-print-directory test-transformers-floor
+
+test-kernels-floor: .venv-floor/.installed
 	@.venv-floor/bin/python -c "import sys, torch, triton, numpy; print('== kernels floor:', \
 	  'Python', sys.version.split()[0], 'torch', torch.__version__, 'triton', \
 	  triton.__version__, 'numpy', numpy.__version__)"
-	$(call pytest,.venv-floor/bin/python,-m "not slow" $(KERNEL_TESTS))
+	$(call pytest,.venv-floor/bin/python,$(COVER) -m "not slow" $(KERNEL_TESTS))
 	.venv-floor/bin/python benchmarks/aot_report.py --check
+
+test-gpu-image: .venv-compat/.installed
 	bash benchmarks/gpu_wheels.sh
 	rm -rf .venv-compat/gpu-site .venv-compat/gpu-check
 	.venv-compat/bin/python -m pip install -q --no-index --no-deps --no-compile \
@@ -199,7 +223,7 @@ build/tf-newest/.installed: $(STAMP)
 # $(call tf_tests,<target dir>): the transformers tests with that transformers first on the path
 tf_tests = PYTHONPATH=$(1):$(CURDIR) $(PY) -c "import transformers; \
   print('== transformers', transformers.__version__, 'from $(1)')"; \
-  $(call pytest,PYTHONPATH=$(1):$(CURDIR) $(PY),$(TF_TESTS))
+  $(call pytest,PYTHONPATH=$(1):$(CURDIR) $(PY),$(COVER) $(TF_TESTS))
 
 test-transformers-floor: build/tf-floor/.installed
 	@$(call tf_tests,build/tf-floor)
@@ -220,12 +244,15 @@ check-extras: .venv-min/.installed .venv-floor/.installed
 NEWEST_TESTS := tests/test_compile_inductor.py tests/test_dispatch.py tests/loss/test_icepop.py \
   tests/loss/test_logits_logprobs.py tests/loss/test_batch_invariant.py \
   tests/muon/test_newton_schulz.py tests/topk/test_topk.py tests/delta/test_delta_codec.py
-test-newest: .venv-newest/.installed
+test-newest:
+	@$(call timed,test-torch-newest)
+	@$(call timed,test-transformers-newest)
+
+test-torch-newest: .venv-newest/.installed
 	@.venv-newest/bin/python -c "import sys, torch, triton, numpy; print('== newest:', \
 	  'Python', sys.version.split()[0], 'torch', torch.__version__, 'triton', \
 	  triton.__version__, 'numpy', numpy.__version__)"
-	$(call pytest,.venv-newest/bin/python,-m "not slow" $(NEWEST_TESTS))
-	$(MAKE) --no-print-directory test-transformers-newest
+	$(call pytest,.venv-newest/bin/python,$(COVER) -m "not slow" $(NEWEST_TESTS))
 
 aot: $(STAMP)
 	$(PY) benchmarks/aot_report.py

@@ -42,6 +42,8 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 # "grouped" tests ran on both workers (module fixtures built twice, sandbox tests side by side).
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("each_value_once"):
+        items[:] = _each_value_once(config, items)
     _group_shared_fixtures(items)
     if HAS_CUDA:
         return
@@ -49,6 +51,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--each-value-once", action="store_true", default=False,
+        help="of each parametrized test, run only the cases that bring a parameter value no "
+             "case kept before it brought (every value of every parameter still runs, those "
+             "on the Triton kernels first): make test-min's run of what older versions break")
+
+
+def _runs_kernels(item) -> bool:
+    spec = getattr(item, "callspec", None)
+    return "kernel_backend" in getattr(item, "fixturenames", ()) or (
+        spec is not None and KERNEL_BACKEND in [v for v in spec.params.values()
+                                                if isinstance(v, str)])
+
+
+def _each_value_once(config, items):
+    """The cases of each test function that together run every value of each of its
+    parameters at least once (a matrix of 8 presets x 4 modes x 2 backends becomes 8 cases,
+    not 64), visiting the cases that run the Triton kernels first so the kernels keep every
+    value. An older torch or Triton breaks an op, a kernel or one of their options; the
+    product of the options is this project's logic, which ``make test`` runs whole."""
+    covered: dict = {}
+    keep = set()
+    for item in sorted(items, key=lambda item: not _runs_kernels(item)):
+        spec = getattr(item, "callspec", None)
+        if spec is None:
+            keep.add(item.nodeid)
+            continue
+        # by value: a list of tuples gives each case one index for all its names
+        values = {(name, repr(value)) for name, value in spec.params.items()}
+        seen = covered.setdefault((item.parent.nodeid, item.originalname), set())
+        if not values <= seen:
+            seen |= values
+            keep.add(item.nodeid)
+    dropped = [item for item in items if item.nodeid not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    return [item for item in items if item.nodeid in keep]
 
 
 _SANDBOX_FILES = ("test_sandbox", "test_tora_task", "test_trainer_tora")

@@ -1,4 +1,5 @@
 """glm_kernels.testing: the comparison helpers fail as assertions, with a useful message."""
+import os
 import pytest
 import torch
 
@@ -45,3 +46,30 @@ def test_xdist_groups_reach_the_scheduler(request):
     if not getattr(request.config.option, "loadgroup", False):
         pytest.skip("not under pytest-xdist --dist loadgroup")
     assert request.node.nodeid.endswith("@harness-check"), request.node.nodeid
+
+
+def test_each_value_once_keeps_every_value_on_the_kernels_first():
+    """The version stages' ``--each-value-once`` (Makefile ``COVER``): of a test's 12 cases
+    (2 backends x 3 vocabularies / dtypes x 2), the kernels run every value and the torch
+    backend once; a nonsense option is refused, so the stages cannot run it silently off."""
+    import subprocess
+    import sys
+    target = "tests/loss/test_dual_clip.py::test_from_logits_every_plan"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def collect(*options):
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                              "-p", "no:cacheprovider", "-p", "no:xdist", *options, target],
+                             cwd=root, capture_output=True, text=True, timeout=300)
+        return out, [line.split("[", 1)[1].rstrip("]") for line in out.stdout.splitlines()
+                     if line.startswith(target + "[")]
+
+    _, every = collect()
+    _, kept = collect("--each-value-once")
+    kernels = "triton" if torch.cuda.is_available() else "interpret"
+    assert len(every) == 12
+    assert sorted(kept) == sorted(["torch-False-90-dtype0", f"{kernels}-False-90-dtype0",
+                                   f"{kernels}-False-300-dtype1", f"{kernels}-False-517-dtype2",
+                                   f"{kernels}-True-90-dtype0"]), kept
+    refused, _ = collect("--each-value-twice")
+    assert refused.returncode != 0

@@ -356,6 +356,39 @@ def test_clip_cov_draws_as_verl_does():
     assert torch.equal(torch.rand(3), after_verl)
 
 
+def test_kl_cov_chooses_verls_tokens_on_every_seed(monkeypatch):
+    """KL-Cov's token choice is verl's on 160 batches (sequence TIS weights,
+    seq-mean-token-sum: where a loss 1.1e-4 apart from verl's was once read as another token):
+    the positions verl's own function hands its KL term (caught at its torch.topk) are exactly
+    the tokens ``kl_cov_selection`` marks. The choice reads only log-probs, advantages and the
+    mask; a loss differing in the last digits under cancellation is judged by
+    ``assert_same``'s magnitude rule, not here."""
+    theirs = core.POLICY_LOSS_REGISTRY["kl_cov"]
+    caught = []
+    real_topk = torch.topk
+
+    def recording_topk(values, k, *args, **kwargs):
+        out = real_topk(values, k, *args, **kwargs)
+        caught.append(out.indices.clone())
+        return out
+
+    for seed in range(160):
+        lp, old, rollout, adv, mask = make_batch(seed)
+        weights = verl_weights("seq_tis", old, rollout, mask)
+        cfg = actor_config("kl_cov", loss_agg_mode="seq-mean-token-sum")
+        caught.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(core.torch, "topk", recording_topk)
+            theirs(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask,
+                   loss_agg_mode="seq-mean-token-sum", config=cfg, rollout_is_weights=weights)
+        assert len(caught) == 1, f"seed {seed}: verl called topk {len(caught)} times"
+        valid = torch.nonzero(mask.reshape(-1), as_tuple=True)[0]
+        verl_choice = torch.zeros(mask.numel(), dtype=torch.bool)
+        verl_choice[valid[caught[0]]] = True
+        ours = verl_losses._selection("kl_cov", lp, old, adv, mask, cfg)
+        assert torch.equal(ours.reshape(-1), verl_choice), f"seed {seed}"
+
+
 @pytest.mark.parametrize("name", VERL_NAMES)
 def test_verl_ppo_loss_dispatches_to_glm(name):
     """verl's actor-side ppo_loss (verl/workers/utils/losses.py) with loss_mode=glm_<name>
