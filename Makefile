@@ -99,12 +99,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m examples.async_trainer --out-dir runs/demo
 
-# The whole test suite (kernels under Triton's interpreter), then the sm_90 ahead-of-time
-# compile check. pytest's exit 5 (nothing collected) is not a failure.
+# The whole test suite, every case (kernels under Triton's interpreter), then the sm_90
+# ahead-of-time compile check. pytest's exit 5 (nothing collected) is not a failure.
 test: $(STAMP)
 	@$(call timed,test-suite)
 	@$(call timed,aot-check)
-	@$(call timed,check-verl-install)
 
 test-suite: $(STAMP)
 	$(call pytest,$(PY),tests)
@@ -113,7 +112,7 @@ aot-check: $(STAMP)
 	$(PY) benchmarks/aot_report.py --check
 
 # docs/verl.md's install lines in a clean venv (torch from TORCH_SPEC, then exactly those
-# lines), then verl's integration tests there.
+# lines), then verl's integration tests there (a CI stage of its own, after test-megatron).
 check-verl-install:
 	$(PYTHON) .ci/check_verl_install.py "$(or $(TORCH_SPEC),torch)" build/verl-venv
 
