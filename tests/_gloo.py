@@ -8,6 +8,7 @@ gloo tears down (a peer closing its sockets first can abort the other process; s
 load) cannot fail a test whose ranks all finished and reported.
 """
 import json
+import multiprocessing
 import os
 import time
 import traceback
@@ -19,9 +20,20 @@ import torch
 import torch.distributed as dist
 
 SPAWN_TIMEOUT_S = 300
+# A rank forks from one server process that imported these once, where a spawned rank
+# imported torch again (seconds per rank on a loaded 2-core machine, for every test's world).
+# The server is started by this process's first run, so it holds the environment of then:
+# each rank takes the caller's environment of its own call. glm_kernels is not preloaded: it
+# reads its environment variables when imported, which a rank does after taking them.
+PRELOAD = ["torch", "torch.distributed", "triton"]
+# Once every rank has reported, how long they may take to leave before they are killed
+# (gloo's teardown and the interpreter's exit change no verdict).
+EXIT_GRACE_S = 1.0
 
 
-def _rank_main(rank: int, body, world: int, out_dir: str) -> None:
+def _rank_main(rank: int, body, world: int, out_dir: str, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}",
@@ -62,12 +74,13 @@ def run_ranks(body, world: int, out_dir, what: str) -> list:
 
 
 def _spawn_and_wait(body, world: int, run_dir: str) -> str:
-    """"reported" once every rank has reported (a rank still in gloo's teardown 30 s later is
-    killed: nothing it does then can change a verdict), "exited" if the ranks ended without
-    all reporting, "timeout" after SPAWN_TIMEOUT_S."""
+    """"reported" once every rank has reported (a rank still in gloo's teardown EXIT_GRACE_S
+    later is killed: nothing it does then can change a verdict), "exited" if the ranks ended
+    without all reporting, "timeout" after SPAWN_TIMEOUT_S."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
     context = torch.multiprocessing.start_processes(
-        _rank_main, args=(body, world, run_dir), nprocs=world, join=False,
-        start_method="spawn")
+        _rank_main, args=(body, world, run_dir, dict(os.environ)), nprocs=world, join=False,
+        start_method="forkserver")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     all_reported_at = None
     outcome = "exited"
@@ -76,7 +89,7 @@ def _spawn_and_wait(body, world: int, run_dir: str) -> str:
         if all_reported_at is None and all(
                 os.path.exists(os.path.join(run_dir, f"rank{r}.json")) for r in range(world)):
             all_reported_at = now
-        if all_reported_at is not None and now > all_reported_at + 30:
+        if all_reported_at is not None and now > all_reported_at + EXIT_GRACE_S:
             break
         if now > deadline:
             outcome = "timeout"
