@@ -36,6 +36,7 @@ mutating ``icepop_loss_from_logits_backward_`` op); eager calls run the op's bod
 under a plain autograd node with the same backward (docs/design.md 1, "Autograd").
 """
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -209,14 +210,21 @@ def _grad_inplace_fake(logits, token_ids, rollout, old, adv, mask, scale, grad_o
     return None
 
 
+# The op's inputs by name: the tensors the pass reads (logits .. scale), its float parameters
+# (inv_temp .. dual_clip), then the flags.
+_INPUTS = list(inspect.signature(_icepop_from_logits_impl).parameters)
+_TENSORS = slice(0, _INPUTS.index("scale") + 1)
+_PARAMS = slice(_INPUTS.index("inv_temp"), _INPUTS.index("dual_clip") + 1)
+
+
 def _setup_context(ctx, inputs, output):
-    need_grad, inplace = inputs[13], inputs[14]
+    named = dict(zip(_INPUTS, inputs))
     _, grad, rows, lp = output
-    ctx.need_grad, ctx.inplace = need_grad, inplace
+    ctx.need_grad, ctx.inplace = named["need_grad"], named["inplace"]
     # In place, backward runs the pass again over the saved logits: nothing [N, V] is held
     # beside them (a functional op cannot write over its input in forward).
-    ctx.save_for_backward(*(inputs[:7] if inplace else (grad,)))
-    ctx.params = inputs[7:13]
+    ctx.save_for_backward(*(inputs[_TENSORS] if ctx.inplace else (grad,)))
+    ctx.params = inputs[_PARAMS]
     ctx.mark_non_differentiable(grad, rows, lp)
     ctx.set_materialize_grads(False)     # no zero-filled [N, V] gradient for ``grad``
 
@@ -232,7 +240,7 @@ def _backward(ctx, grad_loss, _grad_grad, _grad_rows, _grad_lp):
         grad = logits
     else:
         grad = scale_by_grad_output(ctx, ctx.saved_tensors[0], grad_loss)
-    return (grad,) + (None,) * 15
+    return (grad,) + (None,) * (len(_INPUTS) - 1)
 
 
 _icepop_from_logits = differentiable_op(_icepop_from_logits_op, _icepop_from_logits_impl,
