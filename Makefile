@@ -74,15 +74,19 @@ COVER := --each-value-once
 
 .PHONY: demo test test-min test-newest test-megatron check-extras check-verl-install aot bench \
   test-suite aot-check test-torch-floor test-kernels-floor test-gpu-image test-torch-newest \
+  version-venvs \
   test-transformers-floor test-transformers-newest \
   venv clean
 
 # pip may resolve other packages against the torch already installed, never replace it.
+# The project's own install compiles csrc/ in ./build: one venv at a time (make -j builds
+# several venvs side by side, two of them on the same Python).
 define install_project
 	$(1)/bin/pip install -q --upgrade pip setuptools wheel pybind11
 	$(1)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(1)/torch-pin.txt
 	$(1)/bin/pip install -q -c $(1)/torch-pin.txt $(2)
-	$(1)/bin/pip install -q --no-build-isolation --no-deps -e .
+	mkdir -p build
+	flock build/.project-install.lock $(1)/bin/pip install -q --no-build-isolation --no-deps -e .
 endef
 
 $(STAMP): $(SOURCES)
@@ -261,6 +265,12 @@ bench: $(STAMP)
 
 clean:
 	rm -rf .venv .venv-min .venv-floor .venv-compat .venv-newest .venv-megatron build *.egg-info
+
+# Every venv the version stages use, built side by side (CI's first stage: `make -j4
+# version-venvs`). Installing a CUDA torch is mostly one core decompressing, and five of them
+# one after the other left the second core idle for ~10 minutes of CI.
+version-venvs: .venv-min/.installed .venv-floor/.installed .venv-compat/.installed \
+  .venv-newest/.installed .venv-megatron/.installed
 
 # MuonSplit inside Megatron-core (tests/integrations/test_megatron*.py): megatron-core 0.19
 # needs Python >= 3.12, so its own venv with the torch .venv-compat pins (the same wheel) and

@@ -92,16 +92,18 @@ def test_engines_generate_with_the_published_weights(cfg, group):
     assert {i["version"] for i in infos} == {group.version}
 
 
-def _replaced(group, rollout, taken, before, timeout=30.0):
+def _replaced(rollout, taken, victim, timeout=30.0):
     """Keep training-side consumption going (requests keep reaching every engine) until the
-    monitor has replaced one engine; returns the replacement's id."""
+    monitor has replaced ``victim``; returns its replacement's id. Another engine replaced
+    meanwhile (a request past its timeout on a loaded machine) is the caller's to account."""
     deadline = time.monotonic() + timeout
-    while set(group.alive()) == set(before):
+    while not any(e["engine"] == victim for e in rollout.events):
         assert time.monotonic() < deadline, "the engine was not replaced"
         s = rollout.get(0.1)
         if s is not None:
             taken.append(s)
-    return set(group.alive()) - set(before)
+    (event,) = [e for e in rollout.events if e["engine"] == victim]
+    return event["replacement"]
 
 
 @pytest.mark.parametrize("failure", ["ray.kill", "hung request", "SIGSTOP"])
@@ -123,8 +125,8 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
         group.actors[victim].hang.remote(30.0)                 # its request lane blocks
     else:
         os.kill(group.pids[victim], signal.SIGSTOP)            # the whole process hangs
-    (new,) = _replaced(group, rollout, taken, before)
-    assert victim not in group.alive() and group.restarts == restarts + 1
+    new = _replaced(rollout, taken, victim)
+    assert victim not in group.alive() and new in group.alive()
     # A fresh actor imports torch first: seconds on an idle machine, a minute at load 30.
     deadline = time.monotonic() + 120
     while not any(s["engine"] == new for s in taken):         # the replacement serves
@@ -133,9 +135,10 @@ def test_a_failed_engine_is_replaced_and_its_samples_requeued(cfg, group, failur
     info = ray.get(group.actors[new].ping.remote(), timeout=10)
     assert info["version"] == group.version                   # from a full snapshot
     # The victim is replaced once, by `new`. Beside a loaded machine's CI a healthy engine
-    # may also miss a health ping while the replacement imports torch, and be replaced too
-    # (seen at load ~30: the monitor prefers a restart to a stall); such an event must be
-    # accounted like the victim's, and replace an engine that existed.
+    # may also miss a health ping while the replacement imports torch, or run a request past
+    # its timeout, and be replaced too (seen at load ~30, and at load 8-10 on 2 cores: the
+    # monitor prefers a restart to a stall); such an event must be accounted like the
+    # victim's, and replace an engine that existed.
     events = rollout.events
     (event,) = [e for e in events if e["engine"] == victim]
     assert event["replacement"] == new
