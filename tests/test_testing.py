@@ -1,9 +1,13 @@
 """glm_kernels.testing: the comparison helpers fail as assertions, with a useful message."""
 import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from glm_kernels.testing import assert_bits_equal
+from tests.conftest import KERNEL_BACKEND
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 5)])
@@ -52,8 +56,6 @@ def test_each_value_once_keeps_every_value_on_the_kernels_first():
     """The version stages' ``--each-value-once`` (Makefile ``COVER``): of a test's 12 cases
     (2 backends x 3 vocabularies / dtypes x 2), the kernels run every value and the torch
     backend once; a nonsense option is refused, so the stages cannot run it silently off."""
-    import subprocess
-    import sys
     target = "tests/loss/test_dual_clip.py::test_from_logits_every_plan"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +68,7 @@ def test_each_value_once_keeps_every_value_on_the_kernels_first():
 
     _, every = collect()
     _, kept = collect("--each-value-once")
-    kernels = "triton" if torch.cuda.is_available() else "interpret"
+    kernels = KERNEL_BACKEND
     assert len(every) == 12
     assert sorted(kept) == sorted(["torch-False-90-dtype0", f"{kernels}-False-90-dtype0",
                                    f"{kernels}-False-300-dtype1", f"{kernels}-False-517-dtype2",
