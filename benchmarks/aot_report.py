@@ -12,8 +12,12 @@ whose loads vectorize. With ``--check`` the script exits non-zero on any spill (
 variant), on a block whose registers exceed the SM's register file (it could not launch), on
 a matrix kernel without HGMMA, or on a configuration that fails to compile.
 
+Disassembling a cubin costs ~0.5 s of CPU whatever its size (cuobjdump's start-up), more than
+compiling it: ``--check`` disassembles only the matrix kernels, whose HGMMA it checks, and
+leaves the load/store widths of the others out (``-``); ``--sass`` disassembles every one.
+
     python benchmarks/aot_report.py [--check] [--json out.json] [--only NAME_SUBSTRING]
-                                    [--jobs N]
+                                    [--jobs N] [--sass]
 
 Configurations compile in ``--jobs`` processes (default: the CPU count, at most 4); the
 report lists them in the same order whatever the count.
@@ -97,21 +101,25 @@ def _memory_widths(sass: str, opcode: str) -> dict:
     return widths
 
 
-def _resource_usage(cubin: bytes) -> dict:
+def _resource_usage(cubin: bytes, disassemble: bool = True) -> dict:
+    """Registers, local and stack bytes of a cubin; with ``disassemble``, also its HGMMA count
+    and global load/store widths (None without)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name],
-                              capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout if disassemble else None
     fields = dict(re.findall(r"(\w+):(\d+)", usage.split("Function", 1)[-1]))
-    ldg, stg = _memory_widths(sass, "LDG"), _memory_widths(sass, "STG")
-    return {"registers": int(fields.get("REG", -1)), "local_bytes": int(fields.get("LOCAL", 0)),
-            "stack_bytes": int(fields.get("STACK", 0)),
-            "hgmma": len(re.findall(r"\bHGMMA\b", sass)),
-            "ldg_bits": ldg, "stg_bits": stg,
-            "sass_lines": sass.count("\n")}
+    row = {"registers": int(fields.get("REG", -1)), "local_bytes": int(fields.get("LOCAL", 0)),
+           "stack_bytes": int(fields.get("STACK", 0)),
+           "hgmma": None, "ldg_bits": None, "stg_bits": None, "sass_lines": None}
+    if sass is not None:
+        row.update(hgmma=len(re.findall(r"\bHGMMA\b", sass)),
+                   ldg_bits=_memory_widths(sass, "LDG"), stg_bits=_memory_widths(sass, "STG"),
+                   sass_lines=sass.count("\n"))
+    return row
 
 
 def block_registers(registers: int, num_warps: int) -> int:
@@ -120,7 +128,7 @@ def block_registers(registers: int, num_warps: int) -> int:
     return per_warp * num_warps
 
 
-def compile_spec(spec, ints: bool = False) -> dict:
+def compile_spec(spec, ints: bool = False, disassemble: bool = True) -> dict:
     start = time.time()
     source = ASTSource(spec.kernel, spec.signature, spec.constexprs,
                        divisibility_attrs(spec, ints))
@@ -131,7 +139,7 @@ def compile_spec(spec, ints: bool = False) -> dict:
     row = {"name": spec.name + (" +ints%16" if ints else ""), "num_warps": spec.num_warps,
            "num_stages": spec.num_stages,
            "shared_bytes": int(kernel.metadata.shared), "expects_hgmma": spec.expects_hgmma}
-    row.update(_resource_usage(kernel.asm["cubin"]))
+    row.update(_resource_usage(kernel.asm["cubin"], disassemble or spec.expects_hgmma))
     row["compile_s"] = round(time.time() - start, 2)
     problems = []
     if row["local_bytes"] or row["stack_bytes"]:
@@ -156,12 +164,12 @@ def _load_specs(only) -> list:
 
 
 def _compile_variant(variant) -> dict:
-    """compile_spec of (index into _SPECS, ints); a config that does not compile is a
-    failure row, not a skip."""
-    index, ints = variant
+    """compile_spec of (index into _SPECS, ints, disassemble); a config that does not compile
+    is a failure row, not a skip."""
+    index, ints, disassemble = variant
     spec = _SPECS[index]
     try:
-        return compile_spec(spec, ints)
+        return compile_spec(spec, ints, disassemble)
     except Exception as exc:
         return {"name": spec.name + (" +ints%16" if ints else ""), "compile_failed": True,
                 "problems": [f"compile failed: {type(exc).__name__}: "
@@ -183,6 +191,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="fail on spills, register-file overflow, missing HGMMA")
+    parser.add_argument("--sass", action="store_true",
+                        help="with --check, still disassemble every kernel (load/store widths)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--only", help="compile only specs whose name contains this")
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
@@ -195,18 +205,22 @@ def main(argv=None) -> int:
              f"{'smem':>7s} {'HGMMA':>6s} {'LDG.128':>8s} {'STG.128':>8s}"
     print(f"sm_90 ahead-of-time report, triton {triton.__version__}, {len(specs)} configurations "
           f"(+ the ints%16 variant of those with integer arguments)")
+    disassemble = args.sass or not args.check
+    if not disassemble:
+        print("--check: only the matrix kernels are disassembled (HGMMA); load/store widths "
+              "of the others are '-' (--sass for all)")
     print(header)
     print("-" * len(header))
-    variants = [(i, False) for i in range(len(specs))] + [
-        (i, True) for i, spec in enumerate(specs)
+    variants = [(i, False, disassemble) for i in range(len(specs))] + [
+        (i, True, disassemble) for i, spec in enumerate(specs)
         if any(t in _INT_TYPES for t in spec.signature.values())]
     for row in _compile_all(variants, args.jobs, args.only):
         if row.get("compile_failed"):
             print(f"{row['name']:72s} COMPILE FAILED: {row['problems'][0]}")
         else:
             hgmma = str(row["hgmma"]) if row["expects_hgmma"] or row["hgmma"] else "-"
-            ldg, stg = (f"{row[k].get(128, 0)}/{sum(row[k].values())}"
-                        for k in ("ldg_bits", "stg_bits"))
+            ldg, stg = (f"{row[k].get(128, 0)}/{sum(row[k].values())}" if row[k] is not None
+                        else "-" for k in ("ldg_bits", "stg_bits"))
             print(f"{row['name']:72s} {row['num_warps']:5d} {row['registers']:5d} "
                   f"{row['local_bytes']:6d} {row['shared_bytes']:7d} {hgmma:>6s} "
                   f"{ldg:>8s} {stg:>8s}"
