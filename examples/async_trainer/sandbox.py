@@ -374,8 +374,10 @@ class _Run:
                     timed_out = True
             elif verdict is None:
                 timed_out = time.monotonic() >= deadline
-                if not timed_out:
-                    error = "the runner ended without a verdict"
+                # Said apart from a snippet's own timeout: the snippet never started.
+                error = ("the sandbox was not set up within the wall timeout (no verdict from "
+                         "its runner); the snippet never started") if timed_out else \
+                    "the runner ended without a verdict"
         except (OSError, ValueError) as e:            # the runner died early / said nonsense
             error = f"the runner failed: {e}"
         finally:
@@ -408,7 +410,8 @@ class _Run:
         else:
             isolation = ()
         if timed_out:
-            status, exit_code, killed_by, limit = "timeout", None, None, None
+            status, exit_code, killed_by, limit = \
+                "timeout" if verdict is not None else "error", None, None, None
         else:
             status, exit_code, killed_by, limit = _decode_status(status_line, a["cpu_s"],
                                                                  self.memory_hit)

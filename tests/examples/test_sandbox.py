@@ -353,6 +353,15 @@ def test_infinite_loop_is_killed_at_the_wall_timeout(run):
         assert _none_named(marker)                            # the snippet itself is gone
 
 
+def test_a_sandbox_not_set_up_within_the_wall_timeout_is_an_error_not_a_timeout(run):
+    # 1 ms: the runner's interpreter cannot even start, so no verdict arrives in time.
+    r, _ = run("print('never')", timeout_s=0.001)
+    assert (r.status, r.timed_out, r.exit_code, r.output) == ("error", True, None, ""), r
+    assert "never started" in r.sandbox_error and not r.ok, r
+    assert "SandboxError" in r.observation() and "TimeoutError" not in r.observation()
+    assert _gone(r.runner_pid)
+
+
 def test_cpu_limit_kills_a_busy_snippet_before_the_wall_timeout(run):
     r, _ = run("while True:\n    pass", timeout_s=15.0, cpu_s=1)   # 1 CPU-s: 1-6 s wall here
     assert not r.timed_out and r.killed_by in ("SIGXCPU", "SIGKILL"), r
