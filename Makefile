@@ -117,8 +117,12 @@ aot-check: $(STAMP)
 
 # docs/verl.md's install lines in a clean venv (torch from TORCH_SPEC, then exactly those
 # lines), then verl's integration tests there (a CI stage of its own, after test-megatron).
-check-verl-install:
-	$(PYTHON) .ci/check_verl_install.py "$(or $(TORCH_SPEC),torch)" build/verl-venv
+check-verl-install: build/verl-venv/.installed
+	$(PYTHON) .ci/check_verl_install.py --test "$(or $(TORCH_SPEC),torch)" build/verl-venv
+
+build/verl-venv/.installed: docs/verl.md glm_kernels/integrations/verl/losses.py
+	$(PYTHON) .ci/check_verl_install.py --install "$(or $(TORCH_SPEC),torch)" build/verl-venv
+	touch $@
 
 .venv-min/.installed: $(SOURCES)
 	test -x .venv-min/bin/python || $(MIN_PYTHON) -m venv .venv-min
@@ -266,11 +270,13 @@ bench: $(STAMP)
 clean:
 	rm -rf .venv .venv-min .venv-floor .venv-compat .venv-newest .venv-megatron build *.egg-info
 
-# Every venv the version stages use, built side by side (CI's first stage: `make -j4
-# version-venvs`). Installing a CUDA torch is mostly one core decompressing, and five of them
-# one after the other left the second core idle for ~10 minutes of CI.
+# Every venv the later stages use (and the transformers releases the version stages put first
+# on the path), built side by side: CI's first stage is `make -j4 venv version-venvs`. Installing a
+# CUDA torch is mostly one core decompressing, and five of them one after the other left the
+# second core idle for ~10 minutes of CI.
 version-venvs: .venv-min/.installed .venv-floor/.installed .venv-compat/.installed \
-  .venv-newest/.installed .venv-megatron/.installed
+  .venv-newest/.installed .venv-megatron/.installed build/tf-floor/.installed \
+  build/tf-newest/.installed build/verl-venv/.installed
 
 # MuonSplit inside Megatron-core (tests/integrations/test_megatron*.py): megatron-core 0.19
 # needs Python >= 3.12, so its own venv with the torch .venv-compat pins (the same wheel) and

@@ -2,8 +2,9 @@
 the first argument), numpy and pytest, then exactly the docs' pip commands, then runs
 tests/integrations/test_verl.py and test_verl_losses.py (torch backend) against this checkout
 with nothing skipped. The docs' commands must equal glm_kernels.integrations.verl.INSTALL_HINT
-(the ImportError's advice, defined in integrations/verl/losses.py).
-Usage: python .ci/check_verl_install.py TORCH_SPEC [VENV_DIR]
+(the ImportError's advice, defined in integrations/verl/losses.py). ``--install`` only sets the
+venv up (CI builds it beside the other venvs) and ``--test`` only runs the tests in it.
+Usage: python .ci/check_verl_install.py [--install | --test] TORCH_SPEC [VENV_DIR]
 """
 import ast
 import os
@@ -39,7 +40,7 @@ def run(args, **kwargs):
     subprocess.run(args, check=True, **kwargs)
 
 
-def main(torch_spec, venv):
+def install(torch_spec, venv):
     commands = docs_commands()
     if commands != install_hint():
         sys.exit(f"check_verl_install: docs/verl.md {commands} != INSTALL_HINT {install_hint()}")
@@ -50,6 +51,9 @@ def main(torch_spec, venv):
     run(pip + ["install", "-q", torch_spec, "numpy", "pytest"])
     for command in commands:
         run(pip + command[1:] + ["-q"])
+
+
+def test(venv):
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("GLM_KERNELS_BACKEND", None)
     # the torch backend: a CPU torch brings no triton, and the docs' lines add none
@@ -65,7 +69,12 @@ def main(torch_spec, venv):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
+    args = sys.argv[1:]
+    phase = args.pop(0)[2:] if args and args[0] in ("--install", "--test") else "all"
+    if len(args) not in (1, 2):
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else os.path.join(ROOT, "build",
-                                                                          "verl-venv"))
+    venv_dir = args[1] if len(args) == 2 else os.path.join(ROOT, "build", "verl-venv")
+    if phase in ("install", "all"):
+        install(args[0], venv_dir)
+    if phase in ("test", "all"):
+        test(venv_dir)
