@@ -17,9 +17,10 @@ Protocol with the trainer (who holds the other ends):
 
 For each isolation method in turn it forks a *setup* process that enters the namespaces and
 builds the new root, whose child (the new PID namespace's *init*) drops privileges, sets the
-limits and the seccomp filter and reports ``ok`` before forking the *snippet* process. A step
-that fails is reported instead (``fail <method>: <why>``) and the next method is tried, so a
-snippet never runs half-isolated.
+limits and the seccomp filter and tells the setup process, which writes the ``ok`` line (one
+writer, one write), before the init forks the *snippet* process. A step that fails is reported
+instead (``fail <method>: <why>``), the setup process is killed (its init dies with it) and the
+next method is tried, so a snippet never runs half-isolated.
 
 The config (JSON): ``code``, ``methods`` (``"rootns"``, ``"userns"``), ``unsafe``, ``binds``
 (``[host path, path in the new root]``, read-only), ``stdlib`` (``[host, neutral]``: the
@@ -340,17 +341,27 @@ def isolated(cfg, method, report, status_w, go_r):
     new_root(cfg, arch, owner, become_run_uid if method == "userns" and root_user else None)
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "pdeathsig")     # dies with the runner
     alive_r, alive_w = os.pipe()       # EOF on alive_r: this setup process is gone
+    # The init tells this process (not the runner) its layers or its failure: the "ok" line
+    # has one writer and one write. (The init once wrote its half straight to the runner;
+    # when this process was descheduled after the fork, the init's half came first, the
+    # runner read a malformed line as a failure and waited for this process, which waited
+    # for the init, which waited for "go": a run hung until the trainer's timeout.)
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid:
-        os.close(alive_r)
-        os.write(report, f"ok {pid} ".encode())       # the init's pid (in the runner's ns)
+        for fd in (alive_r, ready_w, status_w, go_r):
+            os.close(fd)
+        said = read_all(ready_r)
+        if said.startswith("layers "):
+            said = f"ok {pid} {said[7:]}"           # the init's pid (in the runner's ns)
+        os.write(report, (said or f"fail {method}: the init ended without a report").encode())
         os.close(report)
-        os.close(status_w)
-        os.close(go_r)
         os.waitpid(pid, 0)
         os._exit(0)
     try:
         os.close(alive_w)
+        os.close(ready_r)
+        os.close(report)
         os.setsid()                    # kill(0, ...) reaches this namespace's processes only
         if method == "rootns":
             os.setresgid(run_uid, run_uid, run_uid)
@@ -366,11 +377,12 @@ def isolated(cfg, method, report, status_w, go_r):
             raise OSError("setup process gone")
         os.close(alive_r)
         uid_layer = "uid-per-run" if method == "rootns" or root_user else "no-capabilities"
-        os.write(report, ",".join((method, "mountns", "pidns", "netns", "ipcns", uid_layer,
-                                   "tmpfs-quota", "seccomp", "rlimits")).encode())
-        os.close(report)
+        os.write(ready_w, ("layers " + ",".join((method, "mountns", "pidns", "netns", "ipcns",
+                                                 uid_layer, "tmpfs-quota", "seccomp",
+                                                 "rlimits"))).encode())
+        os.close(ready_w)
     except BaseException as e:
-        os.write(report, f"fail {method}: {e}".encode())
+        os.write(ready_w, f"fail {method}: {e}".encode())
         os._exit(126)
     # The namespace's init ignores signals it has no handler for (RLIMIT_CPU's SIGXCPU too):
     # the snippet runs as its child, and when it ends init exits and the kernel kills the rest.
@@ -400,31 +412,30 @@ def try_method(cfg, method, status_w, go_r):
             finally:
                 os._exit(126)
     os.close(w)
-    chunks = []
-    while True:
-        b = os.read(r, 4096)
-        if not b:
-            break
-        chunks.append(b)
-    os.close(r)
-    msg = b"".join(chunks).decode("utf-8", "replace")
-    if msg.startswith("ok "):
-        parts = msg.split(" ", 2)
-        if len(parts) == 3 and parts[1].isdigit() and parts[2].startswith(method + ","):
-            return int(parts[1]), parts[2]
-        msg = parts[-1]
+    msg = read_all(r)
+    parts = msg.split(" ", 2)
+    if (len(parts) == 3 and parts[0] == "ok" and parts[1].isdigit()
+            and parts[2].startswith(method + ",")):
+        return int(parts[1]), parts[2]
+    if msg and not msg.startswith(f"fail {method}: "):
+        msg = f"fail {method}: malformed report {msg[:200]!r}"
+    # Not started: the setup process goes (and its init with it, by the parent-death
+    # signal) before the next method, whatever state it is in.
+    os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return None, msg or f"fail {method}: setup ended without a report"
 
 
-def read_status(status_r):
+def read_all(fd):
+    """Everything written to the pipe ``fd`` until its last writer closes it; closes it."""
     chunks = []
     while True:
-        b = os.read(status_r, 256)
+        b = os.read(fd, 4096)
         if not b:
             break
         chunks.append(b)
-    return b"".join(chunks).decode("ascii", "replace")
+    os.close(fd)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def main(report, trainer):
@@ -450,7 +461,7 @@ def main(report, trainer):
             if sys.stdin.readline().strip() == "go":
                 os.write(go_w, b"go")
             os.close(go_w)
-            status = read_status(status_r)        # EOF: the init and the snippet are gone
+            status = read_all(status_r)        # EOF: the init and the snippet are gone
             os.waitpid(-1, 0)                     # the setup process (its CPU time counts)
             send("status " + status if status else "status none")
             os._exit(0)

@@ -362,6 +362,35 @@ def test_a_sandbox_not_set_up_within_the_wall_timeout_is_an_error_not_a_timeout(
     assert _gone(r.runner_pid)
 
 
+# The runner's try_method with a setup process that misreports: the init's half of the "ok"
+# line before the setup's (the race that hung concurrent runs), then an init that waits.
+_MISORDERED_SETUP = r'''
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import sandbox_runner
+def isolated(cfg, method, report, status_w, go_r):
+    os.write(report, f"{method},mountns,pidns ok {os.getpid()} ".encode())
+    os.close(report)
+    time.sleep(60)                               # an init waiting for "go" never ends
+sandbox_runner.isolated = isolated
+status_r, status_w = os.pipe()
+go_r, go_w = os.pipe()
+t0 = time.monotonic()
+init, why = sandbox_runner.try_method({}, "rootns", status_w, go_r)
+print(init, f"{time.monotonic() - t0:.1f}", why)
+'''
+
+
+def test_a_misordered_setup_report_fails_the_method_and_kills_the_setup():
+    runner_dir = os.path.dirname(sandbox.RUNNER)
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", _MISORDERED_SETUP, runner_dir],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    init, seconds, why = out.stdout.split(" ", 2)
+    assert init == "None" and float(seconds) < 10, out.stdout   # not the setup's 60 s
+    assert why.startswith("fail rootns: malformed report"), out.stdout
+
+
 def test_cpu_limit_kills_a_busy_snippet_before_the_wall_timeout(run):
     r, _ = run("while True:\n    pass", timeout_s=15.0, cpu_s=1)   # 1 CPU-s: 1-6 s wall here
     assert not r.timed_out and r.killed_by in ("SIGXCPU", "SIGKILL"), r
