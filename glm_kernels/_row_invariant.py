@@ -25,6 +25,8 @@ NEG_INF = float("-inf")
 # Rows a product tile holds: a multiple of every CPU micro-kernel height, large enough that the
 # weight is re-read rarely (one read per ROW_TILE rows).
 ROW_TILE = 64
+# Product widths (N) below this get a row-major second operand (matmul_nt).
+NARROW = 16
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +56,15 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
-    """a [M, K] @ b[N, K]^T on tiles of exactly ROW_TILE rows (the last one zero-padded)."""
+    """a [M, K] @ b[N, K]^T on tiles of exactly ROW_TILE rows (the last one zero-padded).
+
+    ``b`` is made row-major when it is narrow: given as the transpose of a [K, N] matrix
+    (``x @ w``), x86 BLAS runs N = 5-7 and 9-11 through a kernel whose order over K depends on
+    the row's place in the tile (measured; tests/invariant). Wide ones keep their layout (no
+    copy of a large weight per call)."""
     m = a.shape[0]
+    if b.shape[0] < NARROW and b.stride(-1) != 1:
+        b = b.contiguous()
     if out is None:
         out = a.new_empty((m, b.shape[0]))
     tile = a.new_zeros((ROW_TILE, a.shape[1]))

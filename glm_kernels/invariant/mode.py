@@ -12,8 +12,10 @@ the switch is on (their math: ``_reference.py``)::
     sum.dim_IntList, sum, mean.dim,  fixed trees (fp32 for 16-bit inputs)
       mean, native_layer_norm
     _scaled_dot_product_flash_attention_for_cpu
-                                     scores as trees over D, softmax and P @ V as trees over
-                                     each query's unmasked keys (causal, padded, KV cache)
+                                     fixed splits of 64 keys from each query's first visible
+                                     key, each a fixed-shape product, merged by a fixed tree
+                                     (causal, padded, KV cache: ``_torch.py``); another mask:
+                                     trees over D and over the unmasked keys
     rsqrt, silu, sigmoid, softplus,  every element through ATen's vector body (the scalar
       exp, log, tanh, sin, cos, ...  tail rounds some of them differently)
 
@@ -37,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from .._dispatch import batch_invariant_enabled, select_backend, warn_once
 from . import _reference as ref
+from . import _torch as split_kv
 
 aten = torch.ops.aten
 
@@ -96,20 +99,21 @@ def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=
     if dropout_p != 0.0:
         return NotImplemented        # dropout draws per batch layout: reported, run as is
     backend = _kernel_backend("attention", q, k, v)
-    if backend != "torch":
-        ranges = ref.visible_key_ranges(q.shape[0], q.shape[2], k.shape[2], attn_mask,
-                                        is_causal, q.device)
-        if ranges is not None:
-            from . import _kernels
-            out = q.new_empty(*q.shape[:3], v.shape[-1])
-            lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-            _kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(), *ranges, out,
-                               lse, q.shape[-1] ** -0.5 if scale is None else scale)
-            return out, lse
+    ranges = ref.visible_key_ranges(q.shape[0], q.shape[2], k.shape[2], attn_mask, is_causal,
+                                    q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if ranges is None:
         warn_once("batch_invariant:attention:mask", "glm_kernels.batch_invariant(): an "
                   "attention mask that is not one key range per query runs the torch "
-                  "definition")
-    return ref.attention(q, k, v, attn_mask, is_causal, scale)
+                  "definition (memory O(T * L * D))")
+        return ref.attention(q, k, v, attn_mask, is_causal, scale)
+    if backend == "torch":
+        return split_kv.attention(q, k, v, *ranges, scale)
+    from . import _kernels
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    _kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(), *ranges, out, lse, scale)
+    return out, lse
 
 
 def _sum(x, dim=None, keepdim=False, *, dtype=None):

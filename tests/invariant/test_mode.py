@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import glm_kernels
 from glm_kernels.invariant import _reference as ref
+from glm_kernels.invariant import _torch as split_kv
 from glm_kernels.invariant import mode_active
 from glm_kernels.testing import TOLERANCES, assert_bits_equal, assert_close
 
@@ -100,6 +101,94 @@ def test_attention_is_decode_and_padding_invariant():
         decode, _ = ref.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
         assert_bits_equal(decode[:, :, 0], full[:, :, t], name=f"decode vs full, query {t}")
         assert_bits_equal(padded[:, :, t + 3], full[:, :, t], name=f"padded, query {t}")
+
+
+def _one_range_mask(batch, t, length, pads, right):
+    """[B, 1, T, L]: causal rows (the queries are the last T positions) behind ``pads[b]``
+    left-padding keys; row 0 also has its last ``right`` keys masked (right padding)."""
+    visible = torch.ones(t, length, dtype=torch.bool).tril(length - t).repeat(batch, 1, 1)
+    for b, pad in enumerate(pads):
+        visible[b, :, :pad] = False
+    visible[0, :, length - right:] = False
+    return visible[:, None]
+
+
+@pytest.mark.parametrize("case", ["causal", "padded", "gqa", "decode"])
+def test_split_kv_attention_matches_sdpa(case):
+    """Past one split and one tile (150 keys, 70 queries): within tolerance of torch's sdpa."""
+    batch, t, length = 3, 70 if case != "decode" else 1, 150
+    heads = 2 if case == "gqa" else 4
+    q = torch.randn(batch, 4, t, 16)
+    k, v = torch.randn(batch, heads, length, 16), torch.randn(batch, heads, length, 8)
+    mask = None if case == "causal" else _one_range_mask(batch, t, length, (5, 0, 77), 4)
+    if case == "causal":
+        q, k, v = q[..., :length, :], k[:, :, :t], v[:, :, :t]           # square causal
+    ranges = ref.visible_key_ranges(batch, t, k.shape[2], mask, case == "causal", q.device)
+    assert ranges is not None
+    out, lse = split_kv.attention(q, k, v, *ranges, 0.25)
+    k_all, v_all = k.repeat_interleave(4 // heads, 1), v.repeat_interleave(4 // heads, 1)
+    want = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                          is_causal=case == "causal", scale=0.25)
+    assert_close(out, want, tol=1e-5, name="split-KV attention")
+    _, want_lse = ref.attention(q, k, v, mask, case == "causal", 0.25)
+    assert_close(lse, want_lse, tol=1e-5, name="split-KV logsumexp")
+
+
+def test_split_kv_attention_is_decode_and_padding_invariant():
+    """Query t of a 150-token sequence (3 splits, 3 query tiles): its keys in a cache
+    (decode), in a causal row, behind 70 left-padding keys, beside other rows: the same bits.
+    A query that sees no key gets 0 and logsumexp +inf. Values 6 wide: the width at which
+    x86 BLAS orders a row's sum by its place in the tile unless the operand is transposed."""
+    d, dv, n, pad = 16, 6, 150, 70
+    q, k, v = torch.randn(1, 2, n, d), torch.randn(1, 2, n, d), torch.randn(1, 2, n, dv)
+
+    def run(q, k, v, mask=None, causal=False):
+        ranges = ref.visible_key_ranges(q.shape[0], q.shape[2], k.shape[2], mask, causal,
+                                        q.device)
+        return split_kv.attention(q, k, v, *ranges, d ** -0.5)
+
+    full, _ = run(q, k, v, causal=True)
+    qp, kp, vp = (torch.cat([torch.randn(*x.shape[:2], pad, x.shape[-1]), x], 2)
+                  for x in (q, k, v))
+    visible = torch.ones(n + pad, n + pad, dtype=torch.bool).tril()
+    visible[:, :pad] = False
+    padded, padded_lse = run(qp, kp, vp, visible[None, None])
+    other = torch.randn(1, 2, n + pad, d)
+    both, _ = run(torch.cat([qp, other]), torch.cat([kp, other]),
+                  torch.cat([vp, other[..., :dv]]),
+                  visible[None, None].expand(2, 1, n + pad, n + pad))
+    for t in (0, 63, 64, 100, n - 1):
+        decode, _ = run(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+        assert_bits_equal(decode[:, :, 0], full[:, :, t], name=f"decode vs full, query {t}")
+        assert_bits_equal(padded[:, :, t + pad], full[:, :, t], name=f"padded, query {t}")
+        assert_bits_equal(both[:1, :, t + pad], full[:, :, t], name=f"in a batch, query {t}")
+    assert torch.equal(padded[:, :, :pad], torch.zeros_like(padded[:, :, :pad]))
+    assert bool((padded_lse[:, :, :pad] == float("inf")).all())
+    # transformers' sdpa masks let a padding query see every key (no all-masked row): the
+    # row's queries then start at two different keys (grouped apart), same bits for the rest.
+    unmasked = visible.clone()
+    unmasked[:pad] = True
+    mixed, _ = run(qp, kp, vp, unmasked[None, None])
+    for t in (0, 64, n - 1):
+        assert_bits_equal(mixed[:, :, t + pad], full[:, :, t], name=f"mixed lo, query {t}")
+    want = F.scaled_dot_product_attention(qp[:, :, :pad], kp, vp, scale=d ** -0.5)
+    assert_close(mixed[:, :, :pad], want, tol=1e-5, name="padding queries")
+
+
+@pytest.mark.parametrize("layout", ["linear", "x @ w"])
+def test_narrow_products_do_not_depend_on_the_row_position(layout):
+    """N = 5-7 and 9-11 with the weight in [K, N] layout: x86 BLAS orders a row's sum by its
+    place in the tile there, unless the operand is made row-major first."""
+    x = torch.randn(100, 64)
+    for n in (5, 6, 7, 9, 10, 11):
+        w = torch.randn(n, 64) if layout == "linear" else torch.randn(64, n)
+        product = (lambda a: F.linear(a, w)) if layout == "linear" else (lambda a: a @ w)
+        with glm_kernels.batch_invariant():
+            full = product(x)
+            alone = torch.cat([product(x[i:i + 1]) for i in range(x.shape[0])])
+            flipped = product(x.flip(0)).flip(0)
+        assert_bits_equal(alone, full, name=f"{layout} N={n}, rows alone")
+        assert_bits_equal(flipped, full, name=f"{layout} N={n}, rows reversed")
 
 
 def test_row_results_do_not_depend_on_the_batch():

@@ -1,0 +1,166 @@
+"""The CPU path of whole-model batch-invariant attention: fixed-size key splits as fixed-shape
+matrix products (the torch counterpart of ``_kernels.attention``).
+
+For queries whose visible keys are one range ``[lo, hi)`` (causal, left or right padding, a
+KV cache), with S = ``KEY_SPLIT`` and R = ``ROW_TILE``::
+
+    split j of query i      keys lo_i + j*S ... lo_i + (j+1)*S - 1   (counted from lo_i)
+    scores                  one bmm entry per (query tile, head, split): [R, D] @ [D, S]
+    softmax sum, P @ V      per split a fixed tree over its S keys / one [R, S] @ [S, Dv]
+                            bmm entry; then a fixed tree over the splits, in order
+
+Why it is invariant: every product has the one shape [R, D] x [D, S] or [R, S] x [S, Dv], so
+one kernel and one order over its K for every entry, whatever the batch and wherever the
+query row sits in its tile (measured on x86 for 1 and 2 threads: tests/invariant). A query's
+splits start at its own first visible key, so its keys sit at the same place of the same
+split in a full forward, behind any padding, and in a KV-cache decode; keys past ``hi`` are
+masked to probability exactly 0 and whole splits past them are exact zeros, which change no
+tree sum. Queries are grouped by (batch row, lo) (usually one group per row, plus the padding
+rows' own), each group cut into tiles of R rows, the last zero-padded.
+
+The definition this must agree with within tolerance (not bitwise: another summation order)
+is ``_reference.attention``; its memory is O(T * L * D), this path's O(T * L).
+"""
+from typing import Tuple
+
+import torch
+
+from .._row_invariant import ROW_TILE, tree_sum
+from ._reference import NEG_INF, _accumulation_dtype, elementwise
+
+KEY_SPLIT = 64           # keys per split: the K of every P @ V product
+
+
+def _query_tiles(lo: torch.Tensor, hi: torch.Tensor):
+    """The visible queries grouped by (batch row, lo) and cut into tiles of ROW_TILE rows:
+    (batch index, query index, tile, row in tile) of each visible query, the tile count, and
+    each tile's batch row and lo."""
+    batch, t = lo.shape
+    b_idx, q_idx = torch.nonzero(hi > lo, as_tuple=True)
+    if b_idx.numel() == 0:
+        return None
+    key = b_idx * (int(lo.max()) + 1) + lo[b_idx, q_idx].long()
+    groups, group_of = torch.unique(key, return_inverse=True)          # sorted, stable ids
+    order = torch.argsort(group_of * t + q_idx)                        # by group, then query
+    b_idx, q_idx, group_of = b_idx[order], q_idx[order], group_of[order]
+    counts = torch.bincount(group_of, minlength=groups.numel())
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(group_of.numel(), device=lo.device) - starts[group_of]
+    tiles_per_group = (counts + ROW_TILE - 1) // ROW_TILE
+    first_tile = torch.cumsum(tiles_per_group, 0) - tiles_per_group
+    tile = first_tile[group_of] + rank // ROW_TILE
+    n_tiles = int(tiles_per_group.sum())
+    tile_group = torch.repeat_interleave(torch.arange(groups.numel(), device=lo.device),
+                                         tiles_per_group)
+    group_b = torch.zeros_like(groups)
+    group_b[group_of] = b_idx
+    group_lo = torch.zeros_like(groups)
+    group_lo[group_of] = lo[b_idx, q_idx].long()
+    return b_idx, q_idx, tile, rank % ROW_TILE, n_tiles, group_b[tile_group], \
+        group_lo[tile_group]
+
+
+def _bmm_nt(a: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
+    """a [E, R, K] @ b_rows[E, N, K]^T, the second operand passed transposed: with it in
+    [K, N] layout, x86 BLAS runs N = 5-7 and 9-11 (a narrow value head) through a kernel
+    whose order over K depends on the row's place in the tile (measured: tests/invariant)."""
+    return torch.bmm(a, b_rows.contiguous().transpose(1, 2))
+
+
+def _row_tiles(q: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, acc):
+    """The common case, every visible query of a batch row with one ``lo`` (causal with left
+    or right padding, decode): each row's queries in order, cut into tiles (no gather)."""
+    batch, heads, t, d = q.shape
+    n_t = -(-t // ROW_TILE)
+    padded = torch.nn.functional.pad(q.to(acc), (0, 0, 0, n_t * ROW_TILE - t))
+    q_tiles = padded.view(batch, heads, n_t, ROW_TILE, d).transpose(1, 2)
+    row_span = torch.nn.functional.pad(span, (0, n_t * ROW_TILE - t)).view(-1, ROW_TILE)
+    tile_b = torch.arange(batch, device=q.device).repeat_interleave(n_t)
+    return q_tiles.reshape(-1, heads, ROW_TILE, d), tile_b, lo.repeat_interleave(n_t), row_span
+
+
+def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
+    """(out [n, H, R, Dv], logsumexp [n, H, R]) of query tiles [n, H, R, D] whose rows see
+    keys tile_lo[n] ... tile_lo[n] + row_span[n, r] - 1 of batch row tile_b[n]."""
+    n_tiles, heads, _, d = q_tiles.shape
+    kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[-1]
+    n_splits = max(-(-int(row_span.max()) // KEY_SPLIT), 1)
+    width = n_splits * KEY_SPLIT
+    pos = tile_lo[:, None] + torch.arange(width, device=k.device)       # [n, W]
+    inside = pos < length
+    pos = pos.clamp(max=length - 1)
+
+    def gather(x):                                                      # [n, H, W, *]
+        rows = x[tile_b[:, None], :, pos].to(q_tiles.dtype)             # [n, W, Hk, *]
+        rows = rows.masked_fill(~inside[..., None, None], 0.0).transpose(1, 2)
+        return rows.repeat_interleave(heads // kv_heads, 1)
+
+    k_tiles, v_tiles = gather(k), gather(v)
+    # Scores: one [R, D] @ [D, S] product per (tile, head, split)
+    a = q_tiles.unsqueeze(2).expand(n_tiles, heads, n_splits, ROW_TILE, d)
+    scores = _bmm_nt(a.reshape(-1, ROW_TILE, d), k_tiles.reshape(-1, KEY_SPLIT, d))
+    scores = scores.view(n_tiles, heads, n_splits, ROW_TILE, KEY_SPLIT).transpose(2, 3)
+    scores = scores.reshape(n_tiles, heads, ROW_TILE, width)
+    # The softmax on the tiles' real rows only (elementwise and trees: where a row sits does
+    # not matter to them); a decode step's tile is one real row and 63 of padding.
+    tile_i, row_i = torch.nonzero(row_span > 0, as_tuple=True)
+    real = scores[tile_i, :, row_i] * scale                             # [N, H, W]
+    visible = torch.arange(width, device=k.device) < row_span[tile_i, row_i, None]
+    real = real.masked_fill(~visible[:, None], NEG_INF)
+    top = real.amax(-1, keepdim=True)
+    shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
+    e = elementwise(torch.exp, real - shift)                            # masked: exactly 0
+    total = tree_sum(tree_sum(e.view(*e.shape[:2], n_splits, KEY_SPLIT)))      # [N, H]
+    p_tiles = scores.new_zeros(n_tiles, heads, ROW_TILE, width)
+    p_tiles[tile_i, :, row_i] = torch.where(total[..., None] > 0, e / total[..., None],
+                                            torch.zeros_like(e))
+    # P @ V: one [R, S] @ [S, Dv] product per (tile, head, split), then a tree over splits
+    p_splits = p_tiles.view(n_tiles, heads, ROW_TILE, n_splits, KEY_SPLIT).transpose(2, 3)
+    v_t = v_tiles.view(n_tiles, heads, n_splits, KEY_SPLIT, dv).transpose(-1, -2)
+    partial = _bmm_nt(p_splits.reshape(-1, ROW_TILE, KEY_SPLIT), v_t.reshape(-1, dv, KEY_SPLIT))
+    partial = partial.view(n_tiles, heads, n_splits, ROW_TILE, dv)[tile_i, :, :, row_i]
+    out = q_tiles.new_zeros(n_tiles, heads, ROW_TILE, dv)
+    out[tile_i, :, row_i] = tree_sum(partial.transpose(-1, -2))         # [N, H, Dv]
+    lse = torch.full((n_tiles, heads, ROW_TILE), float("inf"), device=k.device)
+    lse[tile_i, :, row_i] = torch.where(
+        total > 0, shift[..., 0] + elementwise(torch.log, total),
+        torch.full_like(total, float("inf"))).float()
+    return out, lse
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
+              hi: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, T, D], k [B, Hk, L, D], v [B, Hk, L, Dv] (Hk divides H), lo / hi int [B, T]:
+    query t of row b sees keys [lo, hi). Returns (out [B, H, T, Dv] in q's dtype, logsumexp
+    [B, H, T] fp32; +inf and out 0 for a query that sees no key)."""
+    acc = _accumulation_dtype(q.dtype)
+    batch, heads, t, _ = q.shape
+    lo, span = lo.long(), (hi - lo).long().clamp(min=0)
+    seen = span > 0
+    if not bool(seen.any()):
+        return (q.new_zeros(batch, heads, t, v.shape[-1]),
+                torch.full((batch, heads, t), float("inf"), device=q.device))
+    row_lo = torch.where(seen, lo, lo.new_full((), 1 << 62)).amin(1)
+    row_lo = torch.where(row_lo == 1 << 62, torch.zeros_like(row_lo), row_lo)
+    if bool(((lo == row_lo[:, None]) | ~seen).all()):
+        q_tiles, tile_b, tile_lo, row_span = _row_tiles(q, row_lo, span, acc)
+        out, lse = _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale)
+        n_t = q_tiles.shape[0] // batch
+        out = out.view(batch, n_t, heads, ROW_TILE, -1).transpose(1, 2).reshape(
+            batch, heads, n_t * ROW_TILE, -1)[:, :, :t]
+        lse = lse.view(batch, n_t, heads, ROW_TILE).transpose(1, 2).reshape(
+            batch, heads, -1)[:, :, :t]
+        return out.to(q.dtype), lse.contiguous()
+    # Rows whose queries start at different keys (e.g. padding queries that see every key):
+    # queries grouped by (row, lo), each group in tiles of its own.
+    b_idx, q_idx, tile, row, n_tiles, tile_b, tile_lo = _query_tiles(lo, lo + span)
+    q_tiles = q.new_zeros(n_tiles, heads, ROW_TILE, q.shape[-1], dtype=acc)
+    q_tiles[tile, :, row] = q[b_idx, :, q_idx].to(acc)
+    row_span = torch.zeros(n_tiles, ROW_TILE, dtype=torch.long, device=q.device)
+    row_span[tile, row] = span[b_idx, q_idx]
+    tile_out, tile_lse = _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale)
+    out = torch.zeros(batch, heads, t, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((batch, heads, t), float("inf"), dtype=torch.float32, device=q.device)
+    out[b_idx, :, q_idx] = tile_out[tile, :, row]
+    lse[b_idx, :, q_idx] = tile_lse[tile, :, row]
+    return out.to(q.dtype), lse
