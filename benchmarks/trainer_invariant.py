@@ -16,6 +16,7 @@ when it has no ``batch_invariant``): how "default mode as fast as before" was ch
 """
 import argparse
 import copy
+import importlib
 import os
 import sys
 import time
@@ -34,12 +35,23 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def _example(path: str):
+    """The example's module ``path`` (this layout), or its flat name in an older ``--root``."""
+    try:
+        return importlib.import_module("examples.async_trainer." + path)
+    except ModuleNotFoundError:
+        flat = {"rollout.local": "rollout", "model.tinylm": "model"}.get(path, path.split(".")[-1])
+        return importlib.import_module("examples.async_trainer." + flat)
+
+
 def measure(invariant: bool, repeats: int) -> dict:
-    from examples.async_trainer import task
-    from examples.async_trainer.batch import fused_linear_grpo_loss, policy_step
     from examples.async_trainer.config import TrainerConfig
-    from examples.async_trainer.model import TinyLM, make_optimizer
-    from examples.async_trainer.rollout import generate
+    task = _example("env.task")
+    fused_linear_grpo_loss = _example("train.batch").fused_linear_grpo_loss
+    policy_step = _example("train.batch").policy_step
+    tinylm = _example("model.tinylm")
+    TinyLM, make_optimizer = tinylm.TinyLM, tinylm.make_optimizer
+    generate = _example("rollout.local").generate
     from glm_kernels import group_advantages
 
     extra = {"batch_invariant": True} if invariant else {}
@@ -74,7 +86,7 @@ def measure(invariant: bool, repeats: int) -> dict:
         model.load_state_dict(state)
         opt = make_optimizer(model, cfg, cfg.rl_lr)
         if invariant:
-            from examples.async_trainer.behaviour import BehaviourPolicy
+            BehaviourPolicy = _example("train.behaviour").BehaviourPolicy
             behaviour = BehaviourPolicy(cfg)
             behaviour.remember(1, model)
             behaviour.annotate(samples)

@@ -4,11 +4,12 @@ docs/design.md section 1: no import cycle; a private name (``_x``, module or att
 only inside the package that defines it; inside a feature the rooms import one way (public
 module -> ``_kernels`` / ``_torch`` -> ``_reference`` -> ``loss/_common``), never back.
 """
-import ast
 import pathlib
 from typing import Dict, List, Set, Tuple
 
 import pytest
+
+from tests._import_graph import imported
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "glm_kernels"
 
@@ -34,20 +35,8 @@ def _imports(name: str) -> List[Tuple[str, int]]:
     inside functions count)."""
     path, is_pkg = MODULES[name]
     package = name if is_pkg else name.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
-            if source == "glm_kernels" or source.startswith("glm_kernels."):
-                found.extend((f"{source}.{alias.name}", node.lineno) for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.extend((alias.name, node.lineno) for alias in node.names
-                         if alias.name.startswith("glm_kernels"))
-    return found
+    return [(dotted, line) for dotted, line in imported(path, package)
+            if dotted.split(".")[0] == "glm_kernels"]
 
 
 def _is_extension(dotted: str) -> bool:

@@ -5,11 +5,12 @@ import re
 import sys
 from dataclasses import fields
 
-from .checkpoint import CheckpointError
+from .train.checkpoint import CheckpointError
 from .config import HELP, TrainerConfig
 from .log import logger, setup_logging
-from .supervisor import RolloutError
-from .trainer import RESUME_OVERRIDES, train
+from .rollout.supervisor import RolloutError
+from .train.run import RESUME_OVERRIDES
+from .trainer import train
 
 
 def _bool(text: str) -> bool:
@@ -51,7 +52,7 @@ def parse(argv=None) -> TrainerConfig:
 
 def ignored_on_resume(argv=None) -> list:
     """The flags given with ``--resume`` that it ignores (it keeps the checkpoint's
-    configuration but for ``trainer.RESUME_OVERRIDES``)."""
+    configuration but for ``train.run.RESUME_OVERRIDES``)."""
     given = vars(_parser(with_defaults=False).parse_args(argv))
     if not given.get("resume"):
         return []

@@ -6,7 +6,7 @@ from typing import Dict, List
 
 import torch
 
-from . import task
+from .env import task
 
 
 def _ray_installed() -> bool:

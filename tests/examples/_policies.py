@@ -1,7 +1,7 @@
 """Scripted policies for the trainer tests: generation walks a known path."""
 import torch
 
-from examples.async_trainer import task
+from examples.async_trainer.env import task
 
 
 class ScriptedPolicy(torch.nn.Module):

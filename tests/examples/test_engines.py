@@ -11,11 +11,11 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from examples.async_trainer import task                                    # noqa: E402
+from examples.async_trainer.env import task                                    # noqa: E402
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
-from examples.async_trainer.engines import EngineGroup                     # noqa: E402
-from examples.async_trainer.ray_rollout import RayRollout                  # noqa: E402
-from examples.async_trainer.model import TinyLM                            # noqa: E402
+from examples.async_trainer.rollout.engines import EngineGroup                     # noqa: E402
+from examples.async_trainer.rollout.ray_rollout import RayRollout                  # noqa: E402
+from examples.async_trainer.model.tinylm import TinyLM                            # noqa: E402
 from tests.examples._ray_procs import session_processes, take                # noqa: E402
 
 pytestmark = [pytest.mark.skipif(os.name != "posix", reason="POSIX signals"),
@@ -219,7 +219,7 @@ def test_a_stalled_engine_does_not_stall_the_other(cfg, group):
 _DRIVER = """
 import sys, time
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.engines import EngineGroup
+from examples.async_trainer.rollout.engines import EngineGroup
 group = EngineGroup(TrainerConfig(progress=False), 1)
 print("ready", group.wait_ready(), flush=True)
 time.sleep(120)

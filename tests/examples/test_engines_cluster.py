@@ -26,11 +26,11 @@ ray = pytest.importorskip("ray")
 
 import examples.async_trainer.__main__ as cli                              # noqa: E402
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
-from examples.async_trainer.engines import EngineGroup                    # noqa: E402
-from examples.async_trainer.ray_local import init_ray                   # noqa: E402
-from examples.async_trainer.ray_rollout import RayRollout                  # noqa: E402
+from examples.async_trainer.rollout.engines import EngineGroup                    # noqa: E402
+from examples.async_trainer.rollout.ray_local import init_ray                   # noqa: E402
+from examples.async_trainer.rollout.ray_rollout import RayRollout                  # noqa: E402
 from examples.async_trainer.log import setup_logging                       # noqa: E402
-from examples.async_trainer.placement import EnginePlacement, PlacementError  # noqa: E402
+from examples.async_trainer.rollout.placement import EnginePlacement, PlacementError  # noqa: E402
 from tests.examples._ray_procs import alive, take                           # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, signals"),
@@ -158,8 +158,8 @@ def test_spread_places_engines_on_both_nodes_and_a_replacement_in_its_bundle(clu
             time.sleep(0.2)
 
         import torch
-        from examples.async_trainer import task
-        from examples.async_trainer.model import TinyLM
+        from examples.async_trainer.env import task
+        from examples.async_trainer.model.tinylm import TinyLM
         torch.manual_seed(0)
         model = TinyLM(cfg, task.vocab_size(cfg))
         rollout = RayRollout(group, cfg, "c1", 1, {"reverse": 1.0}, 4, 10_000,

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from examples.async_trainer.packing import assign_to_ranks, split_to_count
+from examples.async_trainer.train.packing import assign_to_ranks, split_to_count
 
 
 @pytest.mark.parametrize("method", ["kk", "first_fit"])
@@ -33,7 +33,7 @@ def test_every_rank_gets_the_same_number_of_micro_batches_within_budget(method):
 
 def _unequalized(lengths, ranks, budget, method):
     """What each rank needs on its own: the count before equalizing (first-fit per rank)."""
-    from examples.async_trainer.packing import first_fit, karmarkar_karp
+    from examples.async_trainer.train.packing import first_fit, karmarkar_karp
     if method == "kk":
         return [first_fit([lengths[i] for i in idx], budget)
                 for idx in karmarkar_karp(lengths, ranks)]

@@ -4,9 +4,9 @@ on a real two-node Ray cluster: test_engines_cluster.py."""
 import pytest
 
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.placement import (STRATEGIES, PlacementError, copies_that_fit,
-                                              engine_bundle, why_never)
-from examples.async_trainer.supervisor import RolloutError
+from examples.async_trainer.rollout.placement import (STRATEGIES, PlacementError, copies_that_fit,
+                                                      engine_bundle, why_never)
+from examples.async_trainer.rollout.supervisor import RolloutError
 
 TWO_NODES = {"a": {"CPU": 2.0, "memory": 1e9}, "b": {"CPU": 2.0, "GPU": 1.0}}
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from examples.async_trainer.router import ConsistentHashRouter
+from examples.async_trainer.rollout.router import ConsistentHashRouter
 
 
 def _sessions(n, seed=0):

@@ -6,13 +6,13 @@ import json
 
 import torch
 
-from examples.async_trainer import task
+from examples.async_trainer.env import task
 from examples.async_trainer.__main__ import parse
-from examples.async_trainer.batch import (collate, fused_linear_grpo_loss, policy_step,
-                                          replay_tap, routing_metrics)
+from examples.async_trainer.train.batch import (collate, fused_linear_grpo_loss, policy_step,
+                                                replay_tap, routing_metrics)
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.model import RoutingTap, TinyLM, make_optimizer, routing_tap
-from examples.async_trainer.rollout import generate
+from examples.async_trainer.model.tinylm import RoutingTap, TinyLM, make_optimizer, routing_tap
+from examples.async_trainer.rollout.local import generate
 from glm_kernels.topk import decode_routing, routing_header, routing_mismatch
 from tests.examples.test_trainer_async import Oracle
 

@@ -27,9 +27,9 @@ import uuid
 
 import pytest
 
-from examples.async_trainer import sandbox
-from examples.async_trainer.sandbox import (SandboxResult, SandboxUnavailable, _session_members,
-                                            run_python)
+from examples.async_trainer.env import sandbox
+from examples.async_trainer.env.sandbox import (SandboxResult, SandboxUnavailable, _session_members,
+                                                run_python)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="namespaces, seccomp, /proc: Linux")
@@ -41,7 +41,7 @@ _TRAINER = r'''
 import json, os, signal, sys, time
 got = []
 signal.signal(signal.SIGUSR1, lambda *_: got.append(1))
-from examples.async_trainer.sandbox import SandboxUnavailable, run_python
+from examples.async_trainer.env.sandbox import SandboxUnavailable, run_python
 req = json.loads(sys.stdin.read())
 try:
     r = run_python(req["code"].replace("TRAINER_PID", str(os.getpid())), **req["kwargs"])
@@ -60,7 +60,7 @@ def _unprivileged_python():
         return None, "switching to another uid needs root"
     for exe in dict.fromkeys([sys.executable, "/usr/bin/python3"]):
         try:
-            p = subprocess.run([exe, "-c", "import examples.async_trainer.sandbox"],
+            p = subprocess.run([exe, "-c", "import examples.async_trainer.env.sandbox"],
                                user=sandbox.NOBODY, group=sandbox.NOBODY, extra_groups=[],
                                cwd=ROOT, env={"PYTHONPATH": ROOT}, capture_output=True,
                                timeout=60)

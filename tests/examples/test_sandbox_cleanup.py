@@ -15,7 +15,7 @@ import tempfile
 
 import pytest
 
-from examples.async_trainer.sandbox_cleanup import remove_tree
+from examples.async_trainer.env.sandbox_cleanup import remove_tree
 from tests.examples import test_sandbox as base
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 # and prints its findings as JSON: nothing here runs as root when started as nobody.
 SCENARIOS = r'''
 import json, os, stat, sys, time
-from examples.async_trainer.sandbox_cleanup import remove_tree
+from examples.async_trainer.env.sandbox_cleanup import remove_tree
 
 def tree_fd(d):
     return os.open(d, os.O_RDONLY | os.O_DIRECTORY)
@@ -192,7 +192,7 @@ def test_what_cannot_be_removed_is_reported_not_raised(private_dir):
             pytest.skip(why)
         for p in (t, t / "mine"):
             os.chown(p, base.sandbox.NOBODY, base.sandbox.NOBODY)
-        code = ("import json, os, sys\nfrom examples.async_trainer.sandbox_cleanup import "
+        code = ("import json, os, sys\nfrom examples.async_trainer.env.sandbox_cleanup import "
                 "remove_tree\nfd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
                 "print(json.dumps(remove_tree(fd, 't')))")
         p = subprocess.run([exe, "-c", code, str(tmp_path)], cwd=base.ROOT,

@@ -15,10 +15,10 @@ import uuid
 
 import pytest
 
-from examples.async_trainer import sandbox
-from examples.async_trainer.sandbox import SandboxResult
-from examples.async_trainer.sandbox_cleanup import remove_tree
-from examples.async_trainer.sandbox_contain import UID_BASE
+from examples.async_trainer.env import sandbox
+from examples.async_trainer.env.sandbox import SandboxResult
+from examples.async_trainer.env.sandbox_cleanup import remove_tree
+from examples.async_trainer.env.sandbox_contain import UID_BASE
 from tests.examples import test_sandbox as base
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -32,7 +32,7 @@ req = json.loads(sys.stdin.read())
 tempfile.tempdir = req["tmpdir"]
 if req.get("unsafe"):
     os.environ["TORA_SANDBOX_UNSAFE"] = "1"
-from examples.async_trainer import sandbox
+from examples.async_trainer.env import sandbox
 out = [None] * len(req["runs"])
 def one(i, code, kwargs, delay):
     time.sleep(delay)

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from examples.async_trainer import tora_task
-from examples.async_trainer.sandbox import SandboxResult, SandboxUnavailable
-from examples.async_trainer.tora_task import ToraEnv
+from examples.async_trainer.env import tora_task
+from examples.async_trainer.env.sandbox import SandboxResult, SandboxUnavailable
+from examples.async_trainer.env.tora_task import ToraEnv
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sandbox: Linux")
 

@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-from examples.async_trainer import task, tora_task
-from examples.async_trainer.batch import fused_linear_grpo_loss, policy_step, sft_sample
+from examples.async_trainer.env import task, tora_task
+from examples.async_trainer.train.batch import fused_linear_grpo_loss, policy_step, sft_sample
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.model import TinyLM, make_optimizer
-from examples.async_trainer.rollout import generate
-from examples.async_trainer.tora_task import OBS_WIDTH, TOKENIZER, ToraEnv
+from examples.async_trainer.model.tinylm import TinyLM, make_optimizer
+from examples.async_trainer.rollout.local import generate
+from examples.async_trainer.env.tora_task import OBS_WIDTH, TOKENIZER, ToraEnv
 from glm_kernels.topk import routing_header
 from tests.examples._policies import ScriptedPolicy
 

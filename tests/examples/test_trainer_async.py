@@ -3,14 +3,14 @@ the Data Buffer, a shortened end-to-end run (learning + sample accounting), Ctrl
 import pytest
 import torch
 
-from examples.async_trainer import task
+from examples.async_trainer.env import task
 from examples.async_trainer.__main__ import main as cli_main
-from examples.async_trainer.batch import collate, sft_sample
-from examples.async_trainer.buffer import DataBuffer
+from examples.async_trainer.train.batch import collate, sft_sample
+from examples.async_trainer.rollout.buffer import DataBuffer
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.model import TinyLM
-from examples.async_trainer.packing import assign_to_ranks, first_fit, karmarkar_karp
-from examples.async_trainer.rollout import generate
+from examples.async_trainer.model.tinylm import TinyLM
+from examples.async_trainer.train.packing import assign_to_ranks, first_fit, karmarkar_karp
+from examples.async_trainer.rollout.local import generate
 from examples.async_trainer.trainer import train
 from glm_kernels import icepop_loss_from_logits, selective_logprobs
 from tests.examples._policies import ScriptedPolicy
@@ -124,7 +124,7 @@ def test_observation_tokens_get_no_loss_and_no_gradient():
 
 def test_optimizer_is_muon_split_per_head_and_per_expert():
     from glm_kernels.optim import MuonSplit
-    from examples.async_trainer.model import make_optimizer
+    from examples.async_trainer.model.tinylm import make_optimizer
     cfg = TrainerConfig().validate()
     model = TinyLM(cfg, task.vocab_size(cfg))
     opt = make_optimizer(model, cfg, adamw_lr=1e-3)

@@ -66,6 +66,7 @@ def test_help_prints_every_flag():
 
 def test_resume_of_a_finished_run_starts_nothing_and_says_so(tmp_path, monkeypatch, capsys):
     from examples.async_trainer import trainer
+    from examples.async_trainer.train import recipe
     from examples.async_trainer.log import setup_logging
     setup_logging()
     cfg = TrainerConfig(tasks="reverse", sft_steps=2, rl_steps=2, opd_steps=0,
@@ -78,7 +79,7 @@ def test_resume_of_a_finished_run_starts_nothing_and_says_so(tmp_path, monkeypat
     def refuse(*a, **kw):
         raise AssertionError("a finished run's resume started a stage or an engine")
 
-    monkeypatch.setattr(trainer, "_start_engines", refuse)
+    monkeypatch.setattr(trainer, "start_engines", refuse)
     monkeypatch.setattr(trainer, "Run", refuse)
     capsys.readouterr()
     code = cli.main(["--resume", str(tmp_path / "checkpoint.pt"), "--out-dir", str(tmp_path),
@@ -94,5 +95,5 @@ def test_resume_of_a_finished_run_starts_nothing_and_says_so(tmp_path, monkeypat
     assert again["exit_code"] == 0 and again["evals"] == done["evals"]
     assert again["trained_ids"] == done["trained_ids"]
     # A stage evaluated but not finished (or the reverse) is not complete.
-    assert trainer.pending_stages(cfg, {"sft": {}}, [{"kind": "eval", "stage": "sft"}]) == \
+    assert recipe.pending_stages(cfg, {"sft": {}}, [{"kind": "eval", "stage": "sft"}]) == \
         ["rl:reverse"]

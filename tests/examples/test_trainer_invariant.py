@@ -10,13 +10,14 @@ import pytest
 import torch
 
 import glm_kernels
-from examples.async_trainer import invariant, task
+from examples.async_trainer.env import task
+from examples.async_trainer.model import invariant
 from examples.async_trainer.__main__ import parse
-from examples.async_trainer.batch import collate, replay_tap
-from examples.async_trainer.behaviour import BehaviourPolicy
+from examples.async_trainer.train.batch import collate, replay_tap
+from examples.async_trainer.train.behaviour import BehaviourPolicy
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.model import TinyLM, routing_tap
-from examples.async_trainer.rollout import generate
+from examples.async_trainer.model.tinylm import TinyLM, routing_tap
+from examples.async_trainer.rollout.local import generate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -176,7 +177,7 @@ def test_engine_turn_gives_a_row_the_same_bits_alone_or_with_other_sessions_rows
     """``EngineCore`` (what a Ray engine actor or the rollout process serves turns with):
     a row's ids and log-probs are the same served alone as among other rows of other
     lengths, and equal to the trainer's full forward of the grown sequence."""
-    from examples.async_trainer.sampler import EngineCore
+    from examples.async_trainer.rollout.sampler import EngineCore
     cfg = TrainerConfig(batch_invariant=True).validate()
     model = _model(cfg, seed=2)
     gen = torch.Generator().manual_seed(4)
@@ -231,9 +232,9 @@ def test_a_session_spanning_a_weight_update_runs_on_one_version():
     the first turn's weights, and the trainer's recompute with the sample's version matches
     every sampled token bitwise. An engine that does not hold that version (a replacement)
     says so, and the session can start over."""
-    from examples.async_trainer.engines import _EngineImpl, _Link
-    from examples.async_trainer.batch import BEHAVIOUR_KEY
-    from examples.async_trainer.sessions import new_session
+    from examples.async_trainer.rollout.engines import _EngineImpl, _Link
+    from examples.async_trainer.train.batch import BEHAVIOUR_KEY
+    from examples.async_trainer.rollout.sessions import new_session
     cfg = TrainerConfig(tasks="tool", batch_invariant=True).validate()
     engine, link, behaviour = _EngineImpl(cfg, "e0", 0), _Link(0), BehaviourPolicy(cfg)
 
@@ -276,7 +277,7 @@ def test_a_session_whose_version_its_engine_lacks_starts_over():
     """The pump's side of ``missing_version``: the session starts over (no turn of it kept),
     queued for its engine, counted; nothing is emitted."""
     import threading
-    from examples.async_trainer.ray_rollout import RayRollout
+    from examples.async_trainer.rollout.ray_rollout import RayRollout
 
     class Router:
         def route(self, sid):

@@ -169,7 +169,7 @@ def test_a_sigkilled_trainer_leaves_no_engine_behind(tmp_path):
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), "an engine actor outlived its SIGKILLed trainer"
     # The agents (DashboardAgent, RuntimeEnvAgent) go too: the local instance's watchdog
-    # ends them a few seconds after the driver (engines.py). Never left on the machine.
+    # ends them a few seconds after the driver (rollout/engines.py). Never left on the machine.
     while session_processes(proc.pid) and time.monotonic() < deadline + 20:
         time.sleep(0.2)
     left = session_processes(proc.pid)
@@ -189,7 +189,7 @@ def test_engines_that_keep_failing_stop_the_run_with_exit_1_and_a_checkpoint(tmp
     assert rc == 1, err[-3000:]
     assert "1 engine failures in a row" in err and "config.rollout_restarts=0" in err
     assert "failed (RolloutError): checkpoint written to" in err
-    from examples.async_trainer import checkpoint
+    from examples.async_trainer.train import checkpoint
     ckpt = checkpoint.load(str(tmp_path / "checkpoint.pt"))
     acc = ckpt["accounting"]["rl:reverse"]
     assert acc["generated"] == acc["trained"] + acc["unconsumed"] + acc["stale"], acc

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import examples.async_trainer.__main__ as cli
-from examples.async_trainer import checkpoint, trainer
+from examples.async_trainer import trainer
+from examples.async_trainer.train import checkpoint, recipe
 from examples.async_trainer.config import TrainerConfig
 from examples.async_trainer.log import setup_logging
 
@@ -127,7 +128,7 @@ def test_checkpoint_flags_are_validated_naming_the_flag(capsys):
 def test_sigint_inside_a_step_lands_after_it_and_a_second_one_loses_nothing(
         tmp_path, monkeypatch, capsys):
     cfg = TrainerConfig(**TINY, checkpoint_every=0, out_dir=str(tmp_path))
-    real_step, calls = trainer.policy_step, []
+    real_step, calls = recipe.policy_step, []
     second = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
 
     def step_then_sigint(*args, **kwargs):
@@ -138,7 +139,7 @@ def test_sigint_inside_a_step_lands_after_it_and_a_second_one_loses_nothing(
             second.start()
         return out
 
-    monkeypatch.setattr(trainer, "policy_step", step_then_sigint)
+    monkeypatch.setattr(recipe, "policy_step", step_then_sigint)
     late = []                                        # the timer may fire after train returns
     previous = signal.signal(signal.SIGINT, lambda *a: late.append(a))
     try:
@@ -154,7 +155,7 @@ def test_sigint_inside_a_step_lands_after_it_and_a_second_one_loses_nothing(
     per_step = cfg.prompts_per_step * cfg.group_size
     _check_accounting(ckpt["accounting"]["rl:reverse"], ckpt["trained"]["rl:reverse"],
                       2 * per_step)
-    monkeypatch.setattr(trainer, "policy_step", real_step)
+    monkeypatch.setattr(recipe, "policy_step", real_step)
     resumed = trainer.train(TrainerConfig(resume=str(tmp_path / "checkpoint.pt"),
                                           out_dir=str(tmp_path), progress=False))
     assert resumed["exit_code"] == 0

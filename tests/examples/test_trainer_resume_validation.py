@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import examples.async_trainer.__main__ as cli
-from examples.async_trainer import checkpoint, trainer
+from examples.async_trainer import trainer
+from examples.async_trainer.train import checkpoint, recipe
 from examples.async_trainer.config import TrainerConfig
 
 TINY = dict(tasks="reverse", sft_steps=2, rl_steps=4, opd_steps=0, prompts_per_step=2,
@@ -24,14 +25,14 @@ def _valid_state(out_dir):
     rl:reverse at step 1 with a MuonSplit state after one step."""
     cfg = TrainerConfig(**TINY, out_dir=str(out_dir)).validate()
     torch.manual_seed(0)
-    model = trainer.new_model(cfg)
-    opt = trainer.stage_optimizer(cfg, STAGE, model)             # what rl stages train with
+    model = recipe.new_model(cfg)
+    opt = recipe.stage_optimizer(cfg, STAGE, model)             # what rl stages train with
     sum((p.float() ** 2).sum() for p in model.parameters()).backward()
     opt.step()
     return {"config": dataclasses.asdict(cfg), "records": [], "trained": {STAGE: ["0.0", "0.1"]},
             "accounting": {STAGE: {"generated": 4, "trained": 2, "unconsumed": 0,
                                    "dropped": 0}},
-            "finished": {"sft": checkpoint.tensors(trainer.new_model(cfg).state_dict())},
+            "finished": {"sft": checkpoint.tensors(recipe.new_model(cfg).state_dict())},
             "global_step": 3, "rollout_procs": 1, "stage": STAGE, "step": 1,
             "model": checkpoint.tensors(model.state_dict()), "optimizer": opt.state_dict()}
 

@@ -2,7 +2,7 @@
 and forks when it does not; training data keeps the engine's ids and log-probs."""
 import pytest
 
-from examples.async_trainer.trajectory import TrajectoryManager, render
+from examples.async_trainer.rollout.trajectory import TrajectoryManager, render
 
 
 class GreedyTokenizer:

@@ -9,7 +9,7 @@ Every trajectory is one token stream with role tokens::
   then appends ``<observation> o1..on <assistant>`` where ``o = lookup(d)``, and the assistant
   answers ``on..o1 <eos>``. Observation tokens are never sampled by the policy: they carry
   no rollout log-prob and are masked out of every loss (:func:`template_loss_mask`).
-* ``tora``: a ToRA-style multi-turn task (``tora_task.py``): the assistant writes a
+* ``tora``: a ToRA-style multi-turn task (``env/tora_task.py``): the assistant writes a
   ```` ```python ```` block, the sandbox runs it, its output comes back as an
   ``<observation>`` turn, and the assistant answers.
 
@@ -17,9 +17,9 @@ A ``reverse`` / ``tool`` trajectory that leaves the expected path (a wrong token
 where none is offered, no tool call where one is required) has reward 0. A tool session whose
 first turn is not the call ends there (no second turn); a turn's positions after its stop
 token are padded with ``<eos>`` and masked. The turns and the environment between them are
-driven by ``sessions.py``.
+driven by ``rollout/sessions.py``.
 
-Vocabulary: ``vocab.py`` (one for all tasks, so one model learns them all).
+Vocabulary: ``env/vocab.py`` (one for all tasks, so one model learns them all).
 """
 from typing import List
 

@@ -7,7 +7,7 @@ each position to during generation (one wire packet per trajectory); in training
 compares against them) and counts the routing mismatch.
 
 Under ``glm_kernels.batch_invariant()`` the model takes the batch-invariant path of
-``invariant.py`` (fixed-shape tiles, fixed-order reductions, one thread), which also decodes
+``model/invariant.py`` (fixed-shape tiles, fixed-order reductions, one thread), which also decodes
 with a KV cache (``TinyLM.forward(tokens, cache=invariant.KVCache())``) bitwise equal to the
 full forward.
 """
@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from glm_kernels import batch_invariant_enabled
 from glm_kernels.optim import MuonSplit, muon_param_groups
 
-from . import invariant, kernels, task
+from . import invariant
+from .. import kernels
+from ..env import task
 
 
 class MLA(nn.Module):

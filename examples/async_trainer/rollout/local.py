@@ -15,9 +15,9 @@ from typing import Dict, List
 
 import torch
 
-from . import task
-from .log import setup_logging
-from .model import TinyLM
+from ..env import task
+from ..log import setup_logging
+from ..model.tinylm import TinyLM
 from .sampler import EngineCore
 from .sessions import new_session
 
@@ -26,8 +26,8 @@ from .sessions import new_session
 def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
              greedy: bool = False, session: str = "rollout") -> List[Dict]:
     """``group_size`` trajectories for each prompt (all prompts of one task), in this process:
-    the task's session (``sessions.py``) against an in-process :class:`~.sampler.EngineCore`,
-    turn by turn, the environment between turns.
+    the task's session (``rollout/sessions.py``) against an in-process
+    :class:`~.sampler.EngineCore`, turn by turn, the environment between turns.
 
     Returns one dict per trajectory (prompt-major): ``tokens`` (full stream), ``prompt_len``,
     ``rollout_logprobs`` and ``loss_mask`` (one value per response position; environment and
@@ -72,7 +72,7 @@ def rollout_worker(cfg, stage_seed: int, mix: Dict[str, float], group_size: int,
     """Rollout process body: generate groups until ``stop_ev`` with the newest weights held,
     at most ``rollout_batch_samples`` at a time and no more than :func:`prompts_allowed`.
 
-    ``weight_rx`` is the receiving end of the weight-sync channel (see ``weight_sync.py``);
+    ``weight_rx`` is the receiving end of the weight-sync channel (see ``rollout/weight_sync.py``);
     every group of ``group_size`` samples shares one ``prompt_id`` (the Data Buffer key);
     ``generated`` (a shared counter) counts the samples put on ``sample_q`` (each is counted
     before its put: one cut off by a crash shows up as dropped, never as negative).

@@ -1,20 +1,46 @@
 """A training run's state: everything a checkpoint holds, the open metrics file, and the
-guard that keeps signals out of units of work (``stopping.py``)."""
+guard that keeps signals out of units of work (``train/stopping.py``)."""
 import contextlib
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from . import checkpoint
-from .config import TrainerConfig
-from .log import logger
+from ..config import TrainerConfig
+from ..log import logger
+from ..plot import plot
+from .recipe import new_model, stage_optimizer, stage_steps
 from .stopping import StopGuard
+
+# The fields a resume takes from its command line; every other one is the checkpoint's.
+RESUME_OVERRIDES = ("resume", "out_dir", "progress", "device")
+
+
+def load_resume(cfg: TrainerConfig) -> Tuple[TrainerConfig, dict]:
+    """The checkpoint ``cfg.resume`` names and the configuration the run continues with (the
+    checkpoint's, but for ``RESUME_OVERRIDES``), every field checked before anything is applied
+    or written: a refused resume leaves the checkpoint it came from untouched."""
+    ckpt = checkpoint.load(cfg.resume)
+    keep = {name: getattr(cfg, name) for name in RESUME_OVERRIDES}
+    known = {f.name for f in dataclasses.fields(TrainerConfig)}
+    unknown = sorted(set(ckpt["config"]) - known)
+    if unknown:
+        raise checkpoint.CheckpointError(f"config.resume: {cfg.resume!r} has config fields "
+                                         f"this trainer does not know: {unknown}")
+    try:
+        resumed = TrainerConfig(**{**ckpt["config"], **keep}).validate()
+    except (TypeError, ValueError) as err:
+        raise checkpoint.CheckpointError(f"config.resume: {cfg.resume!r}: {err}") from None
+    checkpoint.validate(ckpt, resumed.resume, stage_steps(resumed),
+                        new_model(resumed).state_dict(),
+                        lambda stage: stage_optimizer(resumed, stage, new_model(resumed)))
+    return resumed, ckpt
 
 
 class Run:
     """Everything a checkpoint holds, the open metrics file, and the guard that keeps signals
-    out of units of work (``stopping.py``)."""
+    out of units of work (``train/stopping.py``)."""
 
     def __init__(self, cfg: TrainerConfig, ckpt: Optional[dict] = None,
                  guard: Optional[StopGuard] = None, on_rollout=None, engines=None):
@@ -100,3 +126,45 @@ class Run:
 
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else v
+
+
+def evals(records: List[dict]) -> dict:
+    """Stage -> {task: held-out pass rate} of the evaluation records."""
+    return {r["stage"]: {k[5:]: v for k, v in r.items() if k.startswith("eval_")}
+            for r in records if r.get("kind") == "eval"}
+
+
+def wrap_up(run, stop, failure) -> List[str]:
+    """The exit path (signals only noted meanwhile): checkpoint, metrics file, plot, and log
+    lines saying what was written (only that). Returns the names of the files written."""
+    outputs, path = ["metrics.jsonl"], None
+    try:
+        path = run.save()
+    except Exception as err:        # e.g. a full disk: say so, never claim the file
+        logger.error(f"checkpoint not written ({type(err).__name__}: {err})")
+    run.close()
+    try:
+        png = plot(run.cfg, run.records)
+    except Exception as err:
+        png = None
+        logger.warning(f"metrics.png not written ({type(err).__name__}: {err})")
+    if png:
+        outputs.append("metrics.png")
+    if path or run.saved:
+        outputs.append("checkpoint.pt")
+    logger.info(f"outputs in {run.cfg.out_dir}: {', '.join(outputs)}")
+    if stop is None and failure is None:
+        return outputs
+    if stop is not None:
+        what = f"interrupted ({stop.args[0] if stop.args else 'KeyboardInterrupt'})"
+    else:
+        what = f"failed ({type(failure).__name__})"
+    if path:
+        logger.warning(f"{what}: checkpoint written to {path} ({run.saved}); continue with "
+                       f"--resume {path}")
+    elif run.saved:
+        logger.warning(f"{what} inside an optimizer step: {run.path} keeps the last consistent "
+                       f"state ({run.saved}); continue with --resume {run.path}")
+    else:
+        logger.warning(f"{what}: no checkpoint written")
+    return outputs

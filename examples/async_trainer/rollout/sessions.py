@@ -6,10 +6,10 @@ A session is one request's conversations: its prompts, each repeated ``group_siz
 (one row each; the rows of a prompt share its prefix). ``next_turn()`` gives the next request
 (None when every row is done), ``feed(result, version)`` takes the engine's answer and runs
 the environment, ``samples()`` gives one sample per row in the format of
-``rollout.generate``. A sample's ``version`` is the oldest weight version any of its turns
+``rollout.local.generate``. A sample's ``version`` is the oldest weight version any of its turns
 was generated with (what its staleness is measured from). Every request after the first
 carries that version (``version``): an engine in batch-invariant mode runs the whole session
-on those weights (``engines.py``), so that the trainer's recompute with one version matches
+on those weights (``rollout/engines.py``), so that the trainer's recompute with one version matches
 every turn bitwise; other engines ignore it.
 
 * ``reverse``: one turn (the answer).
@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import kernels, task, tora_task, vocab
+from .. import kernels
+from ..env import task, tora_task, vocab
 from .trajectory import TrajectoryManager
 
 

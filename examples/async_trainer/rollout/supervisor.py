@@ -8,8 +8,8 @@ import queue
 import time
 from typing import Dict, Optional
 
-from .log import logger
-from .rollout import rollout_worker
+from ..log import logger
+from .local import rollout_worker
 from .weight_sync import WeightSender
 
 

@@ -4,7 +4,7 @@ environment runs it in the sandbox (``sandbox.run_python``), and its output come
 
 The question is a product ``a*b`` (``a``, ``b`` in 2..9, ``A_RANGE`` / ``B_RANGE``): a tiny
 model does not learn the table within the demo's budget, but learns to copy the question into
-code and the tool's output into its answer. Token stream (ids in ``vocab.py``)::
+code and the tool's output into its answer. Token stream (ids in ``env/vocab.py``)::
 
     <system> <tora> <user> 7 * 6 <assistant>                   prompt
         ```python\nprint(  7 * 6  )\n```                      policy: the code block
@@ -12,7 +12,7 @@ code and the tool's output into its answer. Token stream (ids in ``vocab.py``)::
         4 2 <eos>                                              policy: the answer
 
 so the program is ``print(7*6)``. Every token has a text (:data:`TOKENIZER`), and the
-conversation is also kept as text messages by the trajectory manager (``trajectory.py``),
+conversation is also kept as text messages by the trajectory manager (``rollout/trajectory.py``),
 which re-tokenizes it before each turn. Text to ids is canonical: a digit character is always
 a ``DEC`` digit token; the reverse / tool tasks' digit tokens (0 .. ``vocab_digits`` - 1)
 print as the same digits, so an engine that writes ``4`` with one of those in its code

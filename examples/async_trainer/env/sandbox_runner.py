@@ -1,7 +1,7 @@
 """The sandbox's runner: ``python -I -S -u sandbox_runner.py <report fd> <trainer pid>``,
-started by :func:`examples.async_trainer.sandbox.run_python` in its own session; it dies with
-the trainer. Not imported: it runs as a script and imports the standard library only (the snippet runs in its interpreter: nothing
-here is a barrier until the kernel enforces it).
+started by :func:`examples.async_trainer.env.sandbox.run_python` in its own session; it dies
+with the trainer. Not imported: it runs as a script and imports the standard library only
+(the snippet runs in its interpreter: nothing here is a barrier until the kernel enforces it).
 
 Protocol with the trainer (who holds the other ends):
 

@@ -10,7 +10,7 @@ import torch
 
 from glm_kernels import sync
 
-from .log import logger
+from ..log import logger
 
 
 class WeightSender:

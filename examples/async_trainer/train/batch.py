@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from glm_kernels import batch_invariant, icepop_loss, selective_logprobs
 from glm_kernels.loss import fused_linear_icepop_loss
 
-from . import invariant, kernels, task
-from .model import RoutingTap, routing_tap
+from .. import kernels
+from ..env import task
+from ..model import invariant
+from ..model.tinylm import RoutingTap, routing_tap
 from .packing import assign_to_ranks
 
 
@@ -57,7 +59,7 @@ def sft_sample(cfg, prompt: List[int]) -> dict:
 
 def training_sequences(samples: List[dict]) -> List[dict]:
     """Every sequence the step trains on: each sample, then the branches its session closed on
-    a re-tokenization drift (ToRA, ``trajectory.py``), which train with their sample's
+    a re-tokenization drift (ToRA, ``rollout/trajectory.py``), which train with their sample's
     advantage and task (``origin``: the sample's ``id``)."""
     out = []
     for s in samples:
@@ -96,7 +98,7 @@ def icepop_kwargs(cfg) -> dict:
                 return_metrics=True)
 
 
-# A sample's behaviour log-probs (``behaviour.py``), per response position like
+# A sample's behaviour log-probs (``train/behaviour.py``), per response position like
 # ``rollout_logprobs``; set in batch-invariant mode only.
 BEHAVIOUR_KEY = "behaviour_logprobs"
 
@@ -115,7 +117,7 @@ def logprob_gap(train_logprobs: torch.Tensor, batch: Batch) -> Dict[str, float]:
 def invariant_icepop_loss(cfg, logits: torch.Tensor, mb_samples: List[dict], batch: Batch,
                           advantages: torch.Tensor) -> tuple:
     """``--batch-invariant``: IcePop in decoupled mode, the gate on the behaviour log-probs
-    (``behaviour.py``: the weights that sampled each token, recomputed bitwise) against the
+    (``train/behaviour.py``: the weights that sampled each token, recomputed bitwise) against the
     rollout's, the policy ratio exp(current - behaviour); ``logits`` from the invariant
     forward. Returns (summed loss, metrics, {"logprob_max_abs_diff": ...})."""
     old = place(mb_samples, BEHAVIOUR_KEY, batch.loss_mask.shape[1], batch.loss_mask.device)

@@ -3,7 +3,7 @@ process) meet the trainer in the Data Buffer; each optimizer step publishes the 
 
 Staleness (weight versions between the one a group was generated with and the one the
 gradient is taken on) never exceeds ``max_ahead_steps``: the rollout starts no more prompts
-than that allows (``rollout.prompts_allowed``), and a group that still comes too late (groups
+than that allows (``rollout.local.prompts_allowed``), and a group that still comes too late (groups
 finish out of order) is dropped here, counted as ``stale``, never trained.
 """
 import multiprocessing
@@ -12,10 +12,10 @@ from typing import Dict, List
 
 from tqdm.auto import tqdm
 
-from .buffer import DataBuffer
+from ..rollout.buffer import DataBuffer
 from .checkpoint import ACCOUNTING
-from .log import logger
-from .supervisor import RolloutError, RolloutProcess
+from ..log import logger
+from ..rollout.supervisor import RolloutError, RolloutProcess
 
 
 def staleness(trained_on: int, group: List[dict]) -> int:
@@ -61,7 +61,7 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
         run.rollout_procs += 1
         tag = f"{stage}/{run.rollout_procs}"
         if run.engines is not None:
-            from .ray_rollout import RayRollout
+            from ..rollout.ray_rollout import RayRollout
             rollout = RayRollout(run.engines, cfg, tag, cfg.seed * 7919 + run.rollout_procs, mix,
                                  group_size, prompts_per_step,
                                  health_interval=cfg.health_interval,

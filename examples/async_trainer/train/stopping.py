@@ -14,7 +14,7 @@ import contextlib
 import signal
 import threading
 
-from .log import logger
+from ..log import logger
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

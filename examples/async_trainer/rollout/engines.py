@@ -13,7 +13,7 @@
   ``missing_version`` back and starts over on the current weights.
 * :class:`EngineGroup` (the driver's side, one per training run): starts the actors
   (``ray.init()``: a local instance, or ``address=`` an existing cluster), each in its own
-  bundle of a placement group (``placement.py``; a replacement reuses its bundle), keeps one
+  bundle of a placement group (``rollout/placement.py``; a replacement reuses its bundle), keeps one
   ``glm_kernels.sync.Sender`` per engine and the :class:`~.router.ConsistentHashRouter`
   that places sessions, and replaces an engine that died or hung: the new actor gets a full
   weight snapshot of the current version (the sessions it held move, their turns re-queued
@@ -21,7 +21,7 @@
 * ``ray_rollout.RayRollout`` (one per stage): the trainer's handle on a group: the pump that
   keeps every engine busy, the environment between turns, the health monitor, samples out.
 
-Nothing here imports ray at module import time (``ray_local.py``): ``ray`` is optional for
+Nothing here imports ray at module import time (``rollout/ray_local.py``): ``ray`` is optional for
 the rest of the example (``RayUnavailable`` says what to install).
 """
 import itertools
@@ -35,9 +35,9 @@ import torch
 
 from glm_kernels import sync
 
-from . import vocab
-from .log import logger
-from .model import TinyLM
+from ..env import vocab
+from ..log import logger
+from ..model.tinylm import TinyLM
 from .placement import EnginePlacement
 from .ray_local import import_ray, init_ray
 from .router import ConsistentHashRouter
@@ -218,7 +218,8 @@ class EngineGroup:
         if cfg.resolved_device() == "cuda":
             total = self.ray.cluster_resources().get("GPU", 0.0)
             self.gpus_per_engine = min(1.0, total / n_engines) if total else 0.0
-        # One bundle per engine (placement.py); an engine and its replacements use its bundle.
+        # One bundle per engine (rollout/placement.py); an engine and its replacements use
+        # its bundle.
         self.placement = EnginePlacement(
             self.ray, n_engines, cpus=cfg.engine_cpus, gpus=self.gpus_per_engine,
             strategy=cfg.placement_strategy, timeout=cfg.placement_timeout)
@@ -376,3 +377,20 @@ class EngineGroup:
             self.actors.clear()
             self.bundles.clear()
             self.placement.remove()
+
+
+def start_engines(cfg) -> "EngineGroup":
+    """The run's Ray engine actors, started and answering (logged: where, pids, how long)."""
+    t0 = time.perf_counter()
+    group = EngineGroup(cfg, cfg.engines, address=cfg.ray_address, seed=cfg.seed)
+    try:
+        pids = group.wait_ready()
+    except BaseException:
+        group.shutdown()
+        raise
+    where = f"Ray cluster at {cfg.ray_address}" if cfg.ray_address else "a local Ray instance"
+    logger.info(f"rollout: {len(pids)} engine actors on {where} (pids "
+                f"{', '.join(str(p) for p in pids.values())}; node "
+                f"{group.ray.get_runtime_context().get_node_id()}), ready in "
+                f"{time.perf_counter() - t0:.1f} s")
+    return group

@@ -9,7 +9,7 @@
   it (the router's bounded-load placement), as far as the staleness bound allows: a turn
   never waits while its engine is free, and no engine idles while sessions could start;
 * the environment pool: between two turns of a session it runs the tool, the sandbox and
-  the trajectory manager (``sessions.py``), so the pump never waits on them;
+  the trajectory manager (``rollout/sessions.py``), so the pump never waits on them;
 * the health monitor: pings the engines every ``health_interval`` seconds and reports a
   dead or hung one to the pump, which has it replaced and re-queues its turns (the samples
   are counted only when a session ends: never lost, never trained twice).
@@ -24,10 +24,10 @@ from typing import Deque, Dict, List, Optional
 
 import torch
 
-from . import task
+from ..env import task
 from .engines import EngineError, EngineGroup
-from .log import logger
-from .rollout import prompts_allowed, sample_tasks
+from ..log import logger
+from .local import prompts_allowed, sample_tasks
 from .sessions import new_session
 
 
@@ -36,7 +36,7 @@ class RayRollout:
     ``supervisor.RolloutProcess`` (``start``, ``get``, ``alive``, ``shutdown``, ``sender``).
 
     Prompts start ``max(1, rollout_batch_samples // group_size // n_engines)`` at a time
-    (fewer when the staleness bound, ``rollout.prompts_allowed`` with ``prompts_per_step``
+    (fewer when the staleness bound, ``rollout.local.prompts_allowed`` with ``prompts_per_step``
     and ``cfg.max_ahead_steps``, admits fewer), each of a task drawn from the mix; the
     prompts of one task make one session.
     """

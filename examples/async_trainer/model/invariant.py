@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import glm_kernels
 from glm_kernels.loss import selective_logprobs
 
-from . import kernels
+from .. import kernels
 
 TILE_ROWS = 64     # a multiple of every SIMD chunk ATen uses: no scalar tail inside a tile
 

@@ -4,7 +4,7 @@ keeps every live session's prefix between its turns.
 
 An engine knows nothing of tasks: a request is a session id, token contexts, a number of
 steps and stop tokens. The environment (tool, sandbox, trajectory manager) runs between
-turns on the caller's side (``sessions.py``), as in slime's rollout, where every turn is one
+turns on the caller's side (``rollout/sessions.py``), as in slime's rollout, where every turn is one
 request through the router.
 
 What the prefix cache keeps is what an inference engine's KV cache holds for a session and
@@ -17,7 +17,7 @@ the routing what a real engine's would be and measures session affinity honestly
 finds its session's prefix only on the engine that served the session before).
 
 With ``batch_invariant`` (``--batch-invariant``) a turn runs the model's batch-invariant path
-(``invariant.py``): it prefills a KV cache with the context and decodes one position per
+(``model/invariant.py``): it prefills a KV cache with the context and decodes one position per
 step, and the recorded log-probs are bitwise what the trainer's full forward gives the same
 tokens with the same weights, whatever rows share the turn.
 """
@@ -28,8 +28,10 @@ import torch
 
 from glm_kernels import batch_invariant_enabled
 
-from . import invariant, kernels, vocab
-from .model import RoutingRecorder
+from .. import kernels
+from ..env import vocab
+from ..model import invariant
+from ..model.tinylm import RoutingRecorder
 
 
 def sample_turn(model, toks, live, steps: int, stops, recorder, *, gen=None,

@@ -14,9 +14,10 @@ from typing import Dict, List
 
 import torch
 
-from . import invariant, task
+from ..env import task
+from ..model import invariant
 from .batch import BEHAVIOUR_KEY, collate, replay_tap
-from .model import TinyLM, routing_tap
+from ..model.tinylm import TinyLM, routing_tap
 
 
 class BehaviourPolicy:

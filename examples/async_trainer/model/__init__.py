@@ -1,0 +1,1 @@
+"""The policy model (``TinyLM``) and its batch-invariant forward."""
