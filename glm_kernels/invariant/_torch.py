@@ -1,5 +1,6 @@
-"""The CPU path of whole-model batch-invariant attention: fixed-size key splits as fixed-shape
-matrix products (the torch counterpart of ``_kernels.attention``).
+"""The CPU path of whole-model batch-invariant attention and ``bmm``: fixed-size key splits as
+fixed-shape matrix products (the torch counterpart of ``_kernels.attention``; ``bmm`` below
+applies the same idea to eager attention's two products).
 
 For queries whose visible keys are one range ``[lo, hi)`` (causal, left or right padding, a
 KV cache), with S = ``KEY_SPLIT`` and R = ``ROW_TILE``::
@@ -26,9 +27,10 @@ from typing import Tuple
 import torch
 
 from .._row_invariant import ROW_TILE, tree_sum
-from ._reference import NEG_INF, _accumulation_dtype, elementwise
+from ._reference import NEG_INF, _accumulation_dtype, elementwise, sum_nonzero
 
 KEY_SPLIT = 64           # keys per split: the K of every P @ V product
+TREE_SPAN = 16           # bmm rows with at most this many terms: a tree, not a product
 
 
 def _query_tiles(lo: torch.Tensor, hi: torch.Tensor):
@@ -164,3 +166,55 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
     out[b_idx, :, q_idx] = tile_out[tile, :, row]
     lse[b_idx, :, q_idx] = tile_lse[tile, :, row]
     return out.to(q.dtype), lse
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [E, M, K] @ b [E, K, N] (eager attention's QK^T and P.V, the DSA indexer's products)
+    with each row's sum over K cut into splits of ``KEY_SPLIT`` counted from the row's first
+    non-zero entry of ``a``: per split one [R, S] x [S, 64] product (N in chunks of 64), then a
+    fixed tree over the splits. A masked key is a zero probability, so a row's bits depend
+    only on its non-zero pattern counted from its first non-zero (a decode step's keys, the
+    same keys behind padding or before masked future keys). Rows of zeros give zeros.
+
+    A row whose non-zeros span at most ``TREE_SPAN`` entries (the DSA indexer's sum over its
+    few heads, a query's first keys) is a tree over its non-zero products instead: a 64-wide
+    product for 2 terms costs 30x the rest of a tiny model. The span is the row's own (the
+    same in a decode step and a full forward), so each row always takes the same path."""
+    acc = _accumulation_dtype(a.dtype)
+    entries, m, k = a.shape
+    n = b.shape[-1]
+    out = torch.zeros(entries, m, n, dtype=acc, device=a.device)
+    nonzero = a != 0
+    first = nonzero.int().argmax(-1)
+    last = k - nonzero.flip(-1).int().argmax(-1)
+    span = torch.where(nonzero.any(-1), last - first, torch.zeros_like(first))
+    short = (span > 0) & (span <= TREE_SPAN)
+    if bool(short.any()):
+        e_s, m_s = torch.nonzero(short, as_tuple=True)
+        products = a[e_s, m_s].to(acc)[:, None, :] * b[e_s].to(acc).transpose(1, 2)
+        out[e_s, m_s] = sum_nonzero(products)                            # [rows, N]
+        span = torch.where(short, torch.zeros_like(span), span)
+    tiles = _query_tiles(first, first + span)
+    if tiles is None or n == 0:
+        return out.to(a.dtype)
+    e_idx, m_idx, tile, row, n_tiles, tile_e, tile_lo = tiles
+    n_splits = -(-int(span.max()) // KEY_SPLIT)
+    width, n_chunks = n_splits * KEY_SPLIT, -(-n // KEY_SPLIT)
+    pos = tile_lo[:, None] + torch.arange(width, device=a.device)        # [n, W]
+    inside = pos < k
+    pos = pos.clamp(max=k - 1)
+    a_rows = a[e_idx[:, None], m_idx[:, None], pos[tile]].to(acc)        # [rows, W]
+    a_tiles = a.new_zeros(n_tiles, ROW_TILE, width, dtype=acc)
+    a_tiles[tile, row] = a_rows.masked_fill(~inside[tile], 0.0)
+    b_rows = b[tile_e[:, None], pos].to(acc).masked_fill(~inside[..., None], 0.0)  # [n, W, N]
+    b_rows = torch.nn.functional.pad(b_rows, (0, n_chunks * KEY_SPLIT - n))
+    # [n, splits, chunks, 64 (N), S (K)]: the second operand of each product, row-major
+    b_t = b_rows.view(n_tiles, n_splits, KEY_SPLIT, n_chunks, KEY_SPLIT).permute(0, 1, 3, 4, 2)
+    a_s = a_tiles.view(n_tiles, ROW_TILE, n_splits, KEY_SPLIT).transpose(1, 2).unsqueeze(2) \
+        .expand(n_tiles, n_splits, n_chunks, ROW_TILE, KEY_SPLIT)
+    partial = _bmm_nt(a_s.reshape(-1, ROW_TILE, KEY_SPLIT), b_t.reshape(-1, KEY_SPLIT, KEY_SPLIT))
+    partial = partial.view(n_tiles, n_splits, n_chunks, ROW_TILE, KEY_SPLIT)
+    rows = partial[tile, :, :, row]                                      # [rows, splits, chunks, 64]
+    summed = tree_sum(rows.permute(0, 2, 3, 1)).reshape(rows.shape[0], -1)[:, :n]
+    out[e_idx, m_idx] = summed
+    return out.to(a.dtype)

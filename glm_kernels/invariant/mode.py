@@ -7,7 +7,9 @@ How: a ``TorchDispatchMode`` (thread-local, below autograd) that replaces these 
 the switch is on (their math: ``_reference.py``)::
 
     mm, addmm, _grouped_mm           fixed 64-row tiles (M = 1 decode rows padded into one)
-    bmm                              tree over the non-zero products, in K order
+    bmm                              splits of 64 from each row's first non-zero, fixed-shape
+                                     products, a tree over splits (``_torch.py``); a row of at
+                                     most 16 terms: a tree over its non-zero products
     _softmax, _log_softmax           exact max, tree over the non-zero exponentials
     sum.dim_IntList, sum, mean.dim,  fixed trees (fp32 for 16-bit inputs)
       mean, native_layer_norm
@@ -135,7 +137,7 @@ _ELEMENTWISE = ("rsqrt", "silu", "sigmoid", "softplus", "gelu", "exp", "exp2", "
 COVERED: Dict[object, Callable] = {
     aten.mm.default: _mm,
     aten.addmm.default: _addmm,
-    aten.bmm.default: ref.bmm,
+    aten.bmm.default: split_kv.bmm,
     aten._softmax.default: lambda x, dim, half: ref.softmax(x, dim, half),
     aten._log_softmax.default: lambda x, dim, half: ref.softmax(x, dim, half, log=True),
     aten.sum.dim_IntList: _sum,
@@ -157,7 +159,7 @@ def _into_out(impl: Callable) -> Callable:
 
 
 # The library's own tiled products call torch.mm(..., out=) on exact tiles (same bits here).
-COVERED.update({aten.mm.out: _into_out(_mm), aten.bmm.out: _into_out(ref.bmm),
+COVERED.update({aten.mm.out: _into_out(_mm), aten.bmm.out: _into_out(split_kv.bmm),
                 aten.addmm.out: _into_out(_addmm)})
 def _in_place(op) -> Callable:
     def run(x, *args, **kwargs):

@@ -175,6 +175,44 @@ def test_split_kv_attention_is_decode_and_padding_invariant():
     assert_close(mixed[:, :, :pad], want, tol=1e-5, name="padding queries")
 
 
+def test_split_bmm_matches_torch_and_gives_rows_zero_for_zero_rows():
+    """Past one split of K and one chunk of N (K 200, N 100), narrow N, rows of zeros."""
+    for entries, m, k, n in ((3, 5, 16, 7), (2, 70, 150, 6), (2, 130, 200, 100), (4, 1, 20, 64)):
+        a, b = torch.randn(entries, m, k), torch.randn(entries, k, n)
+        a[0, :2] = 0.0                                  # rows of zeros
+        a[-1, :, :3] = 0.0                              # rows that start later
+        got = split_kv.bmm(a, b)
+        assert_close(got, torch.bmm(a, b), tol=1e-5, name=f"split bmm {entries, m, k, n}")
+        assert torch.equal(got[0, :2], torch.zeros_like(got[0, :2]))
+    half = split_kv.bmm(a.bfloat16(), b.bfloat16())
+    assert half.dtype == torch.bfloat16
+    # Rows of at most 16 terms (the DSA indexer's head sum): the tree definition, to the bit
+    a, b = torch.randn(256, 32, 2), torch.randn(256, 2, 1)
+    assert_bits_equal(split_kv.bmm(a, b), ref.bmm(a, b), name="short rows")
+
+
+def test_split_bmm_is_decode_and_padding_invariant():
+    """Eager attention's two products: P.V with 150 keys (3 splits) and 6-wide values, and
+    QK^T with a growing key count (N), for a query alone (decode), in its causal row, and
+    behind 37 padding keys and queries: the same bits."""
+    n, pad = 150, 37
+    p = torch.rand(1, n, n).tril()
+    p = p / p.sum(-1, keepdim=True)
+    v = torch.randn(1, n, 6)
+    full = split_kv.bmm(p, v)
+    p_pad = torch.cat([torch.rand(1, pad, n + pad),
+                       torch.cat([torch.zeros(1, n, pad), p], 2)], 1)
+    padded = split_kv.bmm(p_pad, torch.cat([torch.randn(1, pad, 6), v], 1))
+    q, k_t = torch.randn(1, n, 16), torch.randn(1, 16, n)
+    scores = split_kv.bmm(q, k_t)
+    for t in (0, 63, 64, 100, n - 1):
+        decode = split_kv.bmm(p[:, t:t + 1, :t + 1], v[:, :t + 1])
+        assert_bits_equal(decode[0, 0], full[0, t], name=f"P.V decode, query {t}")
+        assert_bits_equal(padded[0, t + pad], full[0, t], name=f"P.V padded, query {t}")
+        assert_bits_equal(split_kv.bmm(q[:, t:t + 1], k_t[:, :, :t + 1])[0, 0],
+                          scores[0, t, :t + 1], name=f"QK^T decode, query {t}")
+
+
 @pytest.mark.parametrize("layout", ["linear", "x @ w"])
 def test_narrow_products_do_not_depend_on_the_row_position(layout):
     """N = 5-7 and 9-11 with the weight in [K, N] layout: x86 BLAS orders a row's sum by its
