@@ -191,8 +191,14 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     short = (span > 0) & (span <= TREE_SPAN)
     if bool(short.any()):
         e_s, m_s = torch.nonzero(short, as_tuple=True)
-        products = a[e_s, m_s].to(acc)[:, None, :] * b[e_s].to(acc).transpose(1, 2)
-        out[e_s, m_s] = sum_nonzero(products)                            # [rows, N]
+        # Only the row's window [first, first + TREE_SPAN) holds its non-zeros; a tree over
+        # them is the same whatever the zeros around them (trailing zeros change no tree).
+        window = first[e_s, m_s, None] + torch.arange(TREE_SPAN, device=a.device)
+        inside = window < k
+        window = window.clamp(max=k - 1)
+        a_w = a[e_s[:, None], m_s[:, None], window].to(acc).masked_fill(~inside, 0.0)
+        b_w = b[e_s[:, None], window].to(acc).masked_fill(~inside[..., None], 0.0)
+        out[e_s, m_s] = sum_nonzero(a_w[:, None, :] * b_w.transpose(1, 2))   # [rows, N]
         span = torch.where(short, torch.zeros_like(span), span)
     tiles = _query_tiles(first, first + span)
     if tiles is None or n == 0:

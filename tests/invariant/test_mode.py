@@ -189,6 +189,12 @@ def test_split_bmm_matches_torch_and_gives_rows_zero_for_zero_rows():
     # Rows of at most 16 terms (the DSA indexer's head sum): the tree definition, to the bit
     a, b = torch.randn(256, 32, 2), torch.randn(256, 2, 1)
     assert_bits_equal(split_kv.bmm(a, b), ref.bmm(a, b), name="short rows")
+    # ... also where they sit among zeros of a long row (a query's first keys, 100 keys)
+    a, b = torch.zeros(4, 30, 100), torch.randn(4, 100, 8)
+    for row in range(30):
+        start = (7 * row) % 90
+        a[:, row, start:start + 1 + row % 16] = torch.rand(4, 1 + row % 16) + 0.1
+    assert_bits_equal(split_kv.bmm(a, b), ref.bmm(a, b), name="short rows among zeros")
 
 
 def test_split_bmm_is_decode_and_padding_invariant():
