@@ -62,6 +62,14 @@ def _query_tiles(lo: torch.Tensor, hi: torch.Tensor):
         group_lo[tile_group]
 
 
+def _window(start: torch.Tensor, width: int, length: int):
+    """Positions start[i] ... start[i] + width - 1 along a dim of ``length``, clamped into it
+    (for gathering), and which of them are inside (the rest are read as zeros)."""
+    pos = start[..., None] + torch.arange(width, device=start.device)
+    inside = pos < length
+    return pos.clamp(max=length - 1), inside
+
+
 def _bmm_nt(a: torch.Tensor, b_rows: torch.Tensor) -> torch.Tensor:
     """a [E, R, K] @ b_rows[E, N, K]^T, the second operand passed transposed: with it in
     [K, N] layout, x86 BLAS runs N = 5-7 and 9-11 (a narrow value head) through a kernel
@@ -88,9 +96,7 @@ def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
     kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[-1]
     n_splits = max(-(-int(row_span.max()) // KEY_SPLIT), 1)
     width = n_splits * KEY_SPLIT
-    pos = tile_lo[:, None] + torch.arange(width, device=k.device)       # [n, W]
-    inside = pos < length
-    pos = pos.clamp(max=length - 1)
+    pos, inside = _window(tile_lo, width, length)                       # [n, W]
 
     def gather(x):                                                      # [n, H, W, *]
         rows = x[tile_b[:, None], :, pos].to(q_tiles.dtype)             # [n, W, Hk, *]
@@ -142,8 +148,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
     if not bool(seen.any()):
         return (q.new_zeros(batch, heads, t, v.shape[-1]),
                 torch.full((batch, heads, t), float("inf"), device=q.device))
-    row_lo = torch.where(seen, lo, lo.new_full((), 1 << 62)).amin(1)
-    row_lo = torch.where(row_lo == 1 << 62, torch.zeros_like(row_lo), row_lo)
+    row_lo = torch.where(seen, lo, lo.amax()).amin(1)   # a row that sees nothing: any lo
     if bool(((lo == row_lo[:, None]) | ~seen).all()):
         q_tiles, tile_b, tile_lo, row_span = _row_tiles(q, row_lo, span, acc)
         out, lse = _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale)
@@ -193,9 +198,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         e_s, m_s = torch.nonzero(short, as_tuple=True)
         # Only the row's window [first, first + TREE_SPAN) holds its non-zeros; a tree over
         # them is the same whatever the zeros around them (trailing zeros change no tree).
-        window = first[e_s, m_s, None] + torch.arange(TREE_SPAN, device=a.device)
-        inside = window < k
-        window = window.clamp(max=k - 1)
+        window, inside = _window(first[e_s, m_s], TREE_SPAN, k)
         a_w = a[e_s[:, None], m_s[:, None], window].to(acc).masked_fill(~inside, 0.0)
         b_w = b[e_s[:, None], window].to(acc).masked_fill(~inside[..., None], 0.0)
         out[e_s, m_s] = sum_nonzero(a_w[:, None, :] * b_w.transpose(1, 2))   # [rows, N]
@@ -206,9 +209,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     e_idx, m_idx, tile, row, n_tiles, tile_e, tile_lo = tiles
     n_splits = -(-int(span.max()) // KEY_SPLIT)
     width, n_chunks = n_splits * KEY_SPLIT, -(-n // KEY_SPLIT)
-    pos = tile_lo[:, None] + torch.arange(width, device=a.device)        # [n, W]
-    inside = pos < k
-    pos = pos.clamp(max=k - 1)
+    pos, inside = _window(tile_lo, width, k)                              # [n, W]
     a_rows = a[e_idx[:, None], m_idx[:, None], pos[tile]].to(acc)        # [rows, W]
     a_tiles = a.new_zeros(n_tiles, ROW_TILE, width, dtype=acc)
     a_tiles[tile, row] = a_rows.masked_fill(~inside[tile], 0.0)
