@@ -168,6 +168,25 @@ def test_indexer_keeps_causal_keys_and_breaks_ties_low():
         assert sorted(set(indices[0, s].tolist())) == want, (s, indices[0, s])
 
 
+def test_a_new_cache_starting_with_one_token_does_not_see_an_earlier_sequence():
+    """transformers 5.2-5.10 keep the DSA indexer's keys on the module and reset them only
+    for a forward of several tokens; the patched indexer also resets when the forward has no
+    past, so a one-token first step after another sequence's decode is that token alone."""
+    from transformers import DynamicCache
+    _, model = pair("glm_moe_dsa")
+    model.eval()
+    first = torch.randint(2, 64, (1, 10))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(first[:, :8], past_key_values=cache, use_cache=True)
+        model(first[:, 8:9], past_key_values=cache, use_cache=True)
+        token = torch.tensor([[5]])
+        fresh = DynamicCache(config=model.config)
+        stepped = model(token, past_key_values=fresh, use_cache=True).logits
+        alone = model(token, use_cache=False).logits
+    assert_close(stepped, alone, tol=TOL)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="glm_moe_dsa, glm4_moe, deepseek_v3, deepseek_v4"):
         gt.apply_glm_kernels(torch.nn.Linear(2, 2))

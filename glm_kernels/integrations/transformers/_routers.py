@@ -171,7 +171,11 @@ def glm_moe_dsa_indexer_forward(self, hidden_states, q_resid, position_embedding
                                dim=-1)
     k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(2), cos, sin, unsqueeze_dim=2).squeeze(2)
     k = torch.cat([k_pe, k_nope], dim=-1)
-    if seq_len > 1:
+    # transformers 5.2-5.10 keep the indexer's keys on the module and drop them only for a
+    # forward of several tokens: a new cache whose first forward is one token would then
+    # extend another sequence's keys. A forward whose mask spans only its own tokens has no
+    # past either.
+    if seq_len > 1 or (attention_mask is not None and attention_mask.shape[-1] == seq_len):
         self._cached_keys = None
     if use_cache:
         k_cached = k if self._cached_keys is None else torch.cat([self._cached_keys, k], dim=1)
