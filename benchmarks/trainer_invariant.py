@@ -4,13 +4,16 @@ One process, the same model, prompts and samples for both modes, each phase time
 minimum over ``--repeats`` runs (the machine may be shared: the minimum is the least
 disturbed run):
   generate  one rollout batch (``rollout_batch_samples`` = 64 trajectories: 8 prompts x 8)
-            of the reverse and of the tool task on one thread, as an engine runs it;
-            default: bf16 weights, a full forward per token; invariant: fp32, KV-cache decode
+            of the reverse and of the tool task on one thread, as an engine runs it, with a
+            KV cache; default: bf16 weights; invariant: fp32, inside
+            ``glm_kernels.batch_invariant()``
   train     one RL optimizer step over those 128 samples (``policy_step``: forward, IcePop,
             backward, MuonSplit) with the trainer's thread count; invariant: plus the
             behaviour recompute (``BehaviourPolicy.annotate``)
+The model is the example's policy (``model/policy.py``: transformers' GlmMoeDsaForCausalLM).
 ``--root DIR`` imports ``examples.async_trainer`` from another checkout (default mode only
-when it has no ``batch_invariant``): how "default mode as fast as before" was checked.
+when it has no ``batch_invariant``; an older checkout's own model, ``TinyLM``): how "default
+mode as fast as before" was checked.
 
     python benchmarks/trainer_invariant.py [--repeats 5] [--root DIR] [--default-only]
 """
@@ -44,20 +47,31 @@ def _example(path: str):
         return importlib.import_module("examples.async_trainer." + flat)
 
 
+def _model_api():
+    """(new_model(cfg), make_optimizer(model, cfg, lr)) of the checkout: the GLM-5 policy
+    (``model/policy.py``), or an older checkout's ``TinyLM``."""
+    try:
+        policy = importlib.import_module("examples.async_trainer.model.policy")
+    except ModuleNotFoundError:
+        task = _example("env.task")
+        tinylm = _example("model.tinylm")
+        return (lambda cfg: tinylm.TinyLM(cfg, task.vocab_size(cfg))), tinylm.make_optimizer
+    return policy.new_policy, policy.make_optimizer
+
+
 def measure(invariant: bool, repeats: int) -> dict:
     from examples.async_trainer.config import TrainerConfig
     task = _example("env.task")
     fused_linear_grpo_loss = _example("train.batch").fused_linear_grpo_loss
     policy_step = _example("train.batch").policy_step
-    tinylm = _example("model.tinylm")
-    TinyLM, make_optimizer = tinylm.TinyLM, tinylm.make_optimizer
+    new_model, make_optimizer = _model_api()
     generate = _example("rollout.local").generate
     from glm_kernels import group_advantages
 
     extra = {"batch_invariant": True} if invariant else {}
     cfg = TrainerConfig(progress=False, **extra).validate()
     torch.manual_seed(0)
-    trainer_model = TinyLM(cfg, task.vocab_size(cfg))
+    trainer_model = new_model(cfg)
     engine_model = copy.deepcopy(trainer_model).to(cfg.rollout_torch_dtype()).eval()
     gen = torch.Generator().manual_seed(0)
     prompts = {name: [task.make_prompt(cfg, name, gen) for _ in range(8)]
@@ -82,7 +96,7 @@ def measure(invariant: bool, repeats: int) -> dict:
     state = copy.deepcopy(trainer_model.state_dict())
 
     def train():
-        model = TinyLM(cfg, task.vocab_size(cfg))
+        model = new_model(cfg)
         model.load_state_dict(state)
         opt = make_optimizer(model, cfg, cfg.rl_lr)
         if invariant:

@@ -20,9 +20,11 @@ class TrainerConfig:
     tasks: str = "reverse,tool"      # RL tasks, one teacher each; OPD mixes them
     num_digits: int = 3
     vocab_digits: int = 5
-    # model: MLA attention + sigmoid-routed MoE
+    # model: GLM-5's architecture (transformers' GlmMoeDsaForCausalLM, model/policy.py):
+    # MLA attention with the DSA indexer, dense first layers, then sigmoid-routed MoE layers
     d_model: int = 48
     n_layers: int = 2
+    dense_layers: int = 1            # the first layers' dense MLP (GLM-5: 3 of 78)
     n_heads: int = 4
     n_experts: int = 4
     top_k: int = 2
@@ -30,7 +32,7 @@ class TrainerConfig:
     topk_groups: int = 2
     balance_bias_rate: float = 1e-3  # aux-loss-free load-balancing bias step
     # stage 1: SFT warm-up on the mixture of tasks
-    sft_steps: int = 70
+    sft_steps: int = 100
     sft_batch: int = 32
     sft_lr: float = 3e-3
     sft_weights: str = "tool=2,tora=4"   # SFT examples per task relative to 1 (tasks not
@@ -47,7 +49,7 @@ class TrainerConfig:
     opd_ratio: float = 0.4           # fraction of OPD prompts drawn from the first task (the
                                      # others share the rest equally)
     # optimizer of RL and OPD: MuonSplit (Muon lr for matrices; rl_lr / opd_lr for AdamW parts)
-    muon_lr: float = 0.01
+    muon_lr: float = 0.002            # GLM-5 policy: 0.01 / 0.004 made RL steps too large
     weight_decay: float = 0.0
     # trainer mechanics
     dp_ranks: int = 2                # simulated data-parallel ranks
@@ -157,9 +159,13 @@ class TrainerConfig:
                              f"{list(task.TASKS)} and N >= 1, got {self.sft_weights!r}")
         if self.vocab_digits < 2:
             raise ValueError(f"config.vocab_digits must be >= 2, got {self.vocab_digits}")
-        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2 \
+                or self.d_model // self.n_heads < 4:
             raise ValueError(f"config.d_model ({self.d_model}) must be n_heads ({self.n_heads}) "
-                             f"times an even head size")
+                             f"times an even head size of at least 4 (its rotary part is even)")
+        if not 0 <= self.dense_layers < self.n_layers:
+            raise ValueError(f"config.dense_layers ({self.dense_layers}) must be >= 0 and "
+                             f"< n_layers ({self.n_layers}): routing replay needs a MoE layer")
         if self.top_k > self.n_experts:
             raise ValueError(f"config.top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
         if self.n_experts % self.n_expert_groups or self.topk_groups > self.n_expert_groups:
@@ -228,8 +234,9 @@ HELP: Dict[str, str] = {
              "OPD mixes them)",
     "num_digits": "digits of a task's number",
     "vocab_digits": "distinct digit tokens (>= 2)",
-    "d_model": "model width (n_heads times an even head size)",
-    "n_layers": "transformer blocks",
+    "d_model": "model width (n_heads times an even head size >= 4)",
+    "n_layers": "decoder layers of the GLM-5-shaped policy",
+    "dense_layers": "first layers with a dense MLP (the rest are MoE; < n_layers)",
     "n_heads": "attention heads of the MLA layers",
     "n_experts": "MoE experts per layer",
     "top_k": "experts each token is routed to",

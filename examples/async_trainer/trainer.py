@@ -1,5 +1,6 @@
 """The whole recipe: SFT warm-up, asynchronous GRPO + IcePop per task (each run becomes a
-teacher), then on-policy distillation (OPD) of both teachers into the SFT student.
+teacher), then on-policy distillation (OPD) of both teachers into the SFT student; the last
+stage's model is written as a Hugging Face checkpoint (``<out-dir>/model/``).
 
 RL and OPD stages run rollout on engines that keep generating with the newest weights they
 hold while the trainer steps: Ray actors behind a session-affine router with a health
@@ -19,6 +20,7 @@ import torch
 
 from .config import TrainerConfig
 from .log import logger
+from .model.hf_checkpoint import save_hf_checkpoint
 from .rollout.engines import start_engines
 from .train.recipe import (eval_record, new_model, opd_stage, pending_stages, rl_stage,
                            sft_stage, stage_steps)
@@ -46,6 +48,11 @@ def _stages(run, on_step) -> None:
             model = model if model is not None else new_model(cfg, run.finished[stage])
             eval_record(run, stage, model, eval_tasks)
             run.save()
+    # The last stage's model as a Hugging Face checkpoint (the one a rollout engine would load).
+    final = plan[-1][0]
+    run.exported = save_hf_checkpoint(new_model(cfg, run.finished[final]), cfg,
+                                      os.path.join(cfg.out_dir, "model"))
+    logger.info(f"{final} model saved as a Hugging Face checkpoint in {run.exported}")
 
 
 def train(cfg: TrainerConfig, *, on_step=None, on_rollout=None) -> dict:

@@ -1,4 +1,5 @@
-"""Rollout engines as Ray actors: samples from every engine, weight versions, and the health
+"""Rollout engines as Ray actors: the policy's weights reaching an engine by their own
+``state_dict`` names in bf16, samples from every engine, weight versions, and the health
 monitor replacing a killed, a hung and a stopped engine with every sample accounted for.
 One local Ray instance for the module (a few seconds on 2 cores); skipped without ray."""
 import dataclasses
@@ -15,7 +16,8 @@ from examples.async_trainer.env import task                                    #
 from examples.async_trainer.config import TrainerConfig                    # noqa: E402
 from examples.async_trainer.rollout.engines import EngineGroup                     # noqa: E402
 from examples.async_trainer.rollout.ray_rollout import RayRollout                  # noqa: E402
-from examples.async_trainer.model.tinylm import TinyLM                            # noqa: E402
+from examples.async_trainer.rollout.sampler import EngineCore                      # noqa: E402
+from examples.async_trainer.model import policy                                   # noqa: E402
 from tests.examples._ray_procs import session_processes, take                # noqa: E402
 
 pytestmark = [pytest.mark.skipif(os.name != "posix", reason="POSIX signals"),
@@ -37,19 +39,58 @@ def group(cfg):
 
 
 def _model(cfg, seed=0):
+    """The trainer's policy (GLM-5's architecture, fp32)."""
     torch.manual_seed(seed)
-    return TinyLM(cfg, task.vocab_size(cfg))
+    return policy.new_policy(cfg)
 
 
 def _tool_caller(cfg):
-    """A model that always samples ``<tool_call>``: every tool session has a second turn."""
+    """A policy that always samples ``<tool_call>``: every tool session has a second turn.
+    Every token embeds to the same vector, so every position of every row has the same last
+    hidden state h; the lm_head gives ``<tool_call>`` the logit 48 on h, the others 0."""
     model = _model(cfg, 2)
     with torch.no_grad():
-        model.norm.weight.zero_()
-        model.norm.bias.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        emb.copy_(emb[:1].expand_as(emb))
+        h = policy.hidden(model, torch.tensor([[task.SYSTEM]]))[0, 0]
         model.lm_head.weight.zero_()
-        model.lm_head.weight[task.TOOL_CALL] = 1.0
+        model.lm_head.weight[task.TOOL_CALL] = 48.0 * h / h.dot(h)
     return model
+
+
+def _bf16(model):
+    """What ``EngineGroup.publish`` sends: the model's state_dict, floats in bf16."""
+    return {k: v.detach().to(torch.bfloat16, copy=True) if v.is_floating_point()
+            else v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_an_engine_holds_the_published_weights_by_name_in_bf16(cfg):
+    """In-process engine body: a full snapshot, then a delta touching one expert of a MoE
+    layer's expert stack, each keyed by the policy's own ``state_dict`` names, land in the
+    engine's bf16 policy bit for bit."""
+    from examples.async_trainer.rollout.engines import _EngineImpl, _Link
+    assert cfg.rollout_torch_dtype() == torch.bfloat16
+    engine, link, model = _EngineImpl(cfg, "e0", 5), _Link(0), _model(cfg)
+    sent = _bf16(model)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in sent          # a 3-D expert stack
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in sent  # the balancing bias
+    frames, stats = link.publish(sent)
+    assert stats.full and stats.tensors == len(sent)
+    assert engine.update(frames) == {"version": 1, "refused": None, "full_requested": False}
+    held = engine.model.state_dict()
+    assert list(held) == list(sent)
+    for k, v in sent.items():
+        assert held[k].dtype == v.dtype and torch.equal(held[k], v), k
+    assert engine.kept is None                      # default mode keeps no older versions
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.gate_up_proj[2].add_(0.5)
+    sent = _bf16(model)
+    frames, stats = link.publish(sent)
+    stack = model.model.layers[1].mlp.experts.gate_up_proj
+    assert not stats.full and 0 < stats.changed <= stack[2].numel()
+    assert engine.update(frames)["version"] == 2
+    held = engine.model.state_dict()
+    assert all(torch.equal(held[k], v) for k, v in sent.items())
 
 
 def _accounted(rollout, taken):
@@ -71,6 +112,24 @@ def test_engines_generate_with_the_published_weights(cfg, group):
     first = take(rollout, 32)
     v1 = group.version
     assert {s["version"] for s in first} == {v1}
+    # What went out: the policy's own state_dict names, in the rollout dtype (bf16).
+    assert list(group.weights) == list(model.state_dict())
+    assert group.weights["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    # An engine runs those weights: its greedy turn is an in-process bf16 copy's, bit for bit.
+    req = {"session": "check", "rows": [[0, first[0]["tokens"][:first[0]["prompt_len"]]]],
+           "steps": 4, "stops": [task.EOS], "greedy": True, "end": True, "seed": 0}
+    local = EngineCore(policy.new_policy(cfg, torch.bfloat16, state=group.weights).eval())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                        # as an engine actor runs
+    try:
+        want = local.turn(req)["rows"][0]
+    finally:
+        torch.set_num_threads(threads)
+    for eid in group.alive():
+        got = ray.get(group.actors[eid].turn.remote(req), timeout=60)
+        assert got["version"] == v1
+        assert got["rows"][0]["ids"] == want["ids"]
+        assert got["rows"][0]["logprobs"] == want["logprobs"]
     time.sleep(1.0)
     assert rollout.get(0.1) is None                           # the staleness bound holds
     with torch.no_grad():

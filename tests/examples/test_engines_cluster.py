@@ -158,10 +158,9 @@ def test_spread_places_engines_on_both_nodes_and_a_replacement_in_its_bundle(clu
             time.sleep(0.2)
 
         import torch
-        from examples.async_trainer.env import task
-        from examples.async_trainer.model.tinylm import TinyLM
+        from examples.async_trainer.model import policy
         torch.manual_seed(0)
-        model = TinyLM(cfg, task.vocab_size(cfg))
+        model = policy.new_policy(cfg)                           # GLM-5's architecture
         rollout = RayRollout(group, cfg, "c1", 1, {"reverse": 1.0}, 4, 10_000,
                              health_interval=0.3)
         rollout.start(None, model)

@@ -11,7 +11,7 @@ import torch
 from examples.async_trainer.env import task, tora_task
 from examples.async_trainer.train.batch import fused_linear_grpo_loss, policy_step, sft_sample
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.model.tinylm import TinyLM, make_optimizer
+from examples.async_trainer.model import policy
 from examples.async_trainer.rollout.local import generate
 from examples.async_trainer.env.tora_task import OBS_WIDTH, TOKENIZER, ToraEnv
 from glm_kernels.topk import routing_header
@@ -106,8 +106,8 @@ def test_drift_forks_and_training_uses_the_engines_ids(setup):
         assert s["loss_mask"] == [0.0] * n_ctx + [1.0] * len(_answer(p))
         assert all(lp == 0.0 for lp in s["rollout_logprobs"][:n_ctx])
     # Training takes both branches, each with its sample's advantage.
-    model = TinyLM(cfg, task.vocab_size(cfg))
-    opt = make_optimizer(model, cfg, 1e-3)
+    model = policy.new_policy(cfg)
+    opt = policy.make_optimizer(model, cfg, 1e-3)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     row_of = {id(s): i for i, s in enumerate(out)}
     seen = []
@@ -126,13 +126,14 @@ def test_drift_forks_and_training_uses_the_engines_ids(setup):
 def test_routing_covers_every_fed_position_of_every_branch(setup):
     cfg, prompts = setup
     torch.manual_seed(0)
-    model = TinyLM(cfg, task.vocab_size(cfg)).eval()
+    model = policy.new_policy(cfg).eval()
     out = generate(cfg, model, prompts, 4, gen=torch.Generator().manual_seed(3))
     assert len({len(s["tokens"]) for s in out}) > 1            # turns of several lengths
     for s in out:
         for seq in [s] + s["branches"]:
             head = routing_header(seq["routing"])
-            assert (head.n_layers, head.n_tokens) == (cfg.n_layers, len(seq["tokens"]) - 1)
+            assert (head.n_layers, head.n_tokens, head.k, head.n_experts) == (
+                cfg.n_layers - cfg.dense_layers, len(seq["tokens"]) - 1, cfg.top_k, cfg.n_experts)
             assert len(seq["loss_mask"]) == len(seq["tokens"]) - s["prompt_len"]
 
 

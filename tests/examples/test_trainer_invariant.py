@@ -1,22 +1,28 @@
-"""``--batch-invariant`` in the example trainer: the invariant forward's primitives, a KV-cache
-decode bitwise equal to the full forward (any batch, order, thread count), the rollout's
-recorded log-probs bitwise equal to the trainer's, and short runs (process and Ray rollout
-backends) whose every step logs logprob_max_abs_diff == 0.0 and pop_frac == 0."""
+"""``--batch-invariant`` in the example trainer, on its policy (transformers'
+``GlmMoeDsaForCausalLM``, ``model/policy.py``) and the library's whole-model mode
+(``glm_kernels.batch_invariant()``): the ops of the policy's forward under the mode (its linear
+layers, norms, softmax and products over padded keys, elementwise functions), a KV-cache
+decode bitwise equal to the full forward (any batch, order, thread count) where outside the
+mode the same comparison fails, the rollout's recorded log-probs bitwise equal to the
+trainer's (alone, in other batches, shuffled, on 1 and 2 threads), an engine running a
+session on one weight version, and short runs (process and Ray rollout backends) whose every
+step logs logprob_max_abs_diff == 0.0 and pop_frac == 0."""
+import copy
 import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import glm_kernels
 from examples.async_trainer.env import task
-from examples.async_trainer.model import invariant
+from examples.async_trainer.model import policy
 from examples.async_trainer.__main__ import parse
-from examples.async_trainer.train.batch import collate, replay_tap
+from examples.async_trainer.train.batch import collate, routing
 from examples.async_trainer.train.behaviour import BehaviourPolicy
 from examples.async_trainer.config import TrainerConfig
-from examples.async_trainer.model.tinylm import TinyLM, routing_tap
 from examples.async_trainer.rollout.local import generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,72 +30,123 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _model(cfg, seed=0):
     torch.manual_seed(seed)
-    model = TinyLM(cfg, task.vocab_size(cfg)).eval()
+    model = policy.new_policy(cfg).eval()
     with torch.no_grad():               # a trained-looking balancing bias: routing near ties
-        for moe in (m for m in model.modules() if hasattr(m, "route_bias")):
-            moe.route_bias.copy_(0.05 * torch.randn_like(moe.route_bias))
+        for gate in policy.moe_gates(model):
+            bias = gate.e_score_correction_bias
+            bias.copy_(0.05 * torch.randn_like(bias))
     return model
 
 
+@pytest.fixture(scope="module")
+def model():
+    """The default config's policy (seed 0), for the tests that only read it."""
+    return _model(TrainerConfig().validate())
+
+
 @pytest.mark.parametrize("n", [0, 1, 5, 64, 65, 130])
-def test_tiles_give_each_row_the_bits_it_gets_alone(n):
+def test_linear_layers_give_each_row_the_bits_it_gets_alone(model, n):
+    """The policy's projections and lm_head under the mode (fixed 64-row tiles): the same
+    function as outside it, and each of n rows the bits it gets alone (n = 1: a decode step)."""
     torch.manual_seed(n)
-    x, w = torch.randn(n, 48), torch.randn(48, 96)
-    out = invariant.matmul(x, w)
-    assert out.shape == (n, 96)
-    torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-5)
-    for i in range(n):
-        assert torch.equal(invariant.matmul(x[i:i + 1], w)[0], out[i])
+    x = torch.randn(n, model.config.hidden_size)
+    for layer in (model.model.layers[1].self_attn.q_a_proj, model.lm_head):
+        with torch.no_grad():
+            plain = layer(x)
+            with glm_kernels.batch_invariant():
+                out = layer(x)
+                rows = [layer(x[i:i + 1])[0] for i in range(n)]
+        assert out.shape == (n, layer.out_features)
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(r, out[i]) for i, r in enumerate(rows))
 
 
-def test_tree_sum_is_a_sum_and_ignores_zero_padding():
+def test_softmax_and_products_over_padded_keys_ignore_the_padding():
+    """What a right-padded or causally masked row needs (eager attention: softmax, then bmm
+    with the values): under the mode, keys masked to -inf get exactly 0 and change no bit of
+    the row's probabilities or of its weighted sum of values, whatever their values."""
     torch.manual_seed(0)
-    for n in (1, 2, 3, 12, 17, 64):
-        x = torch.randn(5, n, dtype=torch.float64)
-        torch.testing.assert_close(invariant.tree_sum(x), x.sum(-1))
-        padded = torch.cat([x, torch.zeros(5, 100 - n, dtype=torch.float64)], 1)
-        x32, p32 = x.float(), padded.float()
-        assert torch.equal(invariant.tree_sum(x32), invariant.tree_sum(p32))
-    assert invariant.tree_sum(torch.zeros(3, 0)).tolist() == [0.0, 0.0, 0.0]
-    x = torch.randn(4, 6, 7)
-    torch.testing.assert_close(invariant.tree_sum(x, dim=1), x.sum(1))
+    x = torch.randn(5, 70, dtype=torch.float32)
+    with glm_kernels.batch_invariant():
+        for n in (1, 2, 3, 12, 16, 17, 64, 70):
+            p = torch.softmax(x[:, :n], -1)
+            padded = torch.softmax(torch.cat([x[:, :n], torch.full((5, 100 - n), -torch.inf)], 1),
+                                   -1)
+            torch.testing.assert_close(p, torch.softmax(x[:, :n].double(), -1).float())
+            assert torch.equal(padded[:, :n], p) and torch.equal(padded[:, n:],
+                                                                  torch.zeros(5, 100 - n))
+            v = torch.randn(5, 100, 12)
+            out = torch.bmm(p[:, None], v[:, :n])
+            torch.testing.assert_close(out, torch.bmm(p[:, None].double(), v[:, :n].double())
+                                       .float(), rtol=1e-5, atol=1e-5)
+            assert torch.equal(torch.bmm(padded[:, None], v), out)
 
 
-def test_layer_norm_matches_torch():
+def test_norms_of_the_policy_match_torch_and_give_rows_their_own_bits(model):
+    """The policy's RMSNorm (every layer, the final norm) and the DSA indexer's LayerNorm
+    (with bias) under the mode: torch's function (fp32 tolerance), each row its own bits."""
     torch.manual_seed(0)
-    norm = torch.nn.LayerNorm(48)
+    rms = copy.deepcopy(model.model.norm)
+    ln = copy.deepcopy(model.model.layers[1].self_attn.indexer.k_norm)
     with torch.no_grad():
-        norm.weight.add_(torch.randn(48) * 0.1)
-        norm.bias.add_(torch.randn(48) * 0.1)
-    x = torch.randn(7, 5, 48) * 3 + 1
-    torch.testing.assert_close(invariant.layer_norm(x, norm), norm(x), rtol=1e-5, atol=1e-5)
+        rms.weight.add_(torch.randn(rms.weight.shape) * 0.1)
+        ln.weight.add_(torch.randn(ln.weight.shape) * 0.1)
+        ln.bias.add_(torch.randn(ln.bias.shape) * 0.1)
+    for norm in (rms, ln):
+        x = torch.randn(7, 5, norm.weight.shape[0]) * 3 + 1
+        with torch.no_grad():
+            plain = norm(x)
+            with glm_kernels.batch_invariant():
+                out = norm(x)
+                rows = [norm(x[i:i + 1, j:j + 1]) for i in range(7) for j in range(5)]
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.cat(rows).view_as(out), out)
 
 
-def test_invariant_forward_is_the_same_model():
-    """The invariant path computes the default model's function (fp32 tolerance), and only
-    inside glm_kernels.batch_invariant(); a KV cache outside it is refused."""
-    cfg = TrainerConfig().validate()
-    model = _model(cfg)
-    toks = torch.randint(0, task.vocab_size(cfg), (6, task.max_len(cfg)))
-    with torch.no_grad():
-        default = model(toks)
-        with glm_kernels.batch_invariant():
-            fixed = model(toks)
-    torch.testing.assert_close(fixed, default, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(fixed, default)          # really another path
-    with pytest.raises(ValueError, match="KV cache"):
-        model(toks, cache=invariant.KVCache())
+@pytest.mark.parametrize("op", [torch.exp, torch.rsqrt, torch.sigmoid, F.silu, F.relu])
+def test_elementwise_ops_of_the_forward_do_not_depend_on_position(op):
+    """The policy applies these to tensors of any size (softmax's exp, RMSNorm's rsqrt, the
+    router's sigmoid, the SwiGLU's silu, the indexer's relu): under the mode an element's bits
+    must not depend on whether it falls in a vectorized chunk or the scalar tail (outside it
+    sigmoid's and silu's do on x86)."""
+    torch.manual_seed(0)
+    x = torch.randn(1001).abs() + 0.01 if op is torch.rsqrt else torch.randn(1001) * 5
+    with glm_kernels.batch_invariant():
+        whole = op(x)
+        assert all(torch.equal(op(x[i:i + 1]), whole[i:i + 1]) for i in range(x.numel()))
+        assert torch.equal(op(x[3:40]), whole[3:40])
+    torch.testing.assert_close(whole, op(x.double()).float())
 
 
 def _decode(model, toks, prefill: int):
     """Logits of every position of ``toks`` [n, T]: a prefill of ``prefill`` positions, then
     one position per step against the KV cache (as the rollout decodes)."""
-    cache = invariant.KVCache()
-    out = [model(toks[:, :prefill], cache=cache)]
+    cache = policy.new_cache(model)
+    out = [policy.decode(model, toks[:, :prefill], cache)]
     for t in range(prefill, toks.shape[1]):
-        out.append(model(toks[:, t:t + 1], cache=cache))
-    assert cache.length == toks.shape[1]
+        out.append(policy.decode(model, toks[:, t:t + 1], cache))
+    assert cache.get_seq_length() == toks.shape[1]
     return torch.cat(out, 1)
+
+
+def test_the_mode_is_the_same_model_and_outside_it_decode_differs(model):
+    """The mode computes the default model's function (fp32 tolerance) on another path (not
+    the same bits); outside it a KV-cache decode is the same function as the full forward but
+    not the same bits (what the mode removes: this comparison can fail)."""
+    cfg = TrainerConfig().validate()
+    toks = torch.randint(0, task.vocab_size(cfg), (6, task.max_len(cfg)),
+                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        default = policy.logits(model, toks)
+        with glm_kernels.batch_invariant():
+            fixed = policy.logits(model, toks)
+        torch.testing.assert_close(fixed, default, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(fixed, default)          # really another path
+        dec = _decode(model, toks[:2], 4)
+    torch.testing.assert_close(dec, default[:2], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(dec, default[:2])
+    assert not torch.equal(policy.token_logprobs(dec, toks[:2]),
+                           policy.token_logprobs(default[:2], toks[:2]))
 
 
 @pytest.mark.parametrize("rows,threads", [([5], (1, 2)), ([2, 7, 4], (2, 1)),
@@ -106,45 +163,70 @@ def test_kv_cache_decode_equals_full_forward_bitwise(rows, threads):
     try:
         with torch.no_grad(), glm_kernels.batch_invariant():
             torch.set_num_threads(threads[0])
-            full = model(toks[:, :-1])
-            lp_full = invariant.token_logprobs(full, toks[:, 1:])
+            full = policy.logits(model, toks[:, :-1])
+            lp_full = policy.token_logprobs(full, toks[:, 1:])
             torch.set_num_threads(threads[1])
             for prefill in (1, 4, width // 2):
                 dec = _decode(model, toks[rows, :-1], prefill)
                 assert torch.equal(dec, full[rows])
-                assert torch.equal(invariant.token_logprobs(dec, toks[rows, 1:]), lp_full[rows])
+                assert torch.equal(policy.token_logprobs(dec, toks[rows, 1:]), lp_full[rows])
     finally:
         torch.set_num_threads(previous)
 
 
-def test_row_alone_vs_padded_in_a_wide_shuffled_batch():
-    """A sequence alone at its own length vs inside a batch of 64 right-padded rows."""
+def test_row_alone_vs_padded_in_a_wide_shuffled_batch(model):
+    """A sequence alone at its own length vs inside a batch of 64 rows (its tail there is
+    other tokens: right padding), and the batch shuffled."""
     cfg = TrainerConfig().validate()
-    model = _model(cfg, seed=3)
     width = task.max_len(cfg)
-    toks = torch.randint(0, task.vocab_size(cfg), (64, width))
-    perm = torch.randperm(64)
+    gen = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, task.vocab_size(cfg), (64, width), generator=gen)
+    perm = torch.randperm(64, generator=gen)
     with torch.no_grad(), glm_kernels.batch_invariant():
-        batch = model(toks)
-        shuffled = model(toks[perm])
+        batch = policy.logits(model, toks)
+        shuffled = policy.logits(model, toks[perm])
         assert torch.equal(shuffled, batch[perm])
         for i, length in ((0, 1), (9, 7), (40, width)):
-            assert torch.equal(model(toks[i:i + 1, :length])[0], batch[i, :length])
+            assert torch.equal(policy.logits(model, toks[i:i + 1, :length])[0],
+                               batch[i, :length])
+
+
+def _trainer_logprobs(cfg, model, seqs, threads: int):
+    """The trainer's forward of ``seqs`` as one micro-batch (collated, their routing replayed),
+    under the mode, on ``threads`` threads: the log-probs [B, L-1] and the loss mask."""
+    batch = collate(seqs, torch.device("cpu"))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), glm_kernels.batch_invariant(), \
+                routing(cfg, model, seqs, batch) as route:
+            lp = policy.token_logprobs(policy.logits(model, batch.inputs), batch.targets)
+    finally:
+        torch.set_num_threads(previous)
+    assert route.compared > 0 and route.mismatched == 0      # the rollout's own experts
+    return lp, batch
 
 
 @pytest.mark.parametrize("tasks", ["reverse,tool", "tora"])
 def test_rollout_logprobs_equal_the_trainers_bitwise(tasks):
-    """generate() on the invariant path records log-probs (and routing) that the trainer's
-    forward of the same tokens, with routing replay, reproduces exactly, in any chunking."""
+    """generate() (KV-cache decode, one thread, as an engine) records log-probs (and routing)
+    that the trainer's full forward of the same tokens, with routing replay, reproduces
+    exactly: the behaviour recompute in chunks of 5, one shuffled micro-batch of everything
+    on 2 threads, and a sequence alone on 1; outside the mode the same forward differs."""
     cfg = TrainerConfig(tasks=tasks, batch_invariant=True, vocab_digits=10 if tasks == "tora"
                         else 5).validate()
     assert cfg.rollout_torch_dtype() == torch.float32
     model = _model(cfg, seed=1)
     gen = torch.Generator().manual_seed(0)
     samples = []
-    for name in cfg.task_list():
-        prompts = [task.make_prompt(cfg, name, gen) for _ in range(3)]
-        samples += generate(cfg, model, prompts, 2, gen=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in cfg.task_list():
+            prompts = [task.make_prompt(cfg, name, gen) for _ in range(3)]
+            samples += generate(cfg, model, prompts, 2, gen=gen)
+    finally:
+        torch.set_num_threads(previous)
     for s in samples:
         s["version"] = 1
     behaviour = BehaviourPolicy(cfg, chunk=5)
@@ -158,16 +240,20 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(tasks):
         assert torch.equal(torch.tensor(s["behaviour_logprobs"])[mask], rollout)
         masked += int(mask.sum())
     assert masked > 0
-    # The trainer's own micro-batch (one collate of everything, replayed routing): the same.
-    batch = collate(seqs, torch.device("cpu"))
-    with torch.no_grad(), glm_kernels.batch_invariant(), \
-            routing_tap(model, replay_tap(cfg, seqs, batch)):
-        lp = invariant.token_logprobs(model(batch.inputs), batch.targets)
+    # The trainer's own micro-batch (one collate of everything, shuffled, 2 threads): the same.
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(1)).tolist()
+    shuffled = [seqs[i] for i in order]
+    lp, batch = _trainer_logprobs(cfg, model, shuffled, threads=2)
     m = batch.loss_mask > 0
     assert torch.equal(lp[m], batch.rollout_logprobs[m])
+    # The longest sequence alone (no padding, a batch of one), on 1 thread: the same.
+    longest = max(seqs, key=lambda s: len(s["tokens"]))
+    lp, alone = _trainer_logprobs(cfg, model, [longest], threads=1)
+    m1 = alone.loss_mask > 0
+    assert torch.equal(lp[m1], alone.rollout_logprobs[m1])
     # Without the mode the same tokens' log-probs differ by rounding (what the mode removes).
-    with torch.no_grad(), routing_tap(model, replay_tap(cfg, seqs, batch)):
-        plain = torch.log_softmax(model(batch.inputs), -1).gather(
+    with torch.no_grad(), routing(cfg, model, shuffled, batch):
+        plain = torch.log_softmax(policy.logits(model, batch.inputs), -1).gather(
             -1, batch.targets[..., None])[..., 0]
     assert not torch.equal(plain[m], batch.rollout_logprobs[m])
     torch.testing.assert_close(plain[m], batch.rollout_logprobs[m], rtol=1e-5, atol=1e-5)
@@ -175,8 +261,9 @@ def test_rollout_logprobs_equal_the_trainers_bitwise(tasks):
 
 def test_engine_turn_gives_a_row_the_same_bits_alone_or_with_other_sessions_rows():
     """``EngineCore`` (what a Ray engine actor or the rollout process serves turns with):
-    a row's ids and log-probs are the same served alone as among other rows of other
-    lengths, and equal to the trainer's full forward of the grown sequence."""
+    a row's ids and log-probs are the same served alone (1 thread) as among other rows of
+    other lengths (2 threads), and equal to the trainer's full forward of the grown
+    sequence."""
     from examples.async_trainer.rollout.sampler import EngineCore
     cfg = TrainerConfig(batch_invariant=True).validate()
     model = _model(cfg, seed=2)
@@ -185,15 +272,23 @@ def test_engine_turn_gives_a_row_the_same_bits_alone_or_with_other_sessions_rows
             for n in (5, 9, 9, 3)]
     req = {"steps": 6, "stops": [task.EOS], "greedy": True}
     core = EngineCore(model, batch_invariant=True)
-    alone = core.turn(dict(req, session="a", rows=[[0, ctxs[0]]], end=True))["rows"][0]
-    mixed = core.turn(dict(req, session="b", end=True,
-                           rows=[[i, c] for i, c in enumerate(ctxs)][::-1]))["rows"][0]
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = core.turn(dict(req, session="a", rows=[[0, ctxs[0]]], end=True))["rows"][0]
+        torch.set_num_threads(2)
+        mixed = core.turn(dict(req, session="b", end=True,
+                               rows=[[i, c] for i, c in enumerate(ctxs)][::-1]))["rows"][0]
+    finally:
+        torch.set_num_threads(previous)
     assert alone["ids"] == mixed["ids"] and alone["logprobs"] == mixed["logprobs"]
+    assert torch.equal(alone["routing"], mixed["routing"])
     mask = torch.tensor(alone["mask"]) > 0
     assert mask.any()
     toks = torch.tensor([ctxs[0] + alone["ids"]])
     with torch.no_grad(), glm_kernels.batch_invariant():
-        lp = invariant.token_logprobs(model(toks[:, :-1]), toks[:, 1:])[0, len(ctxs[0]) - 1:]
+        lp = policy.token_logprobs(policy.logits(model, toks[:, :-1]),
+                                   toks[:, 1:])[0, len(ctxs[0]) - 1:]
     assert torch.equal(lp[mask], torch.tensor(alone["logprobs"])[mask])
     # The default engine path gives the same tokens other bits (what the mode removes).
     plain = EngineCore(model).turn(dict(req, session="c", rows=[[0, ctxs[0]]], end=True))
@@ -215,14 +310,18 @@ def test_behaviour_policy_refuses_a_version_it_does_not_hold():
 
 
 def _tool_caller(cfg, call_logit: float):
-    """A model whose every position's logits are ``call_logit`` for ``<tool_call>`` and 0
-    elsewhere: every tool session has a second turn, whose log-probs name the weights."""
+    """A policy whose every position's logits are ``call_logit`` for ``<tool_call>`` and 0
+    elsewhere: every tool session has a second turn, whose log-probs name the weights. Every
+    token embeds to the same vector, so every position of every row has the same last hidden
+    state h (attention averages equal values, the MoE routes equal inputs alike): the lm_head
+    reads ``call_logit`` off h; the layers still run (and route) as in a real model."""
     model = _model(cfg, seed=3)
     with torch.no_grad():
-        model.norm.weight.zero_()
-        model.norm.bias.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        emb.copy_(emb[:1].expand_as(emb))
+        h = policy.hidden(model, torch.tensor([[task.SYSTEM]]))[0, 0]
         model.lm_head.weight.zero_()
-        model.lm_head.weight[task.TOOL_CALL] = call_logit / cfg.d_model
+        model.lm_head.weight[task.TOOL_CALL] = call_logit * h / h.dot(h)
     return model
 
 
@@ -251,6 +350,7 @@ def test_a_session_spanning_a_weight_update_runs_on_one_version():
     sess.feed(res, res["version"])
     assert not sess.done                                                # the tool was called
     assert publish(_tool_caller(cfg, 2.0)) == 2                         # other log-probs
+    assert set(engine.kept) == {1, 2}                                   # both versions held
     res = engine.turn(dict(sess.next_turn(), session="s", seed=2))
     sess.feed(res, res["version"])
     samples = sess.samples()
@@ -262,6 +362,13 @@ def test_a_session_spanning_a_weight_update_runs_on_one_version():
         assert torch.equal(torch.tensor(s[BEHAVIOUR_KEY])[mask],
                            torch.tensor(s["rollout_logprobs"])[mask])
     assert res["version"] == 1                            # the second turn ran on v1's weights
+    # v2's weights give those tokens other log-probs: the pin is what made them match.
+    as_v2 = [dict(s, version=2) for s in samples]
+    behaviour.annotate(as_v2)
+    for s in as_v2:
+        mask = torch.tensor(s["loss_mask"]) > 0
+        assert not torch.equal(torch.tensor(s[BEHAVIOUR_KEY])[mask],
+                               torch.tensor(s["rollout_logprobs"])[mask])
     # A fresh engine (a replacement: only the current weights) refuses version 1.
     fresh = _EngineImpl(cfg, "e1", 0)
     fresh.update(_Link(1).publish({k: v.clone() for k, v in behaviour.snapshots[2].items()},
@@ -313,6 +420,7 @@ def test_config_and_flag():
     assert parse(["--batch-invariant", "false"]).batch_invariant is False
     assert parse([]).batch_invariant is False
     assert TrainerConfig().validate().rollout_torch_dtype() == torch.bfloat16
+    assert TrainerConfig(batch_invariant=True).validate().rollout_torch_dtype() == torch.float32
     assert TrainerConfig(batch_invariant=True, rollout_dtype="float32").validate()
     with pytest.raises(ValueError, match="config.rollout_dtype"):
         TrainerConfig(batch_invariant=True, rollout_dtype="bfloat16").validate()
@@ -351,6 +459,7 @@ def test_short_run_is_bitwise_on_policy_ray_backend(tmp_path):
                          batch_invariant=True, rollout_backend="ray", engines=2)
     assert [r["logprob_max_abs_diff"] for r in steps] == [0.0] * len(steps)
     assert all(r["pop_frac"] == 0.0 for r in steps)
+    assert any(r["prefix_reused_tokens"] > 0 for r in steps)    # second turns were served
 
 
 def test_docs_example_prints_what_the_page_says(capsys):
@@ -362,15 +471,3 @@ def test_docs_example_prints_what_the_page_says(capsys):
     expected = re.search(r"```text\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "docs/trainer.md", "exec"), {})
     assert capsys.readouterr().out == expected
-
-
-@pytest.mark.parametrize("op", [torch.exp, torch.rsqrt, torch.relu])
-def test_elementwise_ops_of_the_forward_do_not_depend_on_position(op):
-    """The invariant forward applies these to tensors of any size: an element's bits must not
-    depend on whether it falls in a vectorized chunk or the scalar tail (sigmoid's do:
-    invariant.moe_route tiles it)."""
-    torch.manual_seed(0)
-    x = torch.randn(1001).abs() + 0.01 if op is torch.rsqrt else torch.randn(1001) * 5
-    whole = op(x)
-    assert all(torch.equal(op(x[i:i + 1]), whole[i:i + 1]) for i in range(x.numel()))
-    assert torch.equal(op(x[3:40]), whole[3:40])

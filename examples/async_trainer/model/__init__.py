@@ -1,1 +1,3 @@
-"""The policy model (``TinyLM``) and its batch-invariant forward."""
+"""The policy: transformers' ``GlmMoeDsaForCausalLM`` (GLM-5's architecture) with a tiny
+config, patched by ``apply_glm_kernels`` (``policy.py``); its Hugging Face checkpoint
+(``hf_checkpoint.py``)."""

@@ -35,9 +35,8 @@ import torch
 
 from glm_kernels import sync
 
-from ..env import vocab
 from ..log import logger
-from ..model.tinylm import TinyLM
+from ..model import policy
 from .placement import EnginePlacement
 from .ray_local import import_ray, init_ray
 from .router import ConsistentHashRouter
@@ -56,8 +55,7 @@ class _EngineImpl:
         torch.set_num_threads(1)
         torch.manual_seed(seed)
         self.cfg, self.engine_id = cfg, engine_id
-        self.model = TinyLM(cfg, vocab.vocab_size(cfg)).to(
-            cfg.resolved_device(), cfg.rollout_torch_dtype()).eval()
+        self.model = policy.new_policy(cfg, cfg.rollout_torch_dtype()).eval()
         self.core = EngineCore(self.model, batch_invariant=cfg.batch_invariant)
         self._new_receiver()
         self._lock = threading.Lock()
@@ -66,7 +64,7 @@ class _EngineImpl:
         self.kept: Optional["OrderedDict[int, Dict[str, torch.Tensor]]"] = \
             OrderedDict() if cfg.batch_invariant else None
         self.keep_versions = cfg.max_ahead_steps + 2
-        self._pinned: Optional[TinyLM] = None
+        self._pinned: Optional[torch.nn.Module] = None
         self._pinned_version = 0
 
     def _new_receiver(self):
@@ -98,11 +96,10 @@ class _EngineImpl:
         while len(self.kept) > self.keep_versions:
             self.kept.popitem(last=False)
 
-    def _weights_of(self, version: int) -> TinyLM:
+    def _weights_of(self, version: int) -> torch.nn.Module:
         """A model holding the kept weights of ``version``."""
         if self._pinned is None:
-            self._pinned = TinyLM(self.cfg, vocab.vocab_size(self.cfg)).to(
-                self.cfg.resolved_device(), self.cfg.rollout_torch_dtype()).eval()
+            self._pinned = policy.new_policy(self.cfg, self.cfg.rollout_torch_dtype()).eval()
         if self._pinned_version != version:
             self._pinned.load_state_dict(self.kept[version])
             self._pinned_version = version

@@ -17,7 +17,7 @@ import torch
 
 from ..env import task
 from ..log import setup_logging
-from ..model.tinylm import TinyLM
+from ..model import policy
 from .sampler import EngineCore
 from .sessions import new_session
 
@@ -86,8 +86,7 @@ def rollout_worker(cfg, stage_seed: int, mix: Dict[str, float], group_size: int,
     torch.set_num_threads(1)
     torch.manual_seed(stage_seed)
     gen = torch.Generator().manual_seed(stage_seed + 1)
-    model = TinyLM(cfg, task.vocab_size(cfg)).to(cfg.resolved_device(),
-                                                  cfg.rollout_torch_dtype()).eval()
+    model = policy.new_policy(cfg, cfg.rollout_torch_dtype()).eval()
     prompt_id, first_version = 0, None
     batch_prompts = max(1, cfg.rollout_batch_samples // group_size)
     while not stop_ev.is_set():

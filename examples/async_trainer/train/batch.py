@@ -1,6 +1,6 @@
 """Turn ``Sample`` dicts into padded training tensors, and the policy-gradient step."""
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -8,10 +8,8 @@ import torch.nn.functional as F
 from glm_kernels import batch_invariant, icepop_loss, selective_logprobs
 from glm_kernels.loss import fused_linear_icepop_loss
 
-from .. import kernels
 from ..env import task
-from ..model import invariant
-from ..model.tinylm import RoutingTap, routing_tap
+from ..model import policy
 from .packing import assign_to_ranks
 
 
@@ -68,16 +66,21 @@ def training_sequences(samples: List[dict]) -> List[dict]:
     return out
 
 
-def replay_tap(cfg, samples: List[dict], batch: Batch) -> Optional[RoutingTap]:
-    """The rollout's recorded routing of a micro-batch, for the policy's forward: replayed
-    when ``cfg.routing_replay`` (R3), else only compared (None when samples carry none)."""
+def real_positions(samples: List[dict], batch: Batch) -> torch.Tensor:
+    """bool [B, L-1]: the input positions that hold a sample's tokens (not right padding)."""
+    lengths = torch.tensor([len(s["tokens"]) - 1 for s in samples], device=batch.tokens.device)
+    return torch.arange(batch.inputs.shape[1], device=lengths.device) < lengths[:, None]
+
+
+def routing(cfg, model, samples: List[dict], batch: Batch):
+    """The routing context of the policy's forward over a micro-batch: the rollout's recorded
+    routing replayed when ``cfg.routing_replay`` (R3), else only compared; the model's own
+    when the samples carry none (``policy.train_routing``, yields its ``RoutingStats``)."""
     packets = [s.get("routing") for s in samples]
     if not packets or any(p is None for p in packets):
-        return None
-    width = batch.inputs.shape[1]
-    recorded, lengths = kernels.decode_routing_batch(packets, width, batch.tokens.device)
-    valid = torch.arange(width, device=recorded.device) < lengths.to(recorded.device)[:, None]
-    return RoutingTap(recorded, valid, replay=cfg.routing_replay)
+        packets = None
+    return policy.train_routing(model, packets, batch.inputs.shape[1], cfg.routing_replay,
+                                real_positions(samples, batch))
 
 
 def routing_metrics(sums: Dict[str, float]) -> Dict[str, float]:
@@ -121,8 +124,8 @@ def invariant_icepop_loss(cfg, logits: torch.Tensor, mb_samples: List[dict], bat
     rollout's, the policy ratio exp(current - behaviour); ``logits`` from the invariant
     forward. Returns (summed loss, metrics, {"logprob_max_abs_diff": ...})."""
     old = place(mb_samples, BEHAVIOUR_KEY, batch.loss_mask.shape[1], batch.loss_mask.device)
-    lp = invariant.token_logprobs(logits, batch.targets)
     with batch_invariant():
+        lp = policy.token_logprobs(logits, batch.targets)
         loss, m = icepop_loss(lp, batch.rollout_logprobs, advantages, batch.loss_mask,
                               old_logprobs=old, **icepop_kwargs(cfg))
     return loss, m, logprob_gap(old, batch)
@@ -135,10 +138,10 @@ def fused_linear_grpo_loss(cfg, advantages: torch.Tensor, row_of: Dict[int, int]
     def loss_fn(model, mb_samples, batch):
         adv = advantages[[row_of[s.get("origin", id(s))] for s in mb_samples]]   # [B]
         if cfg.batch_invariant:
-            with invariant.mode(True):
-                logits = model(batch.inputs)
+            with batch_invariant():
+                logits = policy.logits(model, batch.inputs)
             return invariant_icepop_loss(cfg, logits, mb_samples, batch, adv)
-        hidden = model.hidden(batch.inputs)
+        hidden = policy.hidden(model, batch.inputs)
         loss, m = fused_linear_icepop_loss(hidden, model.lm_head.weight,
                                            batch.targets, batch.rollout_logprobs, adv,
                                            batch.loss_mask, **icepop_kwargs(cfg))
@@ -155,7 +158,8 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
     The loss is the global token mean over every rank's masked tokens (slime's token_mean);
     gradients are accumulated over the simulated ranks' micro-batches, as an all-reduce would.
     Samples that carry the rollout's routing have it replayed (``cfg.routing_replay``) or
-    compared; ``route_mismatch`` / ``route_compared`` count it (``routing_metrics``).
+    compared; ``route_mismatch`` / ``route_compared`` count it (``routing_metrics``). The
+    experts' load over the step's forwards moves the balancing bias (``policy``).
     """
     device = next(model.parameters()).device
     samples = training_sequences(samples)
@@ -163,6 +167,7 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
     ranks = assign_to_ranks(lengths, cfg.dp_ranks, cfg.max_tokens_per_microbatch, cfg.packing)
     n_tok = max(sum(sum(s["loss_mask"]) for s in samples), 1.0)
     sums: Dict[str, float] = {"pop": 0.0, "clip": 0.0, "tokens": 0.0, "loss": 0.0}
+    load = None
     opt.zero_grad(set_to_none=True)
     for micro_batches in ranks:
         for mb in micro_batches:
@@ -170,11 +175,12 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
                 continue
             mb_samples = [samples[i] for i in mb]
             batch = collate(mb_samples, device)
-            with routing_tap(model, replay_tap(cfg, mb_samples, batch)) as tap:
+            with routing(cfg, model, mb_samples, batch) as route:
                 loss, m, extra = loss_fn(model, mb_samples, batch)
-            if tap is not None:
-                sums["route_mismatch"] = sums.get("route_mismatch", 0.0) + float(tap.mismatched)
-                sums["route_compared"] = sums.get("route_compared", 0.0) + float(tap.compared)
+            if route.compared:
+                sums["route_mismatch"] = sums.get("route_mismatch", 0.0) + route.mismatched
+                sums["route_compared"] = sums.get("route_compared", 0.0) + route.compared
+            load = route.load if load is None else load + route.load
             (loss / n_tok).backward()
             masked = float(batch.loss_mask.sum())
             sums["pop"] += float(m["pop_frac"]) * masked
@@ -184,5 +190,5 @@ def policy_step(cfg, model, opt, samples: List[dict], loss_fn: LossFn) -> Dict:
             for k, v in extra.items():
                 sums[k] = max(sums.get(k, 0.0), v) if k in MAX_METRICS else sums.get(k, 0.0) + v
     opt.step()
-    model.update_balance_bias(cfg.balance_bias_rate)
+    policy.update_balance_bias(model, load, cfg.balance_bias_rate)
     return sums

@@ -4,7 +4,7 @@ The trainer is asynchronous: a sample was generated with weight version v while 
 already holds v + 1 or later, so its current log-probs differ from the rollout's by the
 update, not only by rounding. ``BehaviourPolicy`` keeps the weights of every version it
 published (``remember``) and recomputes each sample's log-probs with its own version's
-weights on the batch-invariant path (``annotate``): bitwise the rollout's, which is what
+weights inside ``glm_kernels.batch_invariant()`` (``annotate``): bitwise the rollout's, which is what
 ``logprob_max_abs_diff`` checks every step. The loss then runs IcePop in decoupled mode
 (``batch.invariant_icepop_loss``): the gate compares these with the rollout's (ratio exactly
 1, nothing popped) and the policy ratio is current / behaviour, PPO's ratio.
@@ -14,10 +14,10 @@ from typing import Dict, List
 
 import torch
 
-from ..env import task
-from ..model import invariant
-from .batch import BEHAVIOUR_KEY, collate, replay_tap
-from ..model.tinylm import TinyLM, routing_tap
+from glm_kernels import batch_invariant
+
+from ..model import policy
+from .batch import BEHAVIOUR_KEY, collate, routing
 
 
 class BehaviourPolicy:
@@ -28,7 +28,7 @@ class BehaviourPolicy:
     def __init__(self, cfg, keep: int = 32, chunk: int = 64):
         self.cfg, self.keep, self.chunk = cfg, keep, chunk
         self.snapshots: "OrderedDict[int, Dict[str, torch.Tensor]]" = OrderedDict()
-        self.model = TinyLM(cfg, task.vocab_size(cfg)).eval().requires_grad_(False)
+        self.model = policy.new_policy(cfg).eval().requires_grad_(False)
         self.loaded = None
 
     def remember(self, version: int, model) -> None:
@@ -38,7 +38,7 @@ class BehaviourPolicy:
         while len(self.snapshots) > self.keep:
             self.snapshots.popitem(last=False)
 
-    def _load(self, version: int) -> TinyLM:
+    def _load(self, version: int):
         if version not in self.snapshots:
             raise RuntimeError(f"batch-invariant mode: no weights of version {version} kept "
                                f"(kept: {list(self.snapshots)}); a sample is more than "
@@ -51,7 +51,8 @@ class BehaviourPolicy:
     @torch.no_grad()
     def annotate(self, samples: List[dict]) -> None:
         """Set ``BEHAVIOUR_KEY`` on every sample and on the branches it carries (ToRA drift),
-        from a batch-invariant forward with the weights of the sample's ``version``."""
+        from a batch-invariant forward with the weights of the sample's ``version`` (its
+        recorded routing replayed as in training)."""
         by_version: Dict[int, List[dict]] = {}
         for s in samples:
             by_version.setdefault(s["version"], []).extend([s, *s.get("branches", ())])
@@ -59,8 +60,9 @@ class BehaviourPolicy:
             model = self._load(version)
             for i in range(0, len(seqs), self.chunk):
                 part = seqs[i:i + self.chunk]
-                batch = collate(part, torch.device("cpu"))
-                with invariant.mode(True), routing_tap(model, replay_tap(self.cfg, part, batch)):
-                    lp = invariant.token_logprobs(model(batch.inputs), batch.targets)
+                batch = collate(part, policy.device_of(model))
+                with batch_invariant(), routing(self.cfg, model, part, batch):
+                    lp = policy.token_logprobs(policy.logits(model, batch.inputs),
+                                               batch.targets)
                 for b, s in enumerate(part):
                     s[BEHAVIOUR_KEY] = lp[b, s["prompt_len"] - 1:len(s["tokens"]) - 1].tolist()

@@ -11,27 +11,29 @@ from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantag
 
 from .. import kernels
 from ..env import task
-from ..model import invariant
-from ..model.tinylm import TinyLM, make_optimizer
+from ..model import policy
 from ..rollout.local import generate
 from .batch import (collate, fused_linear_grpo_loss, icepop_kwargs, invariant_icepop_loss,
-                    logprob_gap, policy_step, routing_metrics, sft_sample)
+                    logprob_gap, policy_step, real_positions, routing_metrics, sft_sample)
 from .behaviour import BehaviourPolicy
 from .stages import async_stage
 
 
-def new_model(cfg, state=None) -> TinyLM:
-    model = TinyLM(cfg, task.vocab_size(cfg)).to(cfg.resolved_device())
-    if state is not None:
-        model.load_state_dict(state)
-    return model
+def new_model(cfg, state=None):
+    """The policy (``model/policy.py``: GLM-5's architecture), fp32, ``state`` loaded if given."""
+    return policy.new_policy(cfg, state=state)
+
+
+def held_out_prompts(cfg, task_name: str) -> List[List[int]]:
+    """The evaluation's prompts of ``task_name`` (the same for every model and run)."""
+    gen = torch.Generator().manual_seed(10_000 + task.TASKS.index(task_name))
+    return [task.make_prompt(cfg, task_name, gen) for _ in range(cfg.eval_prompts)]
 
 
 @torch.no_grad()
 def evaluate(cfg, model, task_name: str) -> float:
     """Greedy pass rate on held-out prompts (the same prompts for every model)."""
-    gen = torch.Generator().manual_seed(10_000 + task.TASKS.index(task_name))
-    prompts = [task.make_prompt(cfg, task_name, gen) for _ in range(cfg.eval_prompts)]
+    prompts = held_out_prompts(cfg, task_name)
     was_training = model.training
     model.eval()
     samples = generate(cfg, model, prompts, 1, greedy=True)
@@ -58,7 +60,7 @@ def stage_optimizer(cfg, stage: str, model):
     """The optimizer a stage trains ``model`` with (also a resume's dry run of its state)."""
     if stage == "sft":
         return torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
-    return make_optimizer(model, cfg, cfg.opd_lr if stage == "opd" else cfg.rl_lr)
+    return policy.make_optimizer(model, cfg, cfg.opd_lr if stage == "opd" else cfg.rl_lr)
 
 
 def stage_steps(cfg) -> Dict[str, int]:
@@ -70,7 +72,7 @@ def stage_steps(cfg) -> Dict[str, int]:
     return steps
 
 
-def sft_stage(run, on_step) -> TinyLM:
+def sft_stage(run, on_step):
     cfg = run.cfg
     start, model_state, opt_state = resume_state(run, "sft")
     model = new_model(cfg, model_state)
@@ -85,13 +87,16 @@ def sft_stage(run, on_step) -> TinyLM:
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
             prompts = [task.make_prompt(cfg, names[i % len(names)], gen)
                        for i in range(cfg.sft_batch)]
-            batch = collate([sft_sample(cfg, p) for p in prompts], model.emb.weight.device)
-            lp = selective_logprobs(model(batch.inputs), batch.targets)
+            samples = [sft_sample(cfg, p) for p in prompts]
+            batch = collate(samples, policy.device_of(model))
+            with policy.train_routing(model, None, batch.inputs.shape[1], False,
+                                      real_positions(samples, batch)) as route:
+                lp = selective_logprobs(policy.logits(model, batch.inputs), batch.targets)
             loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            model.update_balance_bias(cfg.balance_bias_rate)
+            policy.update_balance_bias(model, route.load, cfg.balance_bias_rate)
             run.global_step += 1
             run.current = ("sft", model, opt, step + 1)
             run.log({"kind": "train", "stage": "sft", "step": step + 1,
@@ -101,7 +106,7 @@ def sft_stage(run, on_step) -> TinyLM:
     return model
 
 
-def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
+def rl_stage(run, task_name: str, sft_state, on_step):
     cfg, stage = run.cfg, f"rl:{task_name}"
     start, model_state, opt_state = resume_state(run, stage)
     model = new_model(cfg, model_state if model_state is not None else sft_state)
@@ -111,7 +116,7 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
     behaviour = BehaviourPolicy(cfg) if cfg.batch_invariant else None
 
     def grpo_step(samples):
-        rewards = torch.tensor([s["reward"] for s in samples], device=model.emb.weight.device)
+        rewards = torch.tensor([s["reward"] for s in samples], device=policy.device_of(model))
         adv = group_advantages(rewards, cfg.group_size)                     # [n * G]
         row_of = {id(s): i for i, s in enumerate(samples)}
         if behaviour is not None:
@@ -126,7 +131,7 @@ def rl_stage(run, task_name: str, sft_state, on_step) -> TinyLM:
     return model
 
 
-def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
+def opd_stage(run, sft_state, teachers: Dict[str, torch.nn.Module], on_step):
     """Each prompt is supervised by the teacher of its task: A_t = sg(log pi_T - log pi_S)."""
     cfg, stage = run.cfg, "opd"
     start, model_state, opt_state = resume_state(run, stage)
@@ -139,15 +144,15 @@ def opd_stage(run, sft_state, teachers: Dict[str, TinyLM], on_step) -> TinyLM:
     behaviour = BehaviourPolicy(cfg) if cfg.batch_invariant else None
 
     def distill_loss(model, mb, batch):
-        with invariant.mode(cfg.batch_invariant):
-            logits = model(batch.inputs)
+        with policy.batch_invariant(cfg.batch_invariant):
+            logits = policy.logits(model, batch.inputs)
         teacher_lp = torch.zeros_like(batch.rollout_logprobs)
         exact_kl = torch.zeros_like(batch.rollout_logprobs)
         for name in {s["task"] for s in mb}:
             rows = torch.tensor([b for b, s in enumerate(mb) if s["task"] == name],
                                 device=logits.device)
             with torch.no_grad():
-                t_logits = teachers[name](batch.inputs[rows])
+                t_logits = policy.logits(teachers[name], batch.inputs[rows])
                 teacher_lp[rows] = selective_logprobs(t_logits, batch.targets[rows])
                 exact_kl[rows] = kernels.reverse_kl(logits[rows].detach(), t_logits)
         adv = opd_advantages(batch.rollout_logprobs, teacher_lp, form="log_ratio")  # [B, T]

@@ -60,6 +60,7 @@ class Run:
         self.current = None                                         # (stage, model, opt, step)
         self.stepping = False       # inside an optimizer step: the live state may be torn
         self.saved: Optional[str] = None      # where the last checkpoint of this run stands
+        self.exported: Optional[str] = None   # <out-dir>/model/ once written (the run ended)
         self.path = os.path.join(cfg.out_dir, "checkpoint.pt")
         # Rewritten from the checkpoint's records on resume: steps logged after the last
         # checkpoint are run again and must not appear twice.
@@ -152,6 +153,8 @@ def wrap_up(run, stop, failure) -> List[str]:
         outputs.append("metrics.png")
     if path or run.saved:
         outputs.append("checkpoint.pt")
+    if run.exported:
+        outputs.append("model/")
     logger.info(f"outputs in {run.cfg.out_dir}: {', '.join(outputs)}")
     if stop is None and failure is None:
         return outputs
