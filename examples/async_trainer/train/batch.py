@@ -66,10 +66,13 @@ def training_sequences(samples: List[dict]) -> List[dict]:
     return out
 
 
-def real_positions(samples: List[dict], batch: Batch) -> torch.Tensor:
-    """bool [B, L-1]: the input positions that hold a sample's tokens (not right padding)."""
-    lengths = torch.tensor([len(s["tokens"]) - 1 for s in samples], device=batch.tokens.device)
-    return torch.arange(batch.inputs.shape[1], device=lengths.device) < lengths[:, None]
+def real_positions(samples: List[dict], batch: Batch, whole: bool = False) -> torch.Tensor:
+    """bool [B, L-1] (``whole``: [B, L]): the positions of ``batch.inputs`` (``whole``:
+    ``batch.tokens``) that hold a sample's tokens, not right padding."""
+    tokens = batch.tokens if whole else batch.inputs
+    lengths = torch.tensor([len(s["tokens"]) - (not whole) for s in samples],
+                           device=tokens.device)
+    return torch.arange(tokens.shape[1], device=lengths.device) < lengths[:, None]
 
 
 def routing(cfg, model, samples: List[dict], batch: Batch):

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from glm_kernels import (group_advantages, icepop_loss_from_logits, opd_advantages,
                          selective_logprobs)
+from glm_kernels.integrations.transformers import token_logprobs
 
 from .. import kernels
 from ..env import task
@@ -89,9 +90,9 @@ def sft_stage(run, on_step):
                        for i in range(cfg.sft_batch)]
             samples = [sft_sample(cfg, p) for p in prompts]
             batch = collate(samples, policy.device_of(model))
-            with policy.train_routing(model, None, batch.inputs.shape[1], False,
-                                      real_positions(samples, batch)) as route:
-                lp = selective_logprobs(policy.logits(model, batch.inputs), batch.targets)
+            with policy.train_routing(model, None, batch.tokens.shape[1], False,
+                                      real_positions(samples, batch, whole=True)) as route:
+                lp = token_logprobs(model, batch.tokens)    # of tokens 1.., no fp32 logits
             loss = -(lp * batch.loss_mask).sum() / batch.loss_mask.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
