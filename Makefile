@@ -167,9 +167,6 @@ build/verl-venv/.installed: docs/verl.md glm_kernels/integrations/verl/losses.py
 # (Two pytest runs: given a folder and node ids under an --ignore'd one, pytest 9 drops the
 # node ids and pytest 8.4, the one Python 3.9 gets, drops the folder.)
 MIN_TESTS := tests --ignore=tests/examples --ignore=tests/test_testing.py
-MIN_EXAMPLE_TESTS := \
-  tests/examples/test_trainer_async.py::test_short_run_learns_and_accounts_for_every_sample \
-  tests/examples/test_trainer_invariant.py::test_short_run_is_bitwise_on_policy_process_backend
 
 # The oldest declared versions: MIN_TESTS beside the torch floor; the extras resolved beside the floor torches without moving them;
 # on the kernels' floor (triton 3.4) the interpreter on every kernel test and the sm_90
@@ -187,7 +184,6 @@ test-torch-floor: .venv-min/.installed
 	@.venv-min/bin/python -c "import sys, torch, triton; print('== torch floor: Python', \
 	  sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 	$(call pytest,.venv-min/bin/python,$(COVER) $(MIN_TESTS))
-	$(call pytest,.venv-min/bin/python,$(MIN_EXAMPLE_TESTS))
 
 test-kernels-floor: .venv-floor/.installed
 	@.venv-floor/bin/python -c "import sys, torch, triton, numpy; print('== kernels floor:', \
@@ -232,8 +228,15 @@ tf_tests = PYTHONPATH=$(1):$(CURDIR) $(PY) -c "import transformers; \
   print('== transformers', transformers.__version__, 'from $(1)')"; \
   $(call pytest,PYTHONPATH=$(1):$(CURDIR) $(PY),$(COVER) $(TF_TESTS))
 
+# The example's policy is transformers' GLM-5 (Python >= 3.10): a short run of each backend and
+# its Hugging Face checkpoint on the oldest transformers it supports.
+TF_FLOOR_EXAMPLE_TESTS := \
+  tests/examples/test_trainer_async.py::test_short_run_learns_and_accounts_for_every_sample \
+  tests/examples/test_trainer_invariant.py::test_short_run_is_bitwise_on_policy_process_backend \
+  tests/examples/test_hf_checkpoint.py
 test-transformers-floor: build/tf-floor/.installed
 	@$(call tf_tests,build/tf-floor)
+	$(call pytest,PYTHONPATH=build/tf-floor:$(CURDIR) $(PY),$(TF_FLOOR_EXAMPLE_TESTS))
 
 test-transformers-newest: build/tf-newest/.installed
 	@$(call tf_tests,build/tf-newest)

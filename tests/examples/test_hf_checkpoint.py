@@ -2,6 +2,7 @@
 loads the very weights, the tokenizer reads every id and every task's text back, a save
 replaces an earlier one whole and refuses a symlink, and stock greedy decoding of the
 checkpoint is the patched in-memory model's."""
+import json
 import os
 import re
 
@@ -53,7 +54,8 @@ def test_tokenizer_round_trips():
 def test_stock_transformers_loads_the_weights_and_tokenizer(saved):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, path = saved
-    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["attn_implementation"] == "eager"
+    loaded = AutoModelForCausalLM.from_pretrained(path, **hf_checkpoint.load_kwargs(path))
     assert loaded.config.model_type == "glm_moe_dsa"
     assert loaded.config._attn_implementation == "eager"
     mine, theirs = model.state_dict(), loaded.state_dict()

@@ -130,10 +130,19 @@ def _fsync(paths) -> None:
             os.close(fd)
 
 
+def load_kwargs(path) -> dict:
+    """``from_pretrained`` arguments for the checkpoint at ``path``: the attention
+    implementation its config.json records (transformers 5.10 reads it from there, 5.2 does
+    not and would load sdpa, under which this model is not causal)."""
+    conf = json.loads((Path(path) / "config.json").read_text())
+    return {"attn_implementation": conf["attn_implementation"]}
+
+
 @torch.no_grad()
 def greedy_answers(path, cfg, prompts: Sequence[List[int]], max_new_tokens: int) -> List[List[int]]:
     """Greedy completions of ``prompts`` by the checkpoint at ``path``, as a user would get
-    them: stock ``AutoModelForCausalLM`` / ``AutoTokenizer``, ``generate(do_sample=False)``.
+    them: stock ``AutoModelForCausalLM`` (``load_kwargs``) / ``AutoTokenizer``,
+    ``generate(do_sample=False)``.
 
     ``cfg``: the ``TrainerConfig`` (its device). ``prompts``: token-id lists, each decoded to
     text and re-encoded by the saved tokenizer (ValueError if that changes its ids), then
@@ -143,7 +152,7 @@ def greedy_answers(path, cfg, prompts: Sequence[List[int]], max_new_tokens: int)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = cfg.resolved_device()
-    model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs(path)).to(device).eval()
     tok = AutoTokenizer.from_pretrained(path)
     answers = []
     for prompt in prompts:
