@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import glm_kernels
+from glm_kernels import selective_logprobs
 from examples.async_trainer.env import task
 from examples.async_trainer.model import policy
 from examples.async_trainer.__main__ import parse
@@ -145,8 +146,8 @@ def test_the_mode_is_the_same_model_and_outside_it_decode_differs(model):
         dec = _decode(model, toks[:2], 4)
     torch.testing.assert_close(dec, default[:2], rtol=1e-5, atol=1e-5)
     assert not torch.equal(dec, default[:2])
-    assert not torch.equal(policy.token_logprobs(dec, toks[:2]),
-                           policy.token_logprobs(default[:2], toks[:2]))
+    assert not torch.equal(selective_logprobs(dec, toks[:2]),
+                           selective_logprobs(default[:2], toks[:2]))
 
 
 @pytest.mark.parametrize("rows,threads", [([5], (1, 2)), ([2, 7, 4], (2, 1)),
@@ -164,12 +165,12 @@ def test_kv_cache_decode_equals_full_forward_bitwise(rows, threads):
         with torch.no_grad(), glm_kernels.batch_invariant():
             torch.set_num_threads(threads[0])
             full = policy.logits(model, toks[:, :-1])
-            lp_full = policy.token_logprobs(full, toks[:, 1:])
+            lp_full = selective_logprobs(full, toks[:, 1:])
             torch.set_num_threads(threads[1])
             for prefill in (1, 4, width // 2):
                 dec = _decode(model, toks[rows, :-1], prefill)
                 assert torch.equal(dec, full[rows])
-                assert torch.equal(policy.token_logprobs(dec, toks[rows, 1:]), lp_full[rows])
+                assert torch.equal(selective_logprobs(dec, toks[rows, 1:]), lp_full[rows])
     finally:
         torch.set_num_threads(previous)
 
@@ -200,7 +201,7 @@ def _trainer_logprobs(cfg, model, seqs, threads: int):
     try:
         with torch.no_grad(), glm_kernels.batch_invariant(), \
                 routing(cfg, model, seqs, batch) as route:
-            lp = policy.token_logprobs(policy.logits(model, batch.inputs), batch.targets)
+            lp = selective_logprobs(policy.logits(model, batch.inputs), batch.targets)
     finally:
         torch.set_num_threads(previous)
     assert route.compared > 0 and route.mismatched == 0      # the rollout's own experts
@@ -287,7 +288,7 @@ def test_engine_turn_gives_a_row_the_same_bits_alone_or_with_other_sessions_rows
     assert mask.any()
     toks = torch.tensor([ctxs[0] + alone["ids"]])
     with torch.no_grad(), glm_kernels.batch_invariant():
-        lp = policy.token_logprobs(policy.logits(model, toks[:, :-1]),
+        lp = selective_logprobs(policy.logits(model, toks[:, :-1]),
                                    toks[:, 1:])[0, len(ctxs[0]) - 1:]
     assert torch.equal(lp[mask], torch.tensor(alone["logprobs"])[mask])
     # The default engine path gives the same tokens other bits (what the mode removes).

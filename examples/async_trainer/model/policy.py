@@ -26,7 +26,6 @@ import torch
 import glm_kernels
 from glm_kernels.integrations.transformers import (apply_glm_kernels, record_routing,
                                                    replay_routing)
-from glm_kernels.loss import selective_logprobs
 from glm_kernels.optim import MuonSplit, muon_param_groups
 
 from .. import kernels
@@ -107,12 +106,6 @@ def new_cache(model):
 def decode(model, tokens: torch.Tensor, cache) -> torch.Tensor:
     """Logits of ``tokens`` [B, t], the positions after those ``cache`` holds (which grows)."""
     return model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 log p(token) [*S] from logits [*S, V] (``selective_logprobs``); under
-    ``glm_kernels.batch_invariant()`` every row's bits are its own (differentiable)."""
-    return selective_logprobs(logits, token_ids)
 
 
 def moe_gates(model) -> List[torch.nn.Module]:

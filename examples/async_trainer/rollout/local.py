@@ -33,7 +33,7 @@ def generate(cfg, model, prompts: List[List[int]], group_size: int, *, gen=None,
     ``rollout_logprobs`` and ``loss_mask`` (one value per response position; environment and
     padding positions have log-prob 0 and mask 0), ``reward``, ``version`` and ``routing``:
     the experts every MoE layer routed positions 0 .. len(tokens)-2 to, as a
-    ``glm_kernels.topk`` routing packet (bytes; None for a model without MoE layers), for
+    ``glm_kernels.topk`` routing packet (bytes), for
     routing replay. ToRA trajectories also carry ``session_id`` (``session`` / row),
     ``observation``, ``forks`` and ``branches``.
     """

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from glm_kernels import selective_logprobs
 from glm_kernels.integrations.transformers import record_routing
 
 from .. import kernels
@@ -40,7 +41,7 @@ def sample_turn(model, toks, live, steps: int, stops, *, gen=None, greedy: bool 
     ``stops``; the others get ``PAD``. Returns the grown ``toks`` [n, T + steps], the turn's
     ids, fp32 log-probs (0 where not sampled) and mask (1 where sampled), each [n, steps].
     The first step prefills a KV cache with ``toks``, each next one decodes the token just
-    sampled; log-probs are ``policy.token_logprobs`` of the fp32 logits."""
+    sampled; log-probs are ``selective_logprobs`` of the fp32 logits."""
     stops = torch.tensor(sorted(stops), dtype=toks.dtype, device=toks.device)
     ids, lps, masks = [], [], []
     live = live.clone()
@@ -55,7 +56,7 @@ def sample_turn(model, toks, live, steps: int, stops, *, gen=None, greedy: bool 
             # Sampled on the CPU with the caller's generator: one seeded stream per process,
             # whatever device the model is on (a [rows, vocab] copy; the vocab is tiny).
             nxt = torch.multinomial(logp.exp().cpu(), 1, generator=gen).to(logp.device)
-        lp = policy.token_logprobs(logits, nxt.squeeze(-1))
+        lp = selective_logprobs(logits, nxt.squeeze(-1))
         nxt = torch.where(live, nxt.squeeze(-1), torch.full_like(nxt.squeeze(-1), vocab.PAD))
         ids.append(nxt)
         lps.append(torch.where(live, lp, torch.zeros_like(lp)))

@@ -65,10 +65,8 @@ class Session(ABC):
         self.turns += 1
         self._next = self._after(result["rows"])
 
-    def _packet(self, routing, tokens: List[int]) -> Optional[bytes]:
-        """The routing of positions 0 .. len(tokens)-2 as a wire packet (None: no MoE)."""
-        if routing is None:
-            return None
+    def _packet(self, routing, tokens: List[int]) -> bytes:
+        """The routing of positions 0 .. len(tokens)-2 as a wire packet."""
         return kernels.encode_routing(routing[:, :len(tokens) - 1], self.cfg.n_experts)
 
     def _sample(self, tokens, lps, mask, routing, rew=None) -> dict:
@@ -197,7 +195,7 @@ class ToraSession(Session):
         p, out = self.prompt_len, []
         for i, sid in enumerate(self.sids):
             *closed, main = self.manager.end(sid)
-            routing = self.answer_routing.get(i, self.code_routing.get(i))
+            routing = self.answer_routing.get(i, self.code_routing[i])
             s = self._sample(main["tokens"], main["rollout_logprobs"][p:],
                              main["loss_mask"][p:], routing,
                              rew=tora_task.reward(main["tokens"], p))
@@ -205,7 +203,7 @@ class ToraSession(Session):
                      branches=[{"tokens": b["tokens"], "prompt_len": p,
                                 "rollout_logprobs": b["rollout_logprobs"][p:],
                                 "loss_mask": b["loss_mask"][p:],
-                                "routing": self._packet(self.code_routing.get(i), b["tokens"])}
+                                "routing": self._packet(self.code_routing[i], b["tokens"])}
                                for b in closed])
             out.append(s)
         return out

@@ -128,7 +128,7 @@ def invariant_icepop_loss(cfg, logits: torch.Tensor, mb_samples: List[dict], bat
     forward. Returns (summed loss, metrics, {"logprob_max_abs_diff": ...})."""
     old = place(mb_samples, BEHAVIOUR_KEY, batch.loss_mask.shape[1], batch.loss_mask.device)
     with batch_invariant():
-        lp = policy.token_logprobs(logits, batch.targets)
+        lp = selective_logprobs(logits, batch.targets)
         loss, m = icepop_loss(lp, batch.rollout_logprobs, advantages, batch.loss_mask,
                               old_logprobs=old, **icepop_kwargs(cfg))
     return loss, m, logprob_gap(old, batch)

@@ -14,7 +14,7 @@ from typing import Dict, List
 
 import torch
 
-from glm_kernels import batch_invariant
+from glm_kernels import batch_invariant, selective_logprobs
 
 from ..model import policy
 from .batch import BEHAVIOUR_KEY, collate, routing
@@ -62,7 +62,7 @@ class BehaviourPolicy:
                 part = seqs[i:i + self.chunk]
                 batch = collate(part, policy.device_of(model))
                 with batch_invariant(), routing(self.cfg, model, part, batch):
-                    lp = policy.token_logprobs(policy.logits(model, batch.inputs),
+                    lp = selective_logprobs(policy.logits(model, batch.inputs),
                                                batch.targets)
                 for b, s in enumerate(part):
                     s[BEHAVIOUR_KEY] = lp[b, s["prompt_len"] - 1:len(s["tokens"]) - 1].tolist()
