@@ -37,6 +37,12 @@ def make_state(seed: int = 0):
     return out
 
 
+def _heads(reports):
+    """(rank, step) of each report: the byte payloads would push the verdict out of a
+    truncated CI log."""
+    return [tuple(m[:2]) for m in reports]
+
+
 def blank_like(state):
     """Receiver-side tensors: same names/shapes/dtypes, bytes 0xFF (never the sender's)."""
     out = {}
@@ -45,6 +51,12 @@ def blank_like(state):
         t.view(-1).view(torch.uint8).fill_(0xFF) if t.numel() else None
         out[k] = t
     return out
+
+
+def _heads(reports):
+    """(rank, step) of each report: the byte payloads would push the verdict out of a
+    truncated CI log."""
+    return [tuple(m[:2]) for m in reports]
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -105,8 +117,11 @@ def ipc_receiver(link, report_q, drift_at, device="cpu"):
 # ---------------------------------------------------------------------------- gloo processes
 def _in_gloo(rank, world, init_file, report_q, timeout_s, body):
     """``body(link)`` in a gloo group over a broadcast link from rank 0. A crash is reported
-    and ends the process; the teardown runs after every step was reported, so a gloo
-    teardown abort cannot change the verdict."""
+    and ends the process. The reports are flushed to the parent before the teardown (a put
+    only queues them for the queue's feeder thread, and a gloo teardown that blocks with
+    the GIL held, seen once on torch 2.4 under load, kept that thread from ever sending the
+    last one), and the process leaves by ``os._exit`` after the barrier: gloo's teardown
+    changes no verdict and must not hang a rank whose steps are all reported."""
     faulthandler.register(signal.SIGUSR1)      # collect_reports dumps a stalled rank's stacks
     try:
         torch.set_num_threads(1)
@@ -118,16 +133,21 @@ def _in_gloo(rank, world, init_file, report_q, timeout_s, body):
         body(sync.BroadcastTransport(src=0))
     except BaseException:
         report_q.put(("crash", rank, traceback.format_exc()))
-        # os._exit skips the queue's feeder thread: without the flush the report is lost and
-        # the parent sees nothing (Queue.Empty after its timeout) instead of the traceback.
-        report_q.close()
-        report_q.join_thread()
+        _flush(report_q)
         os._exit(1)
+    _flush(report_q)
     try:
         dist.barrier()
-        dist.destroy_process_group()
     except BaseException:
         pass
+    os._exit(0)
+
+
+def _flush(report_q):
+    """Wait until every report put so far has reached the pipe: os._exit (and a process
+    stuck afterwards) skips the queue's feeder thread, and the parent would see nothing."""
+    report_q.close()
+    report_q.join_thread()
 
 
 def _receive_and_report(link, state, report_q, steps, before_poll=None):
@@ -217,17 +237,24 @@ def collect_reports(report_q, procs, count, stall_s=240.0):
                     msg = report_q.get(timeout=5.0)
                 except queue.Empty:
                     pytest.fail(f"the ranks exited (codes {[p.exitcode for p in procs]}) "
-                                f"after {len(out)} of {count} reports: {out}")
+                                f"after {len(out)} of {count} reports: {_heads(out)}")
             elif time.monotonic() - last > stall_s:
                 for p in procs:
                     if p.is_alive():
                         os.kill(p.pid, signal.SIGUSR1)
                 time.sleep(2.0)
                 pytest.fail(f"no report for {stall_s:.0f} s after {len(out)} of {count} "
-                            f"(the ranks' stacks are in the captured stderr): {out}")
+                            f"(rank exit codes {[p.exitcode for p in procs]}; the live ranks' "
+                            f"stacks are in the captured stderr): {_heads(out)}")
             else:
                 continue
         assert msg[0] != "crash", msg[-1]
         out.append(msg)
         last = time.monotonic()
     return out
+
+
+def _heads(reports):
+    """(rank, step) of each report: the byte payloads would push the verdict out of a
+    truncated CI log."""
+    return [tuple(m[:2]) for m in reports]
