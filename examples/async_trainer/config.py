@@ -45,7 +45,7 @@ class TrainerConfig:
     prompts_per_step: int = 8
     group_size: int = 8
     # stage 3: on-policy distillation of both teachers into the SFT student (group size 1)
-    opd_steps: int = 120
+    opd_steps: int = 200
     opd_lr: float = 2.5e-4
     opd_prompts_per_step: int = 32
     opd_ratio: float = 0.4           # fraction of OPD prompts drawn from the first task (the
