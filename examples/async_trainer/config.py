@@ -40,8 +40,8 @@ class TrainerConfig:
     # stage 2: asynchronous GRPO + IcePop, one run per task (the teachers)
     rl_steps: int = 100
     rl_lr: float = 2.5e-4            # the AdamW parts (embeddings, lm_head, routers, norms):
-                                     # at 2e-3 the GLM-5 policy's RL collapsed to early EOS
-                                     # within 5 steps (plain AdamW) or stalled (docs/trainer.md)
+                                     # at 2e-3 the GLM-5 policy's RL learned slowly, and
+                                     # plain AdamW collapsed it to early EOS (docs/trainer.md)
     prompts_per_step: int = 8
     group_size: int = 8
     # stage 3: on-policy distillation of both teachers into the SFT student (group size 1)
