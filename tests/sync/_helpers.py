@@ -37,12 +37,6 @@ def make_state(seed: int = 0):
     return out
 
 
-def _heads(reports):
-    """(rank, step) of each report: the byte payloads would push the verdict out of a
-    truncated CI log."""
-    return [tuple(m[:2]) for m in reports]
-
-
 def blank_like(state):
     """Receiver-side tensors: same names/shapes/dtypes, bytes 0xFF (never the sender's)."""
     out = {}
@@ -51,12 +45,6 @@ def blank_like(state):
         t.view(-1).view(torch.uint8).fill_(0xFF) if t.numel() else None
         out[k] = t
     return out
-
-
-def _heads(reports):
-    """(rank, step) of each report: the byte payloads would push the verdict out of a
-    truncated CI log."""
-    return [tuple(m[:2]) for m in reports]
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
