@@ -289,7 +289,7 @@ def test_engine_turn_gives_a_row_the_same_bits_alone_or_with_other_sessions_rows
     toks = torch.tensor([ctxs[0] + alone["ids"]])
     with torch.no_grad(), glm_kernels.batch_invariant():
         lp = selective_logprobs(policy.logits(model, toks[:, :-1]),
-                                   toks[:, 1:])[0, len(ctxs[0]) - 1:]
+                                toks[:, 1:])[0, len(ctxs[0]) - 1:]
     assert torch.equal(lp[mask], torch.tensor(alone["logprobs"])[mask])
     # The default engine path gives the same tokens other bits (what the mode removes).
     plain = EngineCore(model).turn(dict(req, session="c", rows=[[0, ctxs[0]]], end=True))

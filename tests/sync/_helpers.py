@@ -9,6 +9,7 @@ import traceback
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 try:
     import zstandard  # noqa: F401
@@ -105,11 +106,12 @@ def ipc_receiver(link, report_q, drift_at, device="cpu"):
 # ---------------------------------------------------------------------------- gloo processes
 def _in_gloo(rank, world, init_file, report_q, timeout_s, body):
     """``body(link)`` in a gloo group over a broadcast link from rank 0. A crash is reported
-    and ends the process. The reports are flushed to the parent before the teardown (a put
-    only queues them for the queue's feeder thread, and a gloo teardown that blocks with
-    the GIL held, seen once on torch 2.4 under load, kept that thread from ever sending the
-    last one), and the process leaves by ``os._exit`` after the barrier: gloo's teardown
-    changes no verdict and must not hang a rank whose steps are all reported."""
+    and ends the process. The reports are flushed to the parent before the teardown: a put
+    only queues them for the queue's feeder thread, and a rank stuck in gloo's teardown with
+    the GIL held would starve it (the likely reading of a CI stall on torch 2.4 under load:
+    one rank had exited 0, so every collective had completed, yet a report never arrived).
+    The process then leaves by ``os._exit`` after the barrier: gloo's teardown changes no
+    verdict and must not hang a rank whose steps are all reported."""
     faulthandler.register(signal.SIGUSR1)      # collect_reports dumps a stalled rank's stacks
     try:
         torch.set_num_threads(1)
@@ -207,6 +209,26 @@ def gloo_faults(rank, world, init_file, report_q):
         else:
             _receive_and_report(link, state, report_q, 4)
     _in_gloo(rank, world, init_file, report_q, 60, body)
+
+
+def gloo_reports(target, rank_args, count, world=2):
+    """Spawn ``world`` ranks running ``target(rank, world, *rank_args, report_q)``; returns their
+    ``count`` reports (:func:`collect_reports`); a rank still alive 30 s after that is killed
+    (its teardown changes no verdict)."""
+    ctx = mp.get_context("spawn")
+    report_q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, *rank_args, report_q), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return collect_reports(report_q, procs, count)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def collect_reports(report_q, procs, count, stall_s=240.0):

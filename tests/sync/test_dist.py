@@ -1,30 +1,15 @@
 """torch.distributed transport end to end: gloo, 2 spawned ranks, 20 sparse steps, one
 refusal and the all_reduce-driven resync."""
-import torch.multiprocessing as mp
-
-from tests.sync._helpers import ENC, STEPS, collect_reports, gloo_rank
+from tests.sync._helpers import ENC, STEPS, gloo_faults, gloo_rank, gloo_reports
 
 DRIFT_AT = 9
 
 
 def test_gloo_broadcast_twenty_steps_with_resync(tmp_path):
-    ctx = mp.get_context("spawn")
-    report_q = ctx.Queue()
-    init_file = str(tmp_path / "pg_init")
-    procs = [ctx.Process(target=gloo_rank, args=(r, 2, init_file, ENC, DRIFT_AT, report_q),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        sent, got = {}, {}
-        for msg in collect_reports(report_q, procs, 2 * (STEPS + 1)):
-            (sent if msg[0] == 0 else got)[msg[1]] = msg[2:]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    sent, got = {}, {}
+    for msg in gloo_reports(gloo_rank, (str(tmp_path / "pg_init"), ENC, DRIFT_AT),
+                            2 * (STEPS + 1)):
+        (sent if msg[0] == 0 else got)[msg[1]] = msg[2:]
     # Every step was reported above (a rank that failed mid-run reports "crash" or times
     # out); the exit codes only reflect gloo's teardown, which may abort under load.
     for step in range(STEPS + 1):
@@ -44,21 +29,7 @@ def test_gloo_aborted_publish_and_restarted_sender_keep_lock_step(tmp_path):
     """A publish that dies half-way is discarded whole by the receiver (one poll per publish
     still matches: nothing blocks until the group timeout), and a restarted sender's full
     snapshot v1 is accepted at once by a receiver holding v3."""
-    from tests.sync._helpers import gloo_faults
-    ctx = mp.get_context("spawn")
-    report_q = ctx.Queue()
-    procs = [ctx.Process(target=gloo_faults, args=(r, 2, str(tmp_path / "pg"), report_q),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        msgs = collect_reports(report_q, procs, 6)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    msgs = gloo_reports(gloo_faults, (str(tmp_path / "pg"),), 6)
     assert not [m for m in msgs if m[0] == "crash"], msgs
     sent = {m[1]: m[2:] for m in msgs if m[0] == 0}
     got = {m[1]: m[2:] for m in msgs if m[0] == 1}

@@ -63,6 +63,6 @@ class BehaviourPolicy:
                 batch = collate(part, policy.device_of(model))
                 with batch_invariant(), routing(self.cfg, model, part, batch):
                     lp = selective_logprobs(policy.logits(model, batch.inputs),
-                                               batch.targets)
+                                            batch.targets)
                 for b, s in enumerate(part):
                     s[BEHAVIOUR_KEY] = lp[b, s["prompt_len"] - 1:len(s["tokens"]) - 1].tolist()
