@@ -13,7 +13,8 @@ the switch is on (their math: ``_reference.py``)::
     _softmax, _log_softmax           exact max, tree over the non-zero exponentials
     sum.dim_IntList, sum, mean.dim,  fixed trees (fp32 for 16-bit inputs)
       mean, native_layer_norm
-    _scaled_dot_product_flash_attention_for_cpu
+    _scaled_dot_product_flash_attention_for_cpu, and on CUDA _scaled_dot_product_flash_,
+      _efficient_ and _cudnn_attention (their return layouts: ``_fused_sdpa.py``)
                                      fixed splits of 64 keys from each query's first visible
                                      key, each a fixed-shape product, merged by a fixed tree
                                      (causal, padded, KV cache: ``_torch.py``); another mask:
@@ -22,16 +23,15 @@ the switch is on (their math: ``_reference.py``)::
       exp, log, tanh, sin, cos, ...  tail rounds some of them differently)
 
 Every other op runs unchanged; one that reduces or multiplies matrices (``cumsum``, ``baddbmm``,
-the CUDA attention kernels, ...) and is not covered is reported once by name through the
+an attention call with dropout, ...) and is not covered is reported once by name through the
 ``glm_kernels`` logger, never silently non-invariant. torch.library custom ops (the library's
 own, ``apply_glm_kernels``') run their own kernels, which read the same switch.
 
 Backends (``glm_kernels.force_backend``): on CPU the torch definitions; on CUDA (and under the
 ``interpret`` backend on CPU) mm / addmm / grouped_mm run the persistent fixed-tile Triton
-matmul and the CPU sdpa op the fixed-split-KV Triton attention (a mask that is not one key
-range per query falls back to the torch definition, logged once). On CUDA, attention runs
-invariantly with ``attn_implementation="eager"`` (bmm + softmax); torch's CUDA sdpa kernels
-are reported as uncovered. Not measured on GPU.
+matmul and every sdpa op above the fixed-split-KV Triton attention (a mask that is not one
+key range per query falls back to the torch definition, logged once); eager attention's bmm
+and softmax are covered on both. Not measured on GPU.
 """
 import contextlib
 from typing import Callable, Dict, Iterator
@@ -40,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from .._dispatch import batch_invariant_enabled, select_backend, warn_once
+from . import _fused_sdpa
 from . import _reference as ref
 from . import _torch as split_kv
 
@@ -97,9 +98,10 @@ def _grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
     return ref.grouped_mm(x, weight, offs, bias, out_dtype, mm=_mm)
 
 
-def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    if dropout_p != 0.0:
-        return NotImplemented        # dropout draws per batch layout: reported, run as is
+def _attention(q, k, v, attn_mask, is_causal, scale):
+    """(out [B, H, T, Dv] in q's dtype, logsumexp [B, H, T]) on fixed key splits: the Triton
+    kernel where it runs, else the torch path; a mask that is not one key range per query
+    takes the torch definition (logged once)."""
     backend = _kernel_backend("attention", q, k, v)
     ranges = ref.visible_key_ranges(q.shape[0], q.shape[2], k.shape[2], attn_mask, is_causal,
                                     q.device)
@@ -116,6 +118,12 @@ def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     _kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(), *ranges, out, lse, scale)
     return out, lse
+
+
+def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    if dropout_p != 0.0:
+        return NotImplemented        # dropout draws per batch layout: reported, run as is
+    return _attention(q, k, v, attn_mask, is_causal, scale)
 
 
 def _sum(x, dim=None, keepdim=False, *, dtype=None):
@@ -150,6 +158,10 @@ COVERED: Dict[object, Callable] = {
 for _name, _impl in (("_grouped_mm", _grouped_mm),
                      ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu)):
     if hasattr(aten, _name):
+        COVERED[getattr(aten, _name).default] = _impl
+for _name in _fused_sdpa.OPS:                   # CUDA's sdpa kernels: the same fixed splits
+    _impl = _fused_sdpa.handler(_name, _attention)
+    if _impl is not None:
         COVERED[getattr(aten, _name).default] = _impl
 def _into_out(impl: Callable) -> Callable:
     """The ``.out`` overload of a covered op: the same result, copied into ``out``."""
