@@ -27,7 +27,7 @@ from typing import Tuple
 import torch
 
 from .._row_invariant import ROW_TILE, tree_sum
-from ._reference import NEG_INF, _accumulation_dtype, elementwise, sum_nonzero
+from ._reference import NEG_INF, _accumulation_dtype, elementwise
 
 KEY_SPLIT = 64           # keys per split: the K of every P @ V product
 TREE_SPAN = 16           # bmm rows with at most this many terms: a tree, not a product
@@ -173,6 +173,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
     return out.to(q.dtype), lse
 
 
+def _tree_over_window(x: torch.Tensor) -> torch.Tensor:
+    """``tree_sum`` over dim -2 of ``x`` [..., w, N] (the same pairs, no transpose), each zero
+    term +0 first."""
+    x = x + 0.0         # IEEE: -0 + 0 is +0, every other value unchanged (one pass)
+    width = 1 << (x.shape[-2] - 1).bit_length()
+    if width != x.shape[-2]:
+        x = torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))
+    while width > 1:
+        width //= 2
+        x = x[..., :width, :] + x[..., width:, :]
+    return x[..., 0, :]
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [E, M, K] @ b [E, K, N] (eager attention's QK^T and P.V, the DSA indexer's products)
     with each row's sum over K cut into splits of ``KEY_SPLIT`` counted from the row's first
@@ -182,8 +195,10 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     same keys behind padding or before masked future keys). Rows of zeros give zeros.
 
     A row whose non-zeros span at most ``TREE_SPAN`` entries (the DSA indexer's sum over its
-    few heads, a query's first keys) is a tree over its non-zero products instead: a 64-wide
-    product for 2 terms costs 30x the rest of a tiny model. The span is the row's own (the
+    few heads, a query's first keys, QK^T over a head dim of 16) is a fixed tree over the
+    products of its window of ``TREE_SPAN`` entries from its first non-zero instead, each in
+    its place (zeros inside the window included): a 64-wide product for 2 terms costs 30x the
+    rest of a tiny model. The span is the row's own (the
     same in a decode step and a full forward), so each row always takes the same path."""
     acc = _accumulation_dtype(a.dtype)
     entries, m, k = a.shape
@@ -194,15 +209,25 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     last = k - nonzero.flip(-1).int().argmax(-1)
     span = torch.where(nonzero.any(-1), last - first, torch.zeros_like(first))
     short = (span > 0) & (span <= TREE_SPAN)
-    if bool(short.any()):
-        e_s, m_s = torch.nonzero(short, as_tuple=True)
-        # Only the row's window [first, first + TREE_SPAN) holds its non-zeros; a tree over
-        # them is the same whatever the zeros around them (trailing zeros change no tree).
-        window, inside = _window(first[e_s, m_s], TREE_SPAN, k)
+    # A short row's window: ``w`` entries from its first non-zero, each product in its place
+    # (zeros inside the window included). Every zero product is made +0 (a zero of ``a`` times
+    # a masked key's value, 0 * -x): with no -0 among the terms, trailing zeros change no
+    # tree, so a decode step's narrower K (a smaller ``w``) gives the full forward's bits.
+    w = min(TREE_SPAN, k)
+    at_start = short & (first == 0)
+    if bool(at_start.any()):
+        # Rows whose window is K's first entries (QK^T over the head dim, the DSA indexer's
+        # head sum): the window products by broadcasting instead of a gather.
+        products = a[..., :w, None].to(acc) * b[:, None, :w].to(acc)              # [E, M, w, N]
+        out = torch.where(at_start[..., None], _tree_over_window(products), out)
+    elsewhere = short & ~at_start
+    if bool(elsewhere.any()):
+        e_s, m_s = torch.nonzero(elsewhere, as_tuple=True)
+        window, inside = _window(first[e_s, m_s], w, k)
         a_w = a[e_s[:, None], m_s[:, None], window].to(acc).masked_fill(~inside, 0.0)
-        b_w = b[e_s[:, None], window].to(acc).masked_fill(~inside[..., None], 0.0)
-        out[e_s, m_s] = sum_nonzero(a_w[:, None, :] * b_w.transpose(1, 2))   # [rows, N]
-        span = torch.where(short, torch.zeros_like(span), span)
+        products = a_w[..., None] * b[e_s[:, None], window].to(acc)      # [rows, w, N]
+        out[e_s, m_s] = _tree_over_window(products)
+    span = torch.where(short, torch.zeros_like(span), span)
     tiles = _query_tiles(first, first + span)
     if tiles is None or n == 0:
         return out.to(a.dtype)

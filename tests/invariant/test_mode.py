@@ -187,6 +187,7 @@ def test_split_bmm_matches_torch_and_gives_rows_zero_for_zero_rows():
     half = split_kv.bmm(a.bfloat16(), b.bfloat16())
     assert half.dtype == torch.bfloat16
     # Rows of at most 16 terms (the DSA indexer's head sum): the tree definition, to the bit
+    # (their non-zeros are contiguous, so the window's tree is the tree over the non-zeros)
     a, b = torch.randn(256, 32, 2), torch.randn(256, 2, 1)
     assert_bits_equal(split_kv.bmm(a, b), ref.bmm(a, b), name="short rows")
     # ... also where they sit among zeros of a long row (a query's first keys, 100 keys)
@@ -217,6 +218,26 @@ def test_split_bmm_is_decode_and_padding_invariant():
         assert_bits_equal(padded[0, t + pad], full[0, t], name=f"P.V padded, query {t}")
         assert_bits_equal(split_kv.bmm(q[:, t:t + 1], k_t[:, :, :t + 1])[0, 0],
                           scores[0, t, :t + 1], name=f"QK^T decode, query {t}")
+
+
+def test_split_bmm_short_rows_keep_their_bits_whatever_k():
+    """Rows of at most 16 terms with a zero inside (an exact-zero probability) and zero products
+    of either sign (a zero of ``a`` times a negative value; a column of -0 values, whose sum
+    is then exactly zero): the row alone (a decode step's K, at the start of K: the broadcast
+    path) and behind 37 padding keys before 50 masked ones (the gather path) agree to the
+    bit, the zero column +0 in both."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.rand(1, 1, 12, generator=g) + 0.1
+    p[..., 3] = 0.0
+    v = torch.randn(1, 12, 8, generator=g)
+    v[:, 3] = -1.0
+    v[:, :, 1] = -0.0
+    alone = split_kv.bmm(p, v)
+    p_full = torch.cat([torch.zeros(1, 1, 37), p, torch.zeros(1, 1, 50)], 2)
+    v_full = torch.cat([torch.randn(1, 37, 8, generator=g), v,
+                        -torch.rand(1, 50, 8, generator=g)], 1)
+    assert_bits_equal(split_kv.bmm(p_full, v_full), alone, name="behind padding, wider K")
+    assert not torch.signbit(alone[..., 1]).any()
 
 
 @pytest.mark.parametrize("layout", ["linear", "x @ w"])
