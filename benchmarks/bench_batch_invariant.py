@@ -11,12 +11,15 @@ inside the batch, off and on (the switch's promise, checked in the same run).
 Whole models (CPU): a forward (8 left-padded sequences of 16-32 tokens) and a decode (8
 prompts, 8 new tokens through ``generate`` and its KV cache) of each tiny random transformers
 model (``glm_kernels.testing.tiny_causal_lm``: Llama, Qwen3, Qwen3-MoE, GLM-5), with the
-switch off and on side by side; ``bitwise`` is ``assert_batch_invariant`` (rollout log-probs
-vs full forwards alone, batched, shuffled) in the same mode. GPU: not measured on GPU.
+switch off and on side by side, and under a dispatch mode that passes every op through
+unchanged (``passthrough``: the cost of intercepting each aten op in Python, the floor of the
+override's design); ``bitwise`` is ``assert_batch_invariant`` (rollout log-probs vs full
+forwards alone, batched, shuffled) in the same mode. GPU: not measured on GPU.
 """
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import _common
 import glm_kernels
@@ -95,6 +98,14 @@ def _model_rows(quick: bool) -> list:
     return rows
 
 
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that runs every op unchanged: what intercepting each aten op in Python
+    costs before the override does any work (the floor of ``batch_invariant()``'s design)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _time_model(model_type, ids, mask, positions, prompts, quick) -> list:
     """One model's forward and decode rows: off and on side by side, and the bitwise check."""
     from glm_kernels.testing import assert_batch_invariant, tiny_causal_lm
@@ -118,6 +129,11 @@ def _time_model(model_type, ids, mask, positions, prompts, quick) -> list:
 
     for label, fn in (("forward 8x<=32", forward), ("decode 8x8 new", decode)):
         row = {"case": f"{model_type} {label} fp32 cpu"}
+        # The mechanism's own floor: a dispatch mode that only passes every op through.
+        with _PassThrough():
+            row["passthrough_ms"] = _common.time_fn(fn, device="cpu", warmup=1,
+                                                    repeats=3 if quick else 7,
+                                                    process_clock=True) * 1e3
         for mode in ("off", "on"):
             with glm_kernels.batch_invariant(mode == "on"):
                 # Process CPU time on one thread: the machine is shared, and the wall
@@ -132,6 +148,7 @@ def _time_model(model_type, ids, mask, positions, prompts, quick) -> list:
                     except AssertionError:
                         row[f"bitwise_{mode}"] = False
         row["on_vs_off"] = row["on_ms"] / row["off_ms"]
+        row["passthrough_vs_off"] = row["passthrough_ms"] / row["off_ms"]
         rows.append(row)
     return rows
 
@@ -157,8 +174,8 @@ def run(quick: bool = False, cpu: bool = False) -> dict:
                                       "on_vs_floor", "bitwise_off", "bitwise_on"])
     model_rows = _model_rows(quick)
     _common.print_table("whole tiny models, batch_invariant() off vs on (CPU, torch backend)",
-                        model_rows, ["case", "off_ms", "on_ms", "on_vs_off", "bitwise_off",
-                                     "bitwise_on"])
+                        model_rows, ["case", "off_ms", "on_ms", "on_vs_off", "passthrough_ms",
+                                     "passthrough_vs_off", "bitwise_off", "bitwise_on"])
     result = {"device": device, "environment": _common.environment(), "rows": rows,
               "model_rows": model_rows}
     notes = {"gpu": "measured" if on_gpu else "not measured on GPU",

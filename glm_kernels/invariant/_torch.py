@@ -204,6 +204,9 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     entries, m, k = a.shape
     n = b.shape[-1]
     out = torch.zeros(entries, m, n, dtype=acc, device=a.device)
+    # Contiguous rows first: argmax along a strided K (the DSA indexer's transposed head
+    # weights) took 5x the rest of the call.
+    a = a.contiguous()
     nonzero = a != 0
     first = nonzero.int().argmax(-1)
     last = k - nonzero.flip(-1).int().argmax(-1)
