@@ -10,7 +10,9 @@ inside the batch, off and on (the switch's promise, checked in the same run).
 
 Whole models (CPU): a forward (8 left-padded sequences of 16-32 tokens) and a decode (8
 prompts, 8 new tokens through ``generate`` and its KV cache) of each tiny random transformers
-model (``glm_kernels.testing.tiny_causal_lm``: Llama, Qwen3, Qwen3-MoE, GLM-5), with the
+model (``glm_kernels.testing.tiny_causal_lm``: Llama, Qwen3, Qwen3-MoE, GLM-5), and without
+``--quick`` of Llama (4 layers, sdpa) and GLM-5 (2 layers, eager) at hidden 512 (forward 4
+sequences of 56-128 tokens, decode 4 prompts x 32 new tokens), with the
 switch off and on side by side, and under a dispatch mode that passes every op through
 unchanged (``passthrough``: the cost of intercepting each aten op in Python, the floor of the
 override's design); ``bitwise`` is ``assert_batch_invariant`` (rollout log-probs vs full
@@ -69,30 +71,63 @@ def _measure(label, case, device, quick):
     return row
 
 
+def _left_padded(rows_in):
+    """ids, attention mask and positions of ``rows_in`` (1-D id tensors), left-padded."""
+    width = max(r.numel() for r in rows_in)
+    ids = torch.zeros(len(rows_in), width, dtype=torch.long)
+    mask = torch.zeros(len(rows_in), width, dtype=torch.long)
+    for i, r in enumerate(rows_in):
+        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _wider(model_type: str):
+    """A hidden-512 model of ``model_type`` (random weights), where the arithmetic counts more
+    than the per-op overhead: Llama with 4 layers (sdpa), GLM-5 with 2 (eager: MLA, the DSA
+    indexer over 4 heads of 64, MoE)."""
+    import transformers
+    from glm_kernels.testing import tiny_causal_lm
+    config = tiny_causal_lm(model_type).config
+    common = dict(hidden_size=512, intermediate_size=1024, vocab_size=1024,
+                  max_position_embeddings=512)
+    if model_type == "llama":
+        common.update(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=64)
+    else:
+        common.update(num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=256,
+                      q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32,
+                      qk_nope_head_dim=32, v_head_dim=64, index_head_dim=64, index_n_heads=4,
+                      index_topk=512)
+    # Rebuilt from its fields: a config derives some sizes (GLM-5's qk_head_dim) in __init__.
+    fields = {k: v for k, v in config.to_dict().items() if k != "qk_head_dim"}
+    config = type(config)(**{**fields, **common},
+                          attn_implementation=config._attn_implementation)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 def _model_rows(quick: bool) -> list:
-    """Forward and decode of each tiny model, off and on, on the CPU (fp32, one thread)."""
+    """Forward and decode of each tiny model (and, unless quick, of two hidden-512 models),
+    off and on, on the CPU (fp32, one thread)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("note: transformers is not installed: whole-model rows skipped")
         return []
-    from glm_kernels.testing import TINY_MODEL_TYPES
+    from glm_kernels.testing import TINY_MODEL_TYPES, tiny_causal_lm
     g = torch.Generator().manual_seed(0)
-    lengths = [16 + (4 * i) % 17 for i in range(8)]
-    rows_in = [torch.randint(1, 96, (n,), generator=g) for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros(8, width, dtype=torch.long)
-    mask = torch.zeros(8, width, dtype=torch.long)
-    for i, r in enumerate(rows_in):
-        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    prompts = [r[:4 + i % 5] for i, r in enumerate(rows_in)]
+    rows_in = [torch.randint(1, 96, (16 + (4 * i) % 17,), generator=g) for i in range(8)]
+    tiny = (_left_padded(rows_in), [r[:4 + i % 5] for i, r in enumerate(rows_in)], 8)
+    rows_in = [torch.randint(1, 1024, (128 - 24 * i,), generator=g) for i in range(4)]
+    wide = (_left_padded(rows_in), [r[:8 + 4 * i] for i, r in enumerate(rows_in)], 32)
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for model_type in TINY_MODEL_TYPES:
-            rows += _time_model(model_type, ids, mask, positions, prompts, quick)
+            rows += _time_model(model_type, tiny_causal_lm(model_type), *tiny, quick)
+        for model_type in () if quick else ("llama", "glm_moe_dsa"):
+            rows += _time_model(f"{model_type} h512", _wider(model_type), *wide, quick)
     finally:
         torch.set_num_threads(threads)
     return rows
@@ -106,11 +141,14 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _time_model(model_type, ids, mask, positions, prompts, quick) -> list:
-    """One model's forward and decode rows: off and on side by side, and the bitwise check."""
-    from glm_kernels.testing import assert_batch_invariant, tiny_causal_lm
+def _time_model(name, model, batch, prompts, new_tokens, quick) -> list:
+    """One model's forward (``batch``: ids, mask, positions) and decode (``prompts``, left-
+    padded, ``new_tokens`` sampled) rows: off, pass-through and on side by side, and the
+    bitwise check."""
+    from glm_kernels.testing import assert_batch_invariant
+    ids, mask, positions = batch
+    p_ids, p_mask, _ = _left_padded(prompts)
     rows = []
-    model = tiny_causal_lm(model_type)
 
     def forward(m=model):
         with torch.no_grad():
@@ -119,28 +157,25 @@ def _time_model(model_type, ids, mask, positions, prompts, quick) -> list:
 
     def decode(m=model):
         torch.manual_seed(0)
-        p_ids = torch.zeros(8, 8, dtype=torch.long)
-        p_mask = torch.zeros(8, 8, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            p_ids[i, 8 - p.numel():], p_mask[i, 8 - p.numel():] = p, 1
         with torch.no_grad():
             return m.generate(p_ids, attention_mask=p_mask, do_sample=True,
-                              max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0)
 
-    for label, fn in (("forward 8x<=32", forward), ("decode 8x8 new", decode)):
-        row = {"case": f"{model_type} {label} fp32 cpu"}
+    repeats = 3 if quick or new_tokens > 8 else 7
+    for label, fn in ((f"forward {ids.shape[0]}x<={ids.shape[1]}", forward),
+                      (f"decode {p_ids.shape[0]}x{new_tokens} new", decode)):
+        row = {"case": f"{name} {label} fp32 cpu"}
         # The mechanism's own floor: a dispatch mode that only passes every op through.
         with _PassThrough():
             row["passthrough_ms"] = _common.time_fn(fn, device="cpu", warmup=1,
-                                                    repeats=3 if quick else 7,
-                                                    process_clock=True) * 1e3
+                                                    repeats=repeats, process_clock=True) * 1e3
         for mode in ("off", "on"):
             with glm_kernels.batch_invariant(mode == "on"):
                 # Process CPU time on one thread: the machine is shared, and the wall
                 # clock would also count the time spent waiting for a core.
                 row[f"{mode}_ms"] = _common.time_fn(fn, device="cpu", warmup=1,
-                                                    repeats=3 if quick else 7,
-                                                    process_clock=True) * 1e3
+                                                    repeats=repeats, process_clock=True) * 1e3
                 if label.startswith("decode"):
                     try:
                         assert_batch_invariant(model, prompts[:3], max_new_tokens=3)
