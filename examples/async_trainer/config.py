@@ -32,11 +32,14 @@ class TrainerConfig:
     topk_groups: int = 2
     balance_bias_rate: float = 1e-3  # aux-loss-free load-balancing bias step
     # stage 1: SFT warm-up on the mixture of tasks
-    sft_steps: int = 100
+    sft_steps: int = 120             # GLM-5 policy, held-out after SFT: 100 steps ~0.4-0.6
+                                     # on reverse (RL then ended a few prompts short), 120
+                                     # ~0.8 (RL learns the rest), 150 ~1.0 (nothing left)
     sft_batch: int = 32
     sft_lr: float = 3e-3
-    sft_weights: str = "tool=2,tora=4"   # SFT examples per task relative to 1 (tasks not
-                                         # listed: 1); the longer copies take longer to learn
+    sft_weights: str = "reverse=3,tool=2,tora=4"  # SFT examples per task relative to 1
+                                         # (tasks not listed: 1); the longer copies take
+                                         # longer to learn, reverse's repeated digits too
     # stage 2: asynchronous GRPO + IcePop, one run per task (the teachers)
     rl_steps: int = 100
     rl_lr: float = 2.5e-4            # the AdamW parts (embeddings, lm_head, routers, norms):
@@ -53,6 +56,10 @@ class TrainerConfig:
     # optimizer of RL and OPD: MuonSplit (Muon lr for matrices; rl_lr / opd_lr for AdamW parts)
     muon_lr: float = 0.002           # GLM-5 policy: 0.004 / 0.006 / 0.01 made the pass rate fall
     weight_decay: float = 0.0
+    lr_schedule: str = "linear"      # RL and OPD: "constant", "linear" or "cosine" decay of
+                                     # every group's rate to lr_min_ratio times it at the end
+    lr_min_ratio: float = 0.1
+    lr_warmup_steps: int = 0         # linear warm-up steps of each RL/OPD stage
     # trainer mechanics
     dp_ranks: int = 2                # simulated data-parallel ranks
     packing: str = "kk"              # "first_fit" or "kk" (Karmarkar-Karp balanced)
@@ -143,7 +150,8 @@ class TrainerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("sft_steps", "rl_steps", "opd_steps", "weight_decay", "balance_bias_rate",
-                     "checkpoint_every", "rollout_restarts", "kill_engine_at"):
+                     "checkpoint_every", "rollout_restarts", "kill_engine_at",
+                     "lr_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"config.{name} must be >= 0, got {getattr(self, name)!r}")
         names = self.task_list()
@@ -181,6 +189,11 @@ class TrainerConfig:
             raise ValueError(f"config.group_size must be >= 2 for GRPO, got {self.group_size}")
         if not 0.0 <= self.opd_ratio <= 1.0:
             raise ValueError(f"config.opd_ratio must lie in [0, 1], got {self.opd_ratio}")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"config.lr_schedule must be 'constant', 'linear' or 'cosine', "
+                             f"got {self.lr_schedule!r}")
+        if not 0.0 <= self.lr_min_ratio <= 1.0:
+            raise ValueError(f"config.lr_min_ratio must lie in [0, 1], got {self.lr_min_ratio}")
         if self.packing not in ("first_fit", "kk"):
             raise ValueError(f"config.packing must be 'first_fit' or 'kk', got {self.packing!r}")
         if self.max_tokens_per_microbatch < task.max_len(self):
@@ -259,6 +272,10 @@ HELP: Dict[str, str] = {
     "opd_ratio": "fraction of OPD prompts drawn from the first task (the others share the rest)",
     "muon_lr": "Muon learning rate of the matrices (RL and OPD)",
     "weight_decay": "weight decay of RL and OPD",
+    "lr_schedule": "learning-rate schedule of each RL/OPD stage: constant, linear or cosine "
+                   "(decay to lr_min_ratio times the rate at the stage end)",
+    "lr_min_ratio": "final rate of a decaying lr_schedule, relative to the stage's rates",
+    "lr_warmup_steps": "linear warm-up steps at the start of each RL/OPD stage",
     "dp_ranks": "simulated data-parallel ranks",
     "packing": "micro-batch packing: first_fit or kk (Karmarkar-Karp balanced)",
     "max_tokens_per_microbatch": "tokens per micro-batch (at least one trajectory)",

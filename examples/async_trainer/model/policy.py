@@ -19,6 +19,7 @@ batch-invariant (the library's aten-level mode): a KV-cache decode and a full fo
 every token the same bits.
 """
 import contextlib
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -197,6 +198,25 @@ def make_optimizer(model, cfg, adamw_lr: float):
     lm_head, norms and the routers."""
     return MuonSplit(muon_param_groups(model), lr=cfg.muon_lr, adamw_lr=adamw_lr,
                      weight_decay=cfg.weight_decay)
+
+
+def schedule_lr(opt, cfg, step: int, steps: int) -> float:
+    """Set every group's rate for optimizer step ``step`` (0-based) of a stage of ``steps``:
+    ``cfg.lr_warmup_steps`` of linear warm-up, then ``cfg.lr_schedule`` from the group's own
+    rate (kept as ``base_lr``) down to ``cfg.lr_min_ratio`` times it at the last step.
+    Returns the factor."""
+    warm = cfg.lr_warmup_steps
+    if step < warm:
+        factor = (step + 1) / (warm + 1)
+    elif cfg.lr_schedule == "constant" or steps - warm <= 1:
+        factor = 1.0
+    else:
+        t = (step - warm) / (steps - warm - 1)
+        shape = 1.0 - t if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * t))
+        factor = cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * shape
+    for g in opt.param_groups:
+        g["lr"] = g.setdefault("base_lr", g["lr"]) * factor
+    return factor
 
 
 def batch_invariant(enabled: bool):

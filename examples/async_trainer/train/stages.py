@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from ..rollout.buffer import DataBuffer
 from .checkpoint import ACCOUNTING
 from ..log import logger
+from ..model import policy
 from ..rollout.supervisor import RolloutError, RolloutProcess
 
 
@@ -148,7 +149,9 @@ def async_stage(run, stage: str, model, opt, mix: Dict[str, float], group_size: 
             with run.step():
                 trained_on = rollout.sender.version  # the weights this gradient is taken on
                 behind = [staleness(trained_on, g) for g in groups]
+                lr_factor = policy.schedule_lr(opt, cfg, step, steps)
                 rec = step_fn(samples)
+                rec["lr_factor"] = lr_factor
                 trained += [s["sample_id"] for s in samples]
                 held = []
                 version, stats = rollout.sender.send(model)
