@@ -71,16 +71,6 @@ def _measure(label, case, device, quick):
     return row
 
 
-def _left_padded(rows_in):
-    """ids, attention mask and positions of ``rows_in`` (1-D id tensors), left-padded."""
-    width = max(r.numel() for r in rows_in)
-    ids = torch.zeros(len(rows_in), width, dtype=torch.long)
-    mask = torch.zeros(len(rows_in), width, dtype=torch.long)
-    for i, r in enumerate(rows_in):
-        ids[i, width - r.numel():], mask[i, width - r.numel():] = r, 1
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 def _wider(model_type: str):
     """A hidden-512 model of ``model_type`` (random weights), where the arithmetic counts more
     than the per-op overhead: Llama with 4 layers (sdpa), GLM-5 with 2 (eager: MLA, the DSA
@@ -114,12 +104,12 @@ def _model_rows(quick: bool) -> list:
     except ImportError:
         print("note: transformers is not installed: whole-model rows skipped")
         return []
-    from glm_kernels.testing import TINY_MODEL_TYPES, tiny_causal_lm
+    from glm_kernels.testing import TINY_MODEL_TYPES, _left_pad, tiny_causal_lm
     g = torch.Generator().manual_seed(0)
     rows_in = [torch.randint(1, 96, (16 + (4 * i) % 17,), generator=g) for i in range(8)]
-    tiny = (_left_padded(rows_in), [r[:4 + i % 5] for i, r in enumerate(rows_in)], 8)
+    tiny = (_left_pad(rows_in, 0), [r[:4 + i % 5] for i, r in enumerate(rows_in)], 8)
     rows_in = [torch.randint(1, 1024, (128 - 24 * i,), generator=g) for i in range(4)]
-    wide = (_left_padded(rows_in), [r[:8 + 4 * i] for i, r in enumerate(rows_in)], 32)
+    wide = (_left_pad(rows_in, 0), [r[:8 + 4 * i] for i, r in enumerate(rows_in)], 32)
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -145,9 +135,9 @@ def _time_model(name, model, batch, prompts, new_tokens, quick) -> list:
     """One model's forward (``batch``: ids, mask, positions) and decode (``prompts``, left-
     padded, ``new_tokens`` sampled) rows: off, pass-through and on side by side, and the
     bitwise check."""
-    from glm_kernels.testing import assert_batch_invariant
+    from glm_kernels.testing import _left_pad, assert_batch_invariant
     ids, mask, positions = batch
-    p_ids, p_mask, _ = _left_padded(prompts)
+    p_ids, p_mask, _ = _left_pad(prompts, 0)
     rows = []
 
     def forward(m=model):

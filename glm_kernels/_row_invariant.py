@@ -29,18 +29,20 @@ ROW_TILE = 64
 NARROW = 16
 
 
-def tree_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim in a fixed binary tree (the same order for every row)."""
-    n = x.shape[-1]
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over ``dim`` (the last by default) in a fixed binary tree (the same order for every
+    row)."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
     if n == 0:
-        return x.new_zeros(x.shape[:-1])
+        return x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
     width = 1 << (n - 1).bit_length()
     if width != n:
-        x = torch.nn.functional.pad(x, (0, width - n))
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, width - n])
     while width > 1:
         width //= 2
-        x = x[..., :width] + x[..., width:]
-    return x[..., 0]
+        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
+    return x.select(dim, 0)
 
 
 def row_shift(m: torch.Tensor) -> torch.Tensor:

@@ -173,19 +173,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
     return out.to(q.dtype), lse
 
 
-def _tree_over_window(x: torch.Tensor) -> torch.Tensor:
-    """``tree_sum`` over dim -2 of ``x`` [..., w, N] (the same pairs, no transpose), each zero
-    term +0 first."""
-    x = x + 0.0         # IEEE: -0 + 0 is +0, every other value unchanged (one pass)
-    width = 1 << (x.shape[-2] - 1).bit_length()
-    if width != x.shape[-2]:
-        x = torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))
-    while width > 1:
-        width //= 2
-        x = x[..., :width, :] + x[..., width:, :]
-    return x[..., 0, :]
-
-
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [E, M, K] @ b [E, K, N] (eager attention's QK^T and P.V, the DSA indexer's products)
     with each row's sum over K cut into splits of ``KEY_SPLIT`` counted from the row's first
@@ -213,23 +200,24 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     span = torch.where(nonzero.any(-1), last - first, torch.zeros_like(first))
     short = (span > 0) & (span <= TREE_SPAN)
     # A short row's window: ``w`` entries from its first non-zero, each product in its place
-    # (zeros inside the window included). Every zero product is made +0 (a zero of ``a`` times
-    # a masked key's value, 0 * -x): with no -0 among the terms, trailing zeros change no
-    # tree, so a decode step's narrower K (a smaller ``w``) gives the full forward's bits.
+    # (zeros inside the window included), summed by a tree over the window. Every zero product
+    # is made +0 first (a zero of ``a`` times a masked key's value, 0 * -x, is -0; IEEE: -0 +
+    # 0 is +0, every other value unchanged): with no -0 among the terms, trailing zeros change
+    # no tree, so a decode step's narrower K (a smaller ``w``) gives the full forward's bits.
     w = min(TREE_SPAN, k)
     at_start = short & (first == 0)
     if bool(at_start.any()):
         # Rows whose window is K's first entries (QK^T over the head dim, the DSA indexer's
         # head sum): the window products by broadcasting instead of a gather.
         products = a[..., :w, None].to(acc) * b[:, None, :w].to(acc)              # [E, M, w, N]
-        out = torch.where(at_start[..., None], _tree_over_window(products), out)
+        out = torch.where(at_start[..., None], tree_sum(products + 0.0, dim=-2), out)
     elsewhere = short & ~at_start
     if bool(elsewhere.any()):
         e_s, m_s = torch.nonzero(elsewhere, as_tuple=True)
         window, inside = _window(first[e_s, m_s], w, k)
         a_w = a[e_s[:, None], m_s[:, None], window].to(acc).masked_fill(~inside, 0.0)
         products = a_w[..., None] * b[e_s[:, None], window].to(acc)      # [rows, w, N]
-        out[e_s, m_s] = _tree_over_window(products)
+        out[e_s, m_s] = tree_sum(products + 0.0, dim=-2)
     span = torch.where(short, torch.zeros_like(span), span)
     tiles = _query_tiles(first, first + span)
     if tiles is None or n == 0:
