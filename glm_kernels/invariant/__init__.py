@@ -3,7 +3,8 @@ override so a transformers model's rows get the same bits whatever their batch, 
 thread count, or whether they are decoded with a KV cache. docs/batch_invariance.md."""
 from .._checks import check_bool
 from .._dispatch import batch_invariant_enabled, batch_invariant_switch
-from .mode import COVERED, UNCOVERED_REDUCTIONS, BatchInvariantMode, mode_active, whole_model
+from .mode import (COVERED, UNCOVERED_REDUCTIONS, BatchInvariantMode, hold_for_process,
+                   mode_active, whole_model)
 
 __all__ = ["batch_invariant", "BatchInvariantMode", "COVERED", "UNCOVERED_REDUCTIONS", "mode_active",
            "whole_model"]
@@ -22,8 +23,8 @@ def batch_invariant(enabled: bool = True):
     return whole_model(batch_invariant_switch(enabled), enabled)
 
 
-# GLM_KERNELS_BATCH_INVARIANT=1: the override is on for the thread that imports glm_kernels
-# (other threads enter it with ``with glm_kernels.batch_invariant():``). It reads the switch
-# per op, so ``batch_invariant(False)`` still turns it off inside a block.
-if batch_invariant_enabled() and not mode_active():
-    BatchInvariantMode().__enter__()
+# GLM_KERNELS_BATCH_INVARIANT=1: the override is registered for the whole process and answers
+# in every thread (the variable turns each thread's switch on); it reads the switch per op, so
+# ``batch_invariant(False)`` still turns it off inside a block.
+if batch_invariant_enabled():
+    hold_for_process()

@@ -3,8 +3,12 @@
 each row bits independent of the batch size, its position, left or right padding, the other
 rows' lengths, the thread count, and whole-sequence vs KV-cache decode. Models are not edited.
 
-How: a ``TorchDispatchMode`` (thread-local, below autograd) that replaces these aten ops while
-the switch is on (their math: ``_reference.py``)::
+How: kernels registered on the ``ADInplaceOrView`` dispatch key (below autograd, above the
+backends; ``_registry.py``) while some thread is inside the block, answering in each thread
+whose switch is on; only these ops and the reported ones pay a Python call. Inside
+``torch.inference_mode()`` (tensors without that key) the same answers come from a
+``TorchDispatchMode``, which every op reaches. The ops replaced (their math:
+``_reference.py``)::
 
     mm, addmm, _grouped_mm           fixed 64-row tiles (M = 1 decode rows padded into one)
     bmm                              splits of 64 from each row's first non-zero, fixed-shape
@@ -24,8 +28,10 @@ the switch is on (their math: ``_reference.py``)::
 
 Every other op runs unchanged; one that reduces or multiplies matrices (``cumsum``, ``baddbmm``,
 an attention call with dropout, ...) and is not covered is reported once by name through the
-``glm_kernels`` logger, never silently non-invariant. torch.library custom ops (the library's
-own, ``apply_glm_kernels``') run their own kernels, which read the same switch.
+``glm_kernels`` logger, never silently non-invariant. The library's own custom ops
+(``glm_kernels::``, what ``apply_glm_kernels`` installs) run their bodies on torch's kernels
+and read the same switch themselves; another namespace's custom op is not the library's, and
+the aten ops its body runs are answered like the model's.
 
 Backends (``glm_kernels.force_backend``): on CPU the torch definitions; on CUDA (and under the
 ``interpret`` backend on CPU) mm / addmm / grouped_mm run the persistent fixed-tile Triton
@@ -34,6 +40,7 @@ key range per query falls back to the torch definition, logged once); eager atte
 and softmax are covered on both. Not measured on GPU.
 """
 import contextlib
+import threading
 from typing import Callable, Dict, Iterator
 
 import torch
@@ -43,6 +50,7 @@ from .._dispatch import batch_invariant_enabled, select_backend, warn_once
 from . import _fused_sdpa
 from . import _reference as ref
 from . import _torch as split_kv
+from ._registry import PASS_THROUGH, Registration, registrable
 
 aten = torch.ops.aten
 
@@ -217,55 +225,137 @@ def _has_float_tensor(args, kwargs) -> bool:
 _candidates: Dict[object, bool] = {}
 
 
-def report_uncovered(func, args, kwargs) -> None:
-    """Log ``func`` once if it is a reduction or matrix op on floats the mode leaves as is."""
+def _reported(func) -> bool:
     candidate = _candidates.get(func)
     if candidate is None:
         candidate = _candidates[func] = (func.namespace == "aten" and
                                          func.overloadpacket.__name__ in UNCOVERED_REDUCTIONS)
-    if not candidate:
+    return candidate
+
+
+def report_uncovered(func, kwargs) -> None:
+    """Log ``func`` (called on floats) once if it is a reduction or matrix op the override
+    leaves as is."""
+    if not _reported(func):
         return
     dtype = kwargs.get("dtype")
     if dtype is not None and not dtype.is_floating_point:
         return      # an integer result (cumsum of counts into int32) is exact
-    if _has_float_tensor(args, kwargs):
-        warn_once(f"batch_invariant:uncovered:{func}",
-                  f"glm_kernels.batch_invariant(): aten op {func} ran inside the context and is "
-                  "not covered by the whole-model override: its rows may depend on the batch")
+    warn_once(f"batch_invariant:uncovered:{func}",
+              f"glm_kernels.batch_invariant(): aten op {func} ran inside the context and is "
+              "not covered by the whole-model override: its rows may depend on the batch")
+
+
+def answer(func, args, kwargs):
+    """The override's result for one call of ``func`` on floating-point tensors, or
+    ``PASS_THROUGH`` (torch's kernel runs it; reported first when it is an uncovered
+    reduction)."""
+    impl = COVERED.get(func)
+    if impl is not None:
+        out = impl(*args, **kwargs)
+        if out is _PASS_THROUGH:
+            return PASS_THROUGH
+        if out is not NotImplemented:
+            return out
+    report_uncovered(func, kwargs)
+    return PASS_THROUGH
+
+
+def _registered_ops() -> list:
+    """The covered ops, every dispatcher overload of the reported ones, and the library's own
+    custom ops: their kernels run torch's ops as they are (they read the switch themselves),
+    which a kernel here gives them by passing the call down (the ops a kernel runs do not
+    come back here). Another namespace's custom ops are not registered: the aten ops their
+    bodies run are answered like any other."""
+    ops = list(COVERED)
+    for name in sorted(UNCOVERED_REDUCTIONS):
+        packet = getattr(aten, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            op = getattr(packet, overload)
+            if op not in COVERED and registrable(op):
+                ops.append(op)
+    for qualified in sorted(torch._C._dispatch_get_all_op_names()):
+        namespace, _, name = qualified.partition("::")
+        # A mutable one has torch's own kernel here already, which does the same.
+        if namespace == "glm_kernels" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                qualified, "ADInplaceOrView"):
+            name, _, overload = name.partition(".")
+            ops.append(getattr(getattr(torch.ops.glm_kernels, name), overload or "default"))
+    return ops
 
 
 class BatchInvariantMode(TorchDispatchMode):
-    """Replaces the covered aten ops with their batch-invariant definitions while
-    ``glm_kernels.batch_invariant_enabled()`` is true in this thread; passes through otherwise
+    """The override as a dispatch mode, for blocks entered inside ``torch.inference_mode()``
+    (whose tensors the registered kernels never see): every op of the model reaches Python
+    here, so it costs more. Answers while the thread's switch is on, passes through otherwise
     (so ``batch_invariant(False)`` inside the block switches it off)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not batch_invariant_enabled():
+        if not batch_invariant_enabled() or not _has_float_tensor(args, kwargs):
             return func(*args, **kwargs)
-        impl = COVERED.get(func)
-        if impl is not None and _has_float_tensor(args, kwargs):
-            out = impl(*args, **kwargs)
-            if out is _PASS_THROUGH:
-                return func(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        report_uncovered(func, args, kwargs)
-        return func(*args, **kwargs)
+        if _decomposes(func):
+            # Under inference_mode a composite op (matmul, linear) reaches the mode whole:
+            # its decomposition's ops come back here one by one.
+            with self:
+                return func.decompose(*args, **kwargs)
+        out = answer(func, args, kwargs)
+        return func(*args, **kwargs) if out is PASS_THROUGH else out
+
+
+_composite: Dict[object, bool] = {}
+
+
+def _decomposes(func) -> bool:
+    known = _composite.get(func)
+    if known is None:
+        known = _composite[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
+    return known
+
+
+def _python_mode_covers() -> bool:
+    return any(isinstance(m, BatchInvariantMode) for m in _get_current_dispatch_mode_stack())
+
+
+REGISTRATION = Registration(_registered_ops, answer, _python_mode_covers)
+_thread = threading.local()
+_process_hold = False            # GLM_KERNELS_BATCH_INVARIANT=1: registered for the process
 
 
 def mode_active() -> bool:
-    """Whether a :class:`BatchInvariantMode` is on this thread's dispatch-mode stack."""
-    return any(isinstance(m, BatchInvariantMode) for m in _get_current_dispatch_mode_stack())
+    """Whether the override is in force for this thread: entered by ``batch_invariant()`` here
+    (switched on or off inside), or for the whole process by ``GLM_KERNELS_BATCH_INVARIANT``."""
+    return _process_hold or getattr(_thread, "entered", False)
+
+
+def hold_for_process() -> None:
+    """``GLM_KERNELS_BATCH_INVARIANT=1`` at import: the kernels stay registered, and answer in
+    every thread whose switch is on (the variable turns it on by default)."""
+    global _process_hold
+    if not _process_hold:
+        REGISTRATION.acquire()
+        _process_hold = True
 
 
 @contextlib.contextmanager
 def whole_model(setting, enabled: bool) -> Iterator[None]:
-    """Enter ``setting`` (the thread-local switch) and, when ``enabled`` and not already on
-    this thread's stack, the aten override; everything is restored on exit."""
+    """Enter ``setting`` (the thread-local switch) and, when ``enabled`` and not already in
+    force on this thread, the aten override; everything is restored on exit."""
     with setting:
         if not enabled or mode_active():
             yield
             return
-        with BatchInvariantMode():
-            yield
+        _thread.entered = True
+        try:
+            if torch.is_inference_mode_enabled():
+                with BatchInvariantMode():
+                    yield
+            else:
+                REGISTRATION.acquire()
+                try:
+                    yield
+                finally:
+                    REGISTRATION.release()
+        finally:
+            _thread.entered = False

@@ -15,6 +15,7 @@ import glm_kernels
 from glm_kernels.invariant import _reference as ref
 from glm_kernels.invariant import _torch as split_kv
 from glm_kernels.invariant import mode_active
+from glm_kernels.invariant.mode import REGISTRATION
 from glm_kernels.testing import TOLERANCES, assert_bits_equal, assert_close
 
 torch.manual_seed(0)
@@ -290,25 +291,30 @@ def test_mode_is_entered_restored_and_thread_local():
         other.join(60)
         with glm_kernels.batch_invariant(False):
             assert_bits_equal(a @ w.t(), plain, name="switched off inside")
-        with glm_kernels.batch_invariant():   # nested: one mode on the stack
-            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-            assert len(_get_current_dispatch_mode_stack()) == 1
+        with glm_kernels.batch_invariant():   # nested: registered once
+            assert REGISTRATION.holders == 1
     assert seen == {"active": False}
-    assert not mode_active()
+    assert not mode_active() and REGISTRATION.holders == 0
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm", "ADInplaceOrView")
     assert_bits_equal(a @ w.t(), plain, name="after exit")
 
 
 def test_custom_ops_run_their_own_kernels():
-    """A torch.library custom op (as apply_glm_kernels registers) is passed through whole:
-    its body runs torch's kernels, not the override's."""
-    @torch.library.custom_op("glm_kernels_test::plain_mm", mutates_args=())
-    def plain_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a @ b
+    """The library's own custom ops (glm_kernels::, as apply_glm_kernels calls them) run their
+    bodies on torch's kernels: they read the switch themselves. Another namespace's custom op
+    is not the library's: the aten ops its body runs are answered by the override."""
+    def define(qualified):
+        @torch.library.custom_op(qualified, mutates_args=())
+        def plain_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a @ b
+        return plain_mm
 
+    own, users = define("glm_kernels::_test_plain_mm"), define("glm_kernels_test::plain_mm")
     a, b = torch.randn(1, 32), torch.randn(32, 48)
     with glm_kernels.batch_invariant():
-        inside = plain_mm(a, b)
-    assert_bits_equal(inside, a @ b, name="custom op")
+        inside_own, inside_users = own(a, b), users(a, b)
+    assert_bits_equal(inside_own, a @ b, name="glm_kernels custom op")
+    assert_bits_equal(inside_users, ref.mm(a, b), name="another namespace's custom op")
 
 
 def test_uncovered_op_is_reported_once_by_name(caplog):
