@@ -22,9 +22,16 @@ import torch
 from ._dispatch import batch_invariant_enabled
 
 NEG_INF = float("-inf")
-# Rows a product tile holds: a multiple of every CPU micro-kernel height, large enough that the
-# weight is re-read rarely (one read per ROW_TILE rows).
+# Rows a product tile holds (the bits compare within one device, so each has its own): on CUDA
+# (the fused-linear losses' cuBLAS calls) 64, a multiple of the MMA tile heights; on the CPU
+# 16, so a decode step's few rows are not padded far (a hidden-512 decode 1.6x faster than
+# with 64, its forward ~5-10% slower; NOTES.md). Each tile re-reads the weight.
 ROW_TILE = 64
+CPU_ROW_TILE = 16
+
+
+def row_tile(device: torch.device) -> int:
+    return CPU_ROW_TILE if device.type == "cpu" else ROW_TILE
 # Product widths (N) below this get a row-major second operand (matmul_nt).
 NARROW = 16
 
@@ -58,7 +65,7 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
-    """a [M, K] @ b[N, K]^T on tiles of exactly ROW_TILE rows (the last one zero-padded).
+    """a [M, K] @ b[N, K]^T on tiles of exactly ``row_tile`` rows (the last one zero-padded).
 
     ``b`` is made row-major when it is narrow: given as the transpose of a [K, N] matrix
     (``x @ w``), x86 BLAS runs N = 5-7 and 9-11 through a kernel whose order over K depends on
@@ -69,10 +76,11 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor = None) -> tor
         b = b.contiguous()
     if out is None:
         out = a.new_empty((m, b.shape[0]))
-    tile = a.new_zeros((ROW_TILE, a.shape[1]))
-    for start in range(0, m, ROW_TILE):
-        rows = min(ROW_TILE, m - start)
-        if rows == ROW_TILE:
+    height = row_tile(a.device)
+    tile = a.new_zeros((height, a.shape[1]))
+    for start in range(0, m, height):
+        rows = min(height, m - start)
+        if rows == height:
             torch.mm(a[start:start + rows], b.t(), out=out[start:start + rows])
         else:
             tile[:rows].copy_(a[start:start + rows])

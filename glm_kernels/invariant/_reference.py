@@ -6,9 +6,9 @@ never on the tensor's shape, the element's position in it, the thread count, or 
 or masked entries surround it. The rules:
 
 * a matrix product with a fixed K (``linear``: mm, addmm, grouped_mm) runs on row tiles of
-  exactly ``ROW_TILE`` rows (the last zero-padded): every call has one shape, so one BLAS
-  kernel and one order over K for every row, the M = 1 decode row included (measured
-  thread-independent for fixed tiles: tests/invariant);
+  exactly ``row_tile`` rows (16 on the CPU, 64 on CUDA; the last zero-padded): every call
+  has one shape, so one BLAS kernel and one order over K for every row, the M = 1 decode row
+  included (measured thread-independent for fixed tiles: tests/invariant);
 * a sum whose length changes with the batch (attention's keys, a bmm's K) is a fixed binary
   tree over its *non-zero* terms, moved to the front in order (``compact_nonzero``): masked
   keys, left or right padding and a KV cache's shorter rows only add or remove exact zeros,
@@ -27,7 +27,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .._row_invariant import ROW_TILE, matmul_nt, tree_sum
+from .._row_invariant import matmul_nt, tree_sum
 
 # Elements per piece of an elementwise op: a multiple of every ATen vector step (2 x 32 bf16
 # lanes on AVX-512) and below ATen's parallel grain (32768), so one thread runs each piece
@@ -138,7 +138,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight, bias, e
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] on row tiles of exactly ROW_TILE rows."""
+    """a [M, K] @ b [K, N] on row tiles of exactly ``row_tile`` rows."""
     return matmul_nt(a.contiguous(), b.t())
 
 

@@ -3,7 +3,7 @@ fixed-shape matrix products (the torch counterpart of ``_kernels.attention``; ``
 applies the same idea to eager attention's two products).
 
 For queries whose visible keys are one range ``[lo, hi)`` (causal, left or right padding, a
-KV cache), with S = ``KEY_SPLIT`` and R = ``ROW_TILE``::
+KV cache), with S = ``KEY_SPLIT`` and R = ``QUERY_TILE``::
 
     split j of query i      keys lo_i + j*S ... lo_i + (j+1)*S - 1   (counted from lo_i)
     scores                  one bmm entry per (query tile, head, split): [R, D] @ [D, S]
@@ -26,15 +26,18 @@ from typing import Tuple
 
 import torch
 
-from .._row_invariant import ROW_TILE, tree_sum
+from .._row_invariant import tree_sum
 from ._reference import NEG_INF, _accumulation_dtype, elementwise
 
 KEY_SPLIT = 64           # keys per split: the K of every P @ V product
+# Query rows per product. 16 made a decode step's attention ~5% cheaper and a forward's 10-30%
+# dearer than 64 (CPU, NOTES.md): the forward keeps the larger tile.
+QUERY_TILE = 64
 TREE_SPAN = 16           # bmm rows with at most this many terms: a tree, not a product
 
 
 def _query_tiles(lo: torch.Tensor, hi: torch.Tensor):
-    """The visible queries grouped by (batch row, lo) and cut into tiles of ROW_TILE rows:
+    """The visible queries grouped by (batch row, lo) and cut into tiles of QUERY_TILE rows:
     (batch index, query index, tile, row in tile) of each visible query, the tile count, and
     each tile's batch row and lo."""
     batch, t = lo.shape
@@ -48,9 +51,9 @@ def _query_tiles(lo: torch.Tensor, hi: torch.Tensor):
     counts = torch.bincount(group_of, minlength=groups.numel())
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(group_of.numel(), device=lo.device) - starts[group_of]
-    tiles_per_group = (counts + ROW_TILE - 1) // ROW_TILE
+    tiles_per_group = (counts + QUERY_TILE - 1) // QUERY_TILE
     first_tile = torch.cumsum(tiles_per_group, 0) - tiles_per_group
-    tile = first_tile[group_of] + rank // ROW_TILE
+    tile = first_tile[group_of] + rank // QUERY_TILE
     n_tiles = int(tiles_per_group.sum())
     tile_group = torch.repeat_interleave(torch.arange(groups.numel(), device=lo.device),
                                          tiles_per_group)
@@ -58,7 +61,7 @@ def _query_tiles(lo: torch.Tensor, hi: torch.Tensor):
     group_b[group_of] = b_idx
     group_lo = torch.zeros_like(groups)
     group_lo[group_of] = lo[b_idx, q_idx].long()
-    return b_idx, q_idx, tile, rank % ROW_TILE, n_tiles, group_b[tile_group], \
+    return b_idx, q_idx, tile, rank % QUERY_TILE, n_tiles, group_b[tile_group], \
         group_lo[tile_group]
 
 
@@ -81,12 +84,12 @@ def _row_tiles(q: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, acc):
     """The common case, every visible query of a batch row with one ``lo`` (causal with left
     or right padding, decode): each row's queries in order, cut into tiles (no gather)."""
     batch, heads, t, d = q.shape
-    n_t = -(-t // ROW_TILE)
-    padded = torch.nn.functional.pad(q.to(acc), (0, 0, 0, n_t * ROW_TILE - t))
-    q_tiles = padded.view(batch, heads, n_t, ROW_TILE, d).transpose(1, 2)
-    row_span = torch.nn.functional.pad(span, (0, n_t * ROW_TILE - t)).view(-1, ROW_TILE)
+    n_t = -(-t // QUERY_TILE)
+    padded = torch.nn.functional.pad(q.to(acc), (0, 0, 0, n_t * QUERY_TILE - t))
+    q_tiles = padded.view(batch, heads, n_t, QUERY_TILE, d).transpose(1, 2)
+    row_span = torch.nn.functional.pad(span, (0, n_t * QUERY_TILE - t)).view(-1, QUERY_TILE)
     tile_b = torch.arange(batch, device=q.device).repeat_interleave(n_t)
-    return q_tiles.reshape(-1, heads, ROW_TILE, d), tile_b, lo.repeat_interleave(n_t), row_span
+    return q_tiles.reshape(-1, heads, QUERY_TILE, d), tile_b, lo.repeat_interleave(n_t), row_span
 
 
 def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
@@ -105,10 +108,10 @@ def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
 
     k_tiles, v_tiles = gather(k), gather(v)
     # Scores: one [R, D] @ [D, S] product per (tile, head, split)
-    a = q_tiles.unsqueeze(2).expand(n_tiles, heads, n_splits, ROW_TILE, d)
-    scores = _bmm_nt(a.reshape(-1, ROW_TILE, d), k_tiles.reshape(-1, KEY_SPLIT, d))
-    scores = scores.view(n_tiles, heads, n_splits, ROW_TILE, KEY_SPLIT).transpose(2, 3)
-    scores = scores.reshape(n_tiles, heads, ROW_TILE, width)
+    a = q_tiles.unsqueeze(2).expand(n_tiles, heads, n_splits, QUERY_TILE, d)
+    scores = _bmm_nt(a.reshape(-1, QUERY_TILE, d), k_tiles.reshape(-1, KEY_SPLIT, d))
+    scores = scores.view(n_tiles, heads, n_splits, QUERY_TILE, KEY_SPLIT).transpose(2, 3)
+    scores = scores.reshape(n_tiles, heads, QUERY_TILE, width)
     # The softmax on the tiles' real rows only (elementwise and trees: where a row sits does
     # not matter to them); a decode step's tile is one real row and 63 of padding.
     tile_i, row_i = torch.nonzero(row_span > 0, as_tuple=True)
@@ -119,17 +122,17 @@ def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
     shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
     e = elementwise(torch.exp, real - shift)                            # masked: exactly 0
     total = tree_sum(tree_sum(e.view(*e.shape[:2], n_splits, KEY_SPLIT)))      # [N, H]
-    p_tiles = scores.new_zeros(n_tiles, heads, ROW_TILE, width)
+    p_tiles = scores.new_zeros(n_tiles, heads, QUERY_TILE, width)
     p_tiles[tile_i, :, row_i] = torch.where(total[..., None] > 0, e / total[..., None],
                                             torch.zeros_like(e))
     # P @ V: one [R, S] @ [S, Dv] product per (tile, head, split), then a tree over splits
-    p_splits = p_tiles.view(n_tiles, heads, ROW_TILE, n_splits, KEY_SPLIT).transpose(2, 3)
+    p_splits = p_tiles.view(n_tiles, heads, QUERY_TILE, n_splits, KEY_SPLIT).transpose(2, 3)
     v_t = v_tiles.view(n_tiles, heads, n_splits, KEY_SPLIT, dv).transpose(-1, -2)
-    partial = _bmm_nt(p_splits.reshape(-1, ROW_TILE, KEY_SPLIT), v_t.reshape(-1, dv, KEY_SPLIT))
-    partial = partial.view(n_tiles, heads, n_splits, ROW_TILE, dv)[tile_i, :, :, row_i]
-    out = q_tiles.new_zeros(n_tiles, heads, ROW_TILE, dv)
+    partial = _bmm_nt(p_splits.reshape(-1, QUERY_TILE, KEY_SPLIT), v_t.reshape(-1, dv, KEY_SPLIT))
+    partial = partial.view(n_tiles, heads, n_splits, QUERY_TILE, dv)[tile_i, :, :, row_i]
+    out = q_tiles.new_zeros(n_tiles, heads, QUERY_TILE, dv)
     out[tile_i, :, row_i] = tree_sum(partial.transpose(-1, -2))         # [N, H, Dv]
-    lse = torch.full((n_tiles, heads, ROW_TILE), float("inf"), device=k.device)
+    lse = torch.full((n_tiles, heads, QUERY_TILE), float("inf"), device=k.device)
     lse[tile_i, :, row_i] = torch.where(
         total > 0, shift[..., 0] + elementwise(torch.log, total),
         torch.full_like(total, float("inf"))).float()
@@ -141,8 +144,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
     """q [B, H, T, D], k [B, Hk, L, D], v [B, Hk, L, Dv] (Hk divides H), lo / hi int [B, T]:
     query t of row b sees keys [lo, hi). Returns (out [B, H, T, Dv] in q's dtype, logsumexp
     [B, H, T] fp32; +inf and out 0 for a query that sees no key)."""
-    acc = _accumulation_dtype(q.dtype)
     batch, heads, t, _ = q.shape
+    kv_heads = k.shape[1]
+    if heads > kv_heads:
+        # A group's query heads read the same keys: their rows share tiles ((head, query) in
+        # order), so a decode step's G rows fill one tile instead of G tiles of one row each.
+        # A row's bits do not depend on its place in the tile or on the other rows.
+        group = heads // kv_heads
+        out, lse = attention(q.reshape(batch, kv_heads, group * t, q.shape[-1]), k, v,
+                             lo.repeat(1, group), hi.repeat(1, group), scale)
+        return out.reshape(batch, heads, t, -1), lse.reshape(batch, heads, t)
+    acc = _accumulation_dtype(q.dtype)
     lo, span = lo.long(), (hi - lo).long().clamp(min=0)
     seen = span > 0
     if not bool(seen.any()):
@@ -153,17 +165,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
         q_tiles, tile_b, tile_lo, row_span = _row_tiles(q, row_lo, span, acc)
         out, lse = _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale)
         n_t = q_tiles.shape[0] // batch
-        out = out.view(batch, n_t, heads, ROW_TILE, -1).transpose(1, 2).reshape(
-            batch, heads, n_t * ROW_TILE, -1)[:, :, :t]
-        lse = lse.view(batch, n_t, heads, ROW_TILE).transpose(1, 2).reshape(
+        out = out.view(batch, n_t, heads, QUERY_TILE, -1).transpose(1, 2).reshape(
+            batch, heads, n_t * QUERY_TILE, -1)[:, :, :t]
+        lse = lse.view(batch, n_t, heads, QUERY_TILE).transpose(1, 2).reshape(
             batch, heads, -1)[:, :, :t]
         return out.to(q.dtype), lse.contiguous()
     # Rows whose queries start at different keys (e.g. padding queries that see every key):
     # queries grouped by (row, lo), each group in tiles of its own.
     b_idx, q_idx, tile, row, n_tiles, tile_b, tile_lo = _query_tiles(lo, lo + span)
-    q_tiles = q.new_zeros(n_tiles, heads, ROW_TILE, q.shape[-1], dtype=acc)
+    q_tiles = q.new_zeros(n_tiles, heads, QUERY_TILE, q.shape[-1], dtype=acc)
     q_tiles[tile, :, row] = q[b_idx, :, q_idx].to(acc)
-    row_span = torch.zeros(n_tiles, ROW_TILE, dtype=torch.long, device=q.device)
+    row_span = torch.zeros(n_tiles, QUERY_TILE, dtype=torch.long, device=q.device)
     row_span[tile, row] = span[b_idx, q_idx]
     tile_out, tile_lse = _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale)
     out = torch.zeros(batch, heads, t, v.shape[-1], dtype=acc, device=q.device)
@@ -227,16 +239,16 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     width, n_chunks = n_splits * KEY_SPLIT, -(-n // KEY_SPLIT)
     pos, inside = _window(tile_lo, width, k)                              # [n, W]
     a_rows = a[e_idx[:, None], m_idx[:, None], pos[tile]].to(acc)        # [rows, W]
-    a_tiles = a.new_zeros(n_tiles, ROW_TILE, width, dtype=acc)
+    a_tiles = a.new_zeros(n_tiles, QUERY_TILE, width, dtype=acc)
     a_tiles[tile, row] = a_rows.masked_fill(~inside[tile], 0.0)
     b_rows = b[tile_e[:, None], pos].to(acc).masked_fill(~inside[..., None], 0.0)  # [n, W, N]
     b_rows = torch.nn.functional.pad(b_rows, (0, n_chunks * KEY_SPLIT - n))
     # [n, splits, chunks, 64 (N), S (K)]: the second operand of each product, row-major
     b_t = b_rows.view(n_tiles, n_splits, KEY_SPLIT, n_chunks, KEY_SPLIT).permute(0, 1, 3, 4, 2)
-    a_s = a_tiles.view(n_tiles, ROW_TILE, n_splits, KEY_SPLIT).transpose(1, 2).unsqueeze(2) \
-        .expand(n_tiles, n_splits, n_chunks, ROW_TILE, KEY_SPLIT)
-    partial = _bmm_nt(a_s.reshape(-1, ROW_TILE, KEY_SPLIT), b_t.reshape(-1, KEY_SPLIT, KEY_SPLIT))
-    partial = partial.view(n_tiles, n_splits, n_chunks, ROW_TILE, KEY_SPLIT)
+    a_s = a_tiles.view(n_tiles, QUERY_TILE, n_splits, KEY_SPLIT).transpose(1, 2).unsqueeze(2) \
+        .expand(n_tiles, n_splits, n_chunks, QUERY_TILE, KEY_SPLIT)
+    partial = _bmm_nt(a_s.reshape(-1, QUERY_TILE, KEY_SPLIT), b_t.reshape(-1, KEY_SPLIT, KEY_SPLIT))
+    partial = partial.view(n_tiles, n_splits, n_chunks, QUERY_TILE, KEY_SPLIT)
     rows = partial[tile, :, :, row]                                      # [rows, splits, chunks, 64]
     summed = tree_sum(rows.permute(0, 2, 3, 1)).reshape(rows.shape[0], -1)[:, :n]
     out[e_idx, m_idx] = summed

@@ -10,7 +10,7 @@ whose switch is on; only these ops and the reported ones pay a Python call. Insi
 ``TorchDispatchMode``, which every op reaches. The ops replaced (their math:
 ``_reference.py``)::
 
-    mm, addmm, _grouped_mm           fixed 64-row tiles (M = 1 decode rows padded into one)
+    mm, addmm, _grouped_mm           fixed 16-row tiles (a decode step's rows padded into one)
     bmm                              splits of 64 from each row's first non-zero, fixed-shape
                                      products, a tree over splits (``_torch.py``); a row of at
                                      most 16 terms: a tree over its non-zero products

@@ -45,9 +45,9 @@ def model():
     return _model(TrainerConfig().validate())
 
 
-@pytest.mark.parametrize("n", [0, 1, 5, 64, 65, 130])
+@pytest.mark.parametrize("n", [0, 1, 5, 16, 17, 64, 65, 130])
 def test_linear_layers_give_each_row_the_bits_it_gets_alone(model, n):
-    """The policy's projections and lm_head under the mode (fixed 64-row tiles): the same
+    """The policy's projections and lm_head under the mode (fixed row tiles): the same
     function as outside it, and each of n rows the bits it gets alone (n = 1: a decode step)."""
     torch.manual_seed(n)
     x = torch.randn(n, model.config.hidden_size)

@@ -135,6 +135,22 @@ def test_split_kv_attention_matches_sdpa(case):
     assert_close(lse, want_lse, tol=1e-5, name="split-KV logsumexp")
 
 
+def test_split_kv_attention_packs_a_query_group_without_changing_bits():
+    """Grouped-query heads share tiles (a decode step's group in one tile): the same bits as
+    each head alone against its repeated keys, for a decode row and a padded forward."""
+    for t, pads in ((1, (0, 5, 30)), (70, (5, 0, 77))):
+        q = torch.randn(3, 8, t, 16)
+        k, v = torch.randn(3, 2, 150, 16), torch.randn(3, 2, 150, 6)
+        ranges = ref.visible_key_ranges(3, t, 150, _one_range_mask(3, t, 150, pads, 4),
+                                        False, q.device)
+        packed, packed_lse = split_kv.attention(q, k, v, *ranges, 0.25)
+        for head in (0, 3, 7):
+            alone, alone_lse = split_kv.attention(q[:, head:head + 1], k[:, head // 4:][:, :1],
+                                                  v[:, head // 4:][:, :1], *ranges, 0.25)
+            assert_bits_equal(packed[:, head:head + 1], alone, name=f"T {t} head {head}")
+            assert_bits_equal(packed_lse[:, head:head + 1], alone_lse, name="logsumexp")
+
+
 def test_split_kv_attention_is_decode_and_padding_invariant():
     """Query t of a 150-token sequence (3 splits, 3 query tiles): its keys in a cache
     (decode), in a causal row, behind 70 left-padding keys, beside other rows: the same bits.

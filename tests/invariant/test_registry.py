@@ -21,7 +21,7 @@ torch.manual_seed(0)
 
 def _operands():
     # One row against a transposed weight (x @ W^T, as nn.Linear): torch's M = 1 kernel
-    # differs from the 64-row tile's bits here.
+    # differs from the row tile's bits here.
     a, w = torch.randn(1, 32), torch.randn(48, 32).t()
     assert not torch.equal(a @ w, ref.mm(a, w)), "the check below could not fail"
     return a, w
