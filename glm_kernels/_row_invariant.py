@@ -43,13 +43,17 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     n = x.shape[dim]
     if n == 0:
         return x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
-    width = 1 << (n - 1).bit_length()
-    if width != n:
-        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, width - n])
-    while width > 1:
-        width //= 2
-        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
-    return x.select(dim, 0)
+    levels = (n - 1).bit_length()
+    if n != 1 << levels:
+        x = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, (1 << levels) - n])
+    # Each level adds the first half to the second (element i and i + width / 2): the width
+    # split into ``levels`` dims of 2, the outermost unbound per level (two Python calls a
+    # level; tiny rows pay per call).
+    x = x.unflatten(dim, [2] * levels) if levels else x
+    for _ in range(levels):
+        first, second = x.unbind(dim)
+        x = first + second
+    return x if levels else x.select(dim, 0)
 
 
 def row_shift(m: torch.Tensor) -> torch.Tensor:
@@ -74,18 +78,17 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor = None) -> tor
     m = a.shape[0]
     if b.shape[0] < NARROW and b.stride(-1) != 1:
         b = b.contiguous()
+    height = row_tile(a.device)
+    whole = m - m % height
+    if out is None and whole == 0 and m > 0:          # a decode step: one padded tile
+        return torch.mm(torch.nn.functional.pad(a, (0, 0, 0, height - m)), b.t())[:m]
     if out is None:
         out = a.new_empty((m, b.shape[0]))
-    height = row_tile(a.device)
-    tile = a.new_zeros((height, a.shape[1]))
-    for start in range(0, m, height):
-        rows = min(height, m - start)
-        if rows == height:
-            torch.mm(a[start:start + rows], b.t(), out=out[start:start + rows])
-        else:
-            tile[:rows].copy_(a[start:start + rows])
-            tile[rows:].zero_()
-            out[start:start + rows].copy_(torch.mm(tile, b.t())[:rows])
+    for start in range(0, whole, height):
+        torch.mm(a[start:start + height], b.t(), out=out[start:start + height])
+    if whole < m:
+        tail = torch.nn.functional.pad(a[whole:], (0, 0, 0, height - (m - whole)))
+        out[whole:].copy_(torch.mm(tail, b.t())[:m - whole])
     return out
 
 

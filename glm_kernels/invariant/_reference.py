@@ -46,12 +46,13 @@ def elementwise(fn: Callable, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     flat = x.reshape(-1)
     n = flat.numel()
     width = -(-n // VECTOR_STEP) * VECTOR_STEP
-    padded = flat.new_zeros(width)
-    padded[:n] = flat
-    pieces = [fn(padded[s:s + SERIAL_ELEMENTS], *args, **kwargs)
-              for s in range(0, width, SERIAL_ELEMENTS)]
-    out = torch.cat(pieces) if pieces else fn(padded, *args, **kwargs)
-    return out[:n].view(x.shape)
+    padded = flat if width == n else torch.nn.functional.pad(flat, (0, width - n))
+    if width <= SERIAL_ELEMENTS:
+        out = fn(padded, *args, **kwargs)
+    else:
+        out = torch.cat([fn(padded[s:s + SERIAL_ELEMENTS], *args, **kwargs)
+                         for s in range(0, width, SERIAL_ELEMENTS)])
+    return (out if width == n else out[:n]).view(x.shape)
 
 
 def compact_nonzero(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +73,8 @@ def sum_nonzero(x: torch.Tensor) -> torch.Tensor:
 
 def reduce_dims(x: torch.Tensor, dims: Optional[Sequence[int]]) -> torch.Tensor:
     """``x`` with ``dims`` (all when None or empty) moved to the end and flattened into one."""
+    if dims and len(dims) == 1 and x.dim() and dims[0] % x.dim() == x.dim() - 1:
+        return x            # the last dim alone (a norm over the hidden size): already so
     if not dims:
         dims = range(x.dim())
     dims = sorted({d % max(x.dim(), 1) for d in dims})
