@@ -6,8 +6,8 @@ answers is still recorded by autograd with torch's own derivative (whose product
 here), and a kernel that declines hands the call to the backend below (``redispatch``) with
 nothing changed, so the kernel computes torch's own result without an ``.out`` twin. Only the
 covered and the reported ops pay a Python call; every other op runs as it would outside (a
-``TorchDispatchMode`` sends every op of a model through Python: 1.8-2.3x a tiny model's time
-before any work, against 1.1-1.2x here; NOTES.md).
+``TorchDispatchMode`` sends every op of a model through Python: 1.9-2.6x a tiny model's time
+before any work, against 1.3-1.4x here; docs/batch_invariance.md).
 
 The registration is process-wide and counted: the first thread to enter registers, the last
 to leave removes every kernel (aten's own ``ADInplaceOrView`` kernels of out= and in-place ops
