@@ -55,11 +55,11 @@ def elementwise(fn: Callable, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return (out if width == n else out[:n]).view(x.shape)
 
 
-def compact_nonzero(x: torch.Tensor) -> torch.Tensor:
+def compact_nonzero(x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x`` [..., L] with each row's non-zero entries moved to the front in their order, zeros
     after: a row's sum then no longer depends on where zeros (masked keys, padding) sat."""
     length = x.shape[-1]
-    keep = x != 0
+    keep = x != 0 if keep is None else keep
     dest = torch.where(keep, torch.cumsum(keep, -1) - 1, length)
     out = x.new_zeros(*x.shape[:-1], length + 1)
     out.scatter_(-1, dest, x)         # dropped entries all land in the spare last column
@@ -68,7 +68,10 @@ def compact_nonzero(x: torch.Tensor) -> torch.Tensor:
 
 def sum_nonzero(x: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim as a fixed tree of the non-zero terms in order."""
-    return tree_sum(compact_nonzero(x))
+    keep = x != 0
+    if bool(keep.all()):              # nothing to move (a softmax over a whole vocabulary)
+        return tree_sum(x)
+    return tree_sum(compact_nonzero(x, keep))
 
 
 def reduce_dims(x: torch.Tensor, dims: Optional[Sequence[int]]) -> torch.Tensor:

@@ -139,12 +139,70 @@ def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
     return out, lse
 
 
+def _one_tile(q, k, v, lo, span, scale, acc):
+    """A decode step's attention: every batch row's t <= QUERY_TILE queries see the same keys
+    [lo_b, lo_b + span_b) (span_b > 0), q and k with the same head count. ``_core``'s math,
+    op for op on the same tile (so the same bits), without its scatter and gather of rows:
+    (out [B, H, t, Dv] in acc, logsumexp [B, H, t] fp32)."""
+    batch, heads, t, d = q.shape
+    length, dv = k.shape[2], v.shape[-1]
+    n_splits = max(-(-int(span.max()) // KEY_SPLIT), 1)
+    width = n_splits * KEY_SPLIT
+    pos, inside = _window(lo, width, length)                              # [B, W]
+
+    def window(x):                                                        # [B, H, W, *]
+        rows = x.gather(2, pos[:, None, :, None].expand(batch, heads, width, x.shape[-1]))
+        return rows.to(acc).masked_fill(~inside[:, None, :, None], 0.0)
+
+    k_w, v_w = window(k), window(v)
+    q_tile = torch.nn.functional.pad(q.to(acc), (0, 0, 0, QUERY_TILE - t))
+    a = q_tile.unsqueeze(2).expand(batch, heads, n_splits, QUERY_TILE, d)
+    scores = _bmm_nt(a.reshape(-1, QUERY_TILE, d), k_w.reshape(-1, KEY_SPLIT, d))
+    scores = scores.view(batch, heads, n_splits, QUERY_TILE, KEY_SPLIT)[:, :, :, :t]
+    real = scores.transpose(2, 3).reshape(batch, heads, t, width) * scale
+    visible = torch.arange(width, device=k.device) < span[:, None]        # [B, W]
+    real = real.masked_fill(~visible[:, None, None], NEG_INF)
+    top = real.amax(-1, keepdim=True)
+    shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
+    e = elementwise(torch.exp, real - shift)
+    total = tree_sum(tree_sum(e.view(batch, heads, t, n_splits, KEY_SPLIT)))   # [B, H, t]
+    p = torch.where(total[..., None] > 0, e / total[..., None], torch.zeros_like(e))
+    p_tile = torch.nn.functional.pad(p, (0, 0, 0, QUERY_TILE - t))
+    p_splits = p_tile.view(batch, heads, QUERY_TILE, n_splits, KEY_SPLIT).transpose(2, 3)
+    v_t = v_w.view(batch, heads, n_splits, KEY_SPLIT, dv).transpose(-1, -2)
+    partial = _bmm_nt(p_splits.reshape(-1, QUERY_TILE, KEY_SPLIT), v_t.reshape(-1, dv, KEY_SPLIT))
+    partial = partial.view(batch, heads, n_splits, QUERY_TILE, dv)[:, :, :, :t]
+    out = tree_sum(partial.permute(0, 1, 3, 4, 2))                        # [B, H, t, Dv]
+    lse = torch.where(total > 0, shift[..., 0] + elementwise(torch.log, total),
+                      torch.full_like(total, float("inf"))).float()
+    return out, lse
+
+
+def _repeated_heads(k: torch.Tensor, v: torch.Tensor) -> int:
+    """G when every run of G key and value heads holds bitwise equal copies (transformers
+    repeats grouped heads before sdpa when it passes a mask), else 1."""
+    heads, group = k.shape[1], 1
+    while group < heads and torch.equal(k[:, group], k[:, 0]) and torch.equal(v[:, group],
+                                                                              v[:, 0]):
+        group += 1
+    if group == 1 or heads % group:
+        return 1
+    for x in (k, v):
+        runs = x.unflatten(1, (heads // group, group))
+        if not torch.equal(runs, runs[:, :, :1].expand_as(runs)):
+            return 1
+    return group
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
               hi: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, D], k [B, Hk, L, D], v [B, Hk, L, Dv] (Hk divides H), lo / hi int [B, T]:
     query t of row b sees keys [lo, hi). Returns (out [B, H, T, Dv] in q's dtype, logsumexp
     [B, H, T] fp32; +inf and out 0 for a query that sees no key)."""
     batch, heads, t, _ = q.shape
+    repeats = _repeated_heads(k, v) if heads == k.shape[1] > 1 else 1
+    if repeats > 1:                    # transformers' repeat_kv: pack the group (below)
+        k, v = k[:, ::repeats], v[:, ::repeats]
     kv_heads = k.shape[1]
     if heads > kv_heads:
         # A group's query heads read the same keys: their rows share tiles ((head, query) in
@@ -161,6 +219,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
         return (q.new_zeros(batch, heads, t, v.shape[-1]),
                 torch.full((batch, heads, t), float("inf"), device=q.device))
     row_lo = torch.where(seen, lo, lo.amax()).amin(1)   # a row that sees nothing: any lo
+    if t <= QUERY_TILE and bool((seen & (lo == lo[:, :1]) & (span == span[:, :1])).all()):
+        out, lse = _one_tile(q, k, v, lo[:, 0], span[:, 0], scale, acc)
+        return out.to(q.dtype), lse
     if bool(((lo == row_lo[:, None]) | ~seen).all()):
         q_tiles, tile_b, tile_lo, row_span = _row_tiles(q, row_lo, span, acc)
         out, lse = _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale)

@@ -144,6 +144,10 @@ def test_split_kv_attention_packs_a_query_group_without_changing_bits():
         ranges = ref.visible_key_ranges(3, t, 150, _one_range_mask(3, t, 150, pads, 4),
                                         False, q.device)
         packed, packed_lse = split_kv.attention(q, k, v, *ranges, 0.25)
+        # Keys repeated per query head (transformers' repeat_kv) are found and packed alike.
+        repeated, _ = split_kv.attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                         *ranges, 0.25)
+        assert_bits_equal(repeated, packed, name=f"T {t} repeated heads")
         for head in (0, 3, 7):
             alone, alone_lse = split_kv.attention(q[:, head:head + 1], k[:, head // 4:][:, :1],
                                                   v[:, head // 4:][:, :1], *ranges, 0.25)
