@@ -12,12 +12,12 @@ Whole models (CPU): a forward (8 left-padded sequences of 16-32 tokens) and a de
 prompts, 8 new tokens through ``generate`` and its KV cache) of each tiny random transformers
 model (``glm_kernels.testing.tiny_causal_lm``: Llama, Qwen3, Qwen3-MoE, GLM-5), and without
 ``--quick`` of Llama (4 layers, sdpa) and GLM-5 (2 layers, eager) at hidden 512 (forward 4
-sequences of 56-128 tokens, decode 4 prompts x 32 new tokens), with the
-switch off and on side by side, beside the override's kernels registered but passing every
-call through (``floor``: what reaching the covered ops costs, the floor of the override's
-design) and a dispatch mode that passes every op through (``mode_floor``: what sending every
-aten op through Python costs, the design before); ``bitwise`` is ``assert_batch_invariant`` (rollout log-probs vs full
-forwards alone, batched, shuffled) in the same mode. GPU: not measured on GPU.
+sequences of 56-128 tokens, decode 4 prompts x 32 new tokens), with the switch off and on
+side by side, beside the override's kernels registered but passing every call through
+(``floor``: what reaching the covered ops costs, the floor of the override's design) and a
+dispatch mode that passes every op through (``mode_floor``: what sending every aten op through
+Python costs, the design before); ``bitwise`` is ``assert_batch_invariant`` (rollout log-probs
+vs full forwards alone, batched, shuffled) in the same mode. GPU: not measured on GPU.
 """
 from __future__ import annotations
 

@@ -92,6 +92,25 @@ def _row_tiles(q: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, acc):
     return q_tiles.reshape(-1, heads, QUERY_TILE, d), tile_b, lo.repeat_interleave(n_t), row_span
 
 
+def _split_softmax(real: torch.Tensor, visible: torch.Tensor):
+    """Scaled scores [..., W] (W whole splits) and which keys each sees (broadcastable):
+    (probabilities, masked keys exactly 0; the row max shift [...]; the exponentials' sum
+    [...], a tree over each split's keys then over the splits)."""
+    real = real.masked_fill(~visible, NEG_INF)
+    top = real.amax(-1, keepdim=True)
+    shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
+    e = elementwise(torch.exp, real - shift)                            # masked: exactly 0
+    total = tree_sum(tree_sum(e.view(*e.shape[:-1], -1, KEY_SPLIT)))
+    p = torch.where(total[..., None] > 0, e / total[..., None], torch.zeros_like(e))
+    return p, shift[..., 0], total
+
+
+def _logsumexp(shift: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """fp32; +inf for a query that sees no key (a backward's e^(s - lse) is then 0)."""
+    return torch.where(total > 0, shift + elementwise(torch.log, total),
+                       torch.full_like(total, float("inf"))).float()
+
+
 def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
     """(out [n, H, R, Dv], logsumexp [n, H, R]) of query tiles [n, H, R, D] whose rows see
     keys tile_lo[n] ... tile_lo[n] + row_span[n, r] - 1 of batch row tile_b[n]."""
@@ -115,16 +134,10 @@ def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
     # The softmax on the tiles' real rows only (elementwise and trees: where a row sits does
     # not matter to them); a decode step's tile is one real row and 63 of padding.
     tile_i, row_i = torch.nonzero(row_span > 0, as_tuple=True)
-    real = scores[tile_i, :, row_i] * scale                             # [N, H, W]
     visible = torch.arange(width, device=k.device) < row_span[tile_i, row_i, None]
-    real = real.masked_fill(~visible[:, None], NEG_INF)
-    top = real.amax(-1, keepdim=True)
-    shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
-    e = elementwise(torch.exp, real - shift)                            # masked: exactly 0
-    total = tree_sum(tree_sum(e.view(*e.shape[:2], n_splits, KEY_SPLIT)))      # [N, H]
+    p, shift, total = _split_softmax(scores[tile_i, :, row_i] * scale, visible[:, None])
     p_tiles = scores.new_zeros(n_tiles, heads, QUERY_TILE, width)
-    p_tiles[tile_i, :, row_i] = torch.where(total[..., None] > 0, e / total[..., None],
-                                            torch.zeros_like(e))
+    p_tiles[tile_i, :, row_i] = p                                       # [N, H, W]
     # P @ V: one [R, S] @ [S, Dv] product per (tile, head, split), then a tree over splits
     p_splits = p_tiles.view(n_tiles, heads, QUERY_TILE, n_splits, KEY_SPLIT).transpose(2, 3)
     v_t = v_tiles.view(n_tiles, heads, n_splits, KEY_SPLIT, dv).transpose(-1, -2)
@@ -133,9 +146,7 @@ def _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale):
     out = q_tiles.new_zeros(n_tiles, heads, QUERY_TILE, dv)
     out[tile_i, :, row_i] = tree_sum(partial.transpose(-1, -2))         # [N, H, Dv]
     lse = torch.full((n_tiles, heads, QUERY_TILE), float("inf"), device=k.device)
-    lse[tile_i, :, row_i] = torch.where(
-        total > 0, shift[..., 0] + elementwise(torch.log, total),
-        torch.full_like(total, float("inf"))).float()
+    lse[tile_i, :, row_i] = _logsumexp(shift, total)
     return out, lse
 
 
@@ -159,23 +170,16 @@ def _one_tile(q, k, v, lo, span, scale, acc):
     a = q_tile.unsqueeze(2).expand(batch, heads, n_splits, QUERY_TILE, d)
     scores = _bmm_nt(a.reshape(-1, QUERY_TILE, d), k_w.reshape(-1, KEY_SPLIT, d))
     scores = scores.view(batch, heads, n_splits, QUERY_TILE, KEY_SPLIT)[:, :, :, :t]
-    real = scores.transpose(2, 3).reshape(batch, heads, t, width) * scale
     visible = torch.arange(width, device=k.device) < span[:, None]        # [B, W]
-    real = real.masked_fill(~visible[:, None, None], NEG_INF)
-    top = real.amax(-1, keepdim=True)
-    shift = torch.where(top == NEG_INF, torch.zeros_like(top), top)
-    e = elementwise(torch.exp, real - shift)
-    total = tree_sum(tree_sum(e.view(batch, heads, t, n_splits, KEY_SPLIT)))   # [B, H, t]
-    p = torch.where(total[..., None] > 0, e / total[..., None], torch.zeros_like(e))
+    p, shift, total = _split_softmax(
+        scores.transpose(2, 3).reshape(batch, heads, t, width) * scale, visible[:, None, None])
     p_tile = torch.nn.functional.pad(p, (0, 0, 0, QUERY_TILE - t))
     p_splits = p_tile.view(batch, heads, QUERY_TILE, n_splits, KEY_SPLIT).transpose(2, 3)
     v_t = v_w.view(batch, heads, n_splits, KEY_SPLIT, dv).transpose(-1, -2)
     partial = _bmm_nt(p_splits.reshape(-1, QUERY_TILE, KEY_SPLIT), v_t.reshape(-1, dv, KEY_SPLIT))
     partial = partial.view(batch, heads, n_splits, QUERY_TILE, dv)[:, :, :, :t]
     out = tree_sum(partial.permute(0, 1, 3, 4, 2))                        # [B, H, t, Dv]
-    lse = torch.where(total > 0, shift[..., 0] + elementwise(torch.log, total),
-                      torch.full_like(total, float("inf"))).float()
-    return out, lse
+    return out, _logsumexp(shift, total)
 
 
 def _repeated_heads(k: torch.Tensor, v: torch.Tensor) -> int:
