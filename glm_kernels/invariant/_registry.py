@@ -19,8 +19,9 @@ of what an out= or in-place op wrote, as the kernel it overrides did.
 
 Not reached this way: ops on tensors made under ``torch.inference_mode()`` (they carry no
 ``ADInplaceOrView`` key), so ``whole_model`` uses a ``TorchDispatchMode`` when entered inside
-``inference_mode``; and tensor subclasses (fake tensors while tracing, functional tensors),
-passed through to torch.
+``inference_mode``. Passed to torch as they come: tensor subclasses that dispatch in Python
+(fake tensors while tracing, functional tensors; a wrapper subclass calls the op again on its
+plain tensors, answered then).
 """
 import threading
 import warnings
@@ -57,18 +58,23 @@ def _written(op) -> Callable:
     return written
 
 
-def _plain_floats(args, kwargs) -> bool:
-    """Some argument is a floating-point tensor, and every tensor is a plain one (not a fake
-    tensor while tracing, not a functional or other subclass, not on the meta device)."""
-    flat, has_float = list(args) + list(kwargs.values()), False
+def _answerable(args, kwargs, keyset, python_mode_covers) -> bool:
+    """Some argument is a floating-point tensor with real data: none on the meta device, and,
+    when the call went through the Python key, no tensor subclass that dispatches in Python
+    (fake tensors while tracing, functional tensors: their own dispatch unwraps them and calls
+    the op again on plain tensors, answered then) and no override mode below that answers."""
+    flat, has_float, subclass = list(args) + list(kwargs.values()), False, False
     for a in flat:
         if isinstance(a, (list, tuple)):
             flat.extend(a)
         elif isinstance(a, torch.Tensor):
-            if type(a) not in _PLAIN or a.is_meta:
+            if a.is_meta:
                 return False
             has_float = has_float or a.is_floating_point()
-    return has_float
+            subclass = subclass or type(a) not in _PLAIN
+    if not has_float:
+        return False
+    return not (keyset.has(_PYTHON_KEY) and (subclass or python_mode_covers()))
 
 
 def _kernel(op, answer: Callable, python_mode_covers: Callable[[], bool]) -> Callable:
@@ -76,14 +82,11 @@ def _kernel(op, answer: Callable, python_mode_covers: Callable[[], bool]) -> Cal
 
     def kernel(keyset, *args, **kwargs):
         out = PASS_THROUGH
-        if batch_invariant_enabled() and _plain_floats(args, kwargs):
-            if keyset.has(_PYTHON_KEY) and python_mode_covers():
-                pass                                   # the dispatch mode below answers
-            else:
-                if torch.is_inference_mode_enabled():
-                    warn_inference_mode()
-                with torch._C._AutoDispatchBelowADInplaceOrView():
-                    out = answer(op, args, kwargs)
+        if batch_invariant_enabled() and _answerable(args, kwargs, keyset, python_mode_covers):
+            if torch.is_inference_mode_enabled():
+                warn_inference_mode()
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                out = answer(op, args, kwargs)
         if out is PASS_THROUGH:
             with torch._C._AutoDispatchBelowADInplaceOrView():
                 out = op.redispatch(keyset & _BELOW, *args, **kwargs)

@@ -106,6 +106,21 @@ def test_fake_tensors_pass_and_compiled_matmuls_are_answered():
     assert_bits_equal(out, ref.mm(a, w), name="compiled mm")
 
 
+class _Tagged(torch.Tensor):
+    """A subclass with its own __torch_function__ only (no Python dispatch): real data."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_subclasses_with_real_data_are_answered():
+    a, w = _operands()
+    with glm_kernels.batch_invariant():
+        tagged = a.as_subclass(_Tagged) @ w
+    assert_bits_equal(tagged.as_subclass(torch.Tensor), ref.mm(a, w), name="subclass")
+
+
 def test_a_failed_registration_leaves_nothing(monkeypatch):
     # The second op's schema cannot be read: registering it fails after mm's succeeded.
     broken = types.SimpleNamespace(namespace="aten", _overloadname="default",
