@@ -20,20 +20,24 @@ of what an out= or in-place op wrote, as the kernel it overrides did.
 Not reached this way: ops on tensors made under ``torch.inference_mode()`` (they carry no
 ``ADInplaceOrView`` key), so ``whole_model`` uses a ``TorchDispatchMode`` when entered inside
 ``inference_mode``. Passed to torch as they come: tensor subclasses that dispatch in Python
-(fake tensors while tracing, functional tensors; a wrapper subclass calls the op again on its
-plain tensors, answered then).
+(a wrapper subclass calls the op again on its plain tensors, answered then; fake and
+functional tensors mean a graph is being traced, logged once: what the compiler generates
+itself is not covered).
 """
 import threading
 import warnings
 from typing import Callable, Dict
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .._dispatch import batch_invariant_enabled, warn_once
 
 _BELOW = torch._C._after_ADInplaceOrView_keyset
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_TRACING = (FakeTensor, FunctionalTensor)
 # ``answer``'s result for a call the override leaves to torch's kernel.
 PASS_THROUGH = object()
 
@@ -74,7 +78,11 @@ def _answerable(args, kwargs, keyset, python_mode_covers) -> bool:
             subclass = subclass or type(a) not in _PLAIN
     if not has_float:
         return False
-    return not (keyset.has(_PYTHON_KEY) and (subclass or python_mode_covers()))
+    if keyset.has(_PYTHON_KEY) and subclass:
+        if any(isinstance(a, _TRACING) for a in flat):
+            warn_traced()
+        return False
+    return not (keyset.has(_PYTHON_KEY) and python_mode_covers())
 
 
 def _kernel(op, answer: Callable, python_mode_covers: Callable[[], bool]) -> Callable:
@@ -150,6 +158,14 @@ def registrable(op) -> bool:
                                                                    "CompositeImplicitAutograd")
     except RuntimeError:
         return False
+
+
+def warn_traced() -> None:
+    warn_once("batch_invariant:traced", "glm_kernels.batch_invariant(): a graph was traced "
+              "inside the block (torch.compile, torch.export): the compiled graph's matrix "
+              "products are answered (mm / addmm / bmm with out=), but the reductions and "
+              "fused kernels it generates itself are not, so its rows may depend on the batch "
+              "(run the model eagerly inside batch_invariant())")
 
 
 def warn_inference_mode() -> None:
