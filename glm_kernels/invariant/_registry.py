@@ -62,24 +62,31 @@ def _written(op) -> Callable:
     return written
 
 
+def tensors_in(args, kwargs):
+    """The tensors among ``args`` and ``kwargs``, inside lists and tuples too."""
+    flat = list(args) + list(kwargs.values())
+    for a in flat:
+        if isinstance(a, (list, tuple)):
+            flat.extend(a)
+        elif isinstance(a, torch.Tensor):
+            yield a
+
+
 def _answerable(args, kwargs, keyset, python_mode_covers) -> bool:
     """Some argument is a floating-point tensor with real data: none on the meta device, and,
     when the call went through the Python key, no tensor subclass that dispatches in Python
     (fake tensors while tracing, functional tensors: their own dispatch unwraps them and calls
     the op again on plain tensors, answered then) and no override mode below that answers."""
-    flat, has_float, subclass = list(args) + list(kwargs.values()), False, False
-    for a in flat:
-        if isinstance(a, (list, tuple)):
-            flat.extend(a)
-        elif isinstance(a, torch.Tensor):
-            if a.is_meta:
-                return False
-            has_float = has_float or a.is_floating_point()
-            subclass = subclass or type(a) not in _PLAIN
+    tensors, has_float, subclass = list(tensors_in(args, kwargs)), False, False
+    for a in tensors:
+        if a.is_meta:
+            return False
+        has_float = has_float or a.is_floating_point()
+        subclass = subclass or type(a) not in _PLAIN
     if not has_float:
         return False
     if keyset.has(_PYTHON_KEY) and subclass:
-        if any(isinstance(a, _TRACING) for a in flat):
+        if any(isinstance(a, _TRACING) for a in tensors):
             warn_traced()
         return False
     return not (keyset.has(_PYTHON_KEY) and python_mode_covers())
@@ -150,12 +157,24 @@ class Registration:
         self._libraries = {}
 
 
+_composite: Dict[object, bool] = {}
+
+
+def decomposes(op) -> bool:
+    """Whether ``op`` is decomposed above autograd (CompositeImplicitAutograd: matmul, linear);
+    raises RuntimeError for an overload the dispatcher does not know (TorchScript-only)."""
+    known = _composite.get(op)
+    if known is None:
+        known = _composite[op] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            qualified_name(op), "CompositeImplicitAutograd")
+    return known
+
+
 def registrable(op) -> bool:
     """Whether ``op`` is a dispatcher op a kernel on ADInplaceOrView would ever see (not a
     TorchScript-only overload, not one decomposed above autograd)."""
     try:
-        return not torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name(op),
-                                                                   "CompositeImplicitAutograd")
+        return not decomposes(op)
     except RuntimeError:
         return False
 

@@ -208,24 +208,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tenso
     if repeats > 1:                    # transformers' repeat_kv: pack the group (below)
         k, v = k[:, ::repeats], v[:, ::repeats]
     kv_heads = k.shape[1]
-    if heads > kv_heads:
-        # A group's query heads read the same keys: their rows share tiles ((head, query) in
-        # order), so a decode step's G rows fill one tile instead of G tiles of one row each.
-        # A row's bits do not depend on its place in the tile or on the other rows.
-        group = heads // kv_heads
-        out, lse = attention(q.reshape(batch, kv_heads, group * t, q.shape[-1]), k, v,
-                             lo.repeat(1, group), hi.repeat(1, group), scale)
-        return out.reshape(batch, heads, t, -1), lse.reshape(batch, heads, t)
+    if heads == kv_heads:
+        return _attention(q, k, v, lo, hi, scale)
+    # A group's query heads read the same keys: their rows share tiles ((head, query) in
+    # order), so a decode step's G rows fill one tile instead of G tiles of one row each. A
+    # row's bits do not depend on its place in the tile or on the other rows.
+    group = heads // kv_heads
+    out, lse = _attention(q.reshape(batch, kv_heads, group * t, q.shape[-1]), k, v,
+                          lo.repeat(1, group), hi.repeat(1, group), scale)
+    return out.reshape(batch, heads, t, -1), lse.reshape(batch, heads, t)
+
+
+def _attention(q, k, v, lo, hi, scale):
+    """``attention`` with as many query heads as key heads."""
+    batch, heads, t, _ = q.shape
     acc = _accumulation_dtype(q.dtype)
     lo, span = lo.long(), (hi - lo).long().clamp(min=0)
     seen = span > 0
     if not bool(seen.any()):
         return (q.new_zeros(batch, heads, t, v.shape[-1]),
                 torch.full((batch, heads, t), float("inf"), device=q.device))
-    row_lo = torch.where(seen, lo, lo.amax()).amin(1)   # a row that sees nothing: any lo
     if t <= QUERY_TILE and bool((seen & (lo == lo[:, :1]) & (span == span[:, :1])).all()):
         out, lse = _one_tile(q, k, v, lo[:, 0], span[:, 0], scale, acc)
         return out.to(q.dtype), lse
+    row_lo = torch.where(seen, lo, lo.amax()).amin(1)   # a row that sees nothing: any lo
     if bool(((lo == row_lo[:, None]) | ~seen).all()):
         q_tiles, tile_b, tile_lo, row_span = _row_tiles(q, row_lo, span, acc)
         out, lse = _core(q_tiles, tile_b, tile_lo, row_span, k, v, scale)

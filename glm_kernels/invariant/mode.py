@@ -50,7 +50,7 @@ from .._dispatch import batch_invariant_enabled, select_backend, warn_once
 from . import _fused_sdpa
 from . import _reference as ref
 from . import _torch as split_kv
-from ._registry import PASS_THROUGH, Registration, registrable
+from ._registry import PASS_THROUGH, Registration, decomposes, registrable, tensors_in
 
 aten = torch.ops.aten
 
@@ -213,13 +213,7 @@ UNCOVERED_REDUCTIONS = frozenset((
 
 
 def _has_float_tensor(args, kwargs) -> bool:
-    flat = list(args) + list(kwargs.values())
-    for a in flat:
-        if isinstance(a, (list, tuple)):
-            flat.extend(a)
-        elif isinstance(a, torch.Tensor) and a.is_floating_point():
-            return True
-    return False
+    return any(t.is_floating_point() for t in tensors_in(args, kwargs))
 
 
 _candidates: Dict[object, bool] = {}
@@ -294,24 +288,13 @@ class BatchInvariantMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if not batch_invariant_enabled() or not _has_float_tensor(args, kwargs):
             return func(*args, **kwargs)
-        if _decomposes(func):
+        if decomposes(func):
             # Under inference_mode a composite op (matmul, linear) reaches the mode whole:
             # its decomposition's ops come back here one by one.
             with self:
                 return func.decompose(*args, **kwargs)
         out = answer(func, args, kwargs)
         return func(*args, **kwargs) if out is PASS_THROUGH else out
-
-
-_composite: Dict[object, bool] = {}
-
-
-def _decomposes(func) -> bool:
-    known = _composite.get(func)
-    if known is None:
-        known = _composite[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "CompositeImplicitAutograd")
-    return known
 
 
 def _python_mode_covers() -> bool:
